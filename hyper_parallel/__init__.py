@@ -1,0 +1,1 @@
+"""hyper_parallel: parallel training components. This distribution ships the ``data`` package."""

@@ -1,0 +1,120 @@
+"""The Megatron ``.idx`` file format: dtype codes, header layout and the token-dtype rule.
+
+Owns the byte layout shared by the reader (``indexed_data_reader``) and the writer (``io``); it reads and
+writes no files itself. Layout, all little-endian, no padding::
+
+    offset 0   9 bytes   magic b"MMIDIDX\\x00\\x00"
+    offset 9   <Q        version, always 1
+    offset 17  <B        dtype code of the tokens in .bin (see DTYPE_BY_CODE)
+    offset 18  <Q        sequence_count S
+    offset 26  <Q        document_count = D + 1 (length of the document_indices array)
+    offset 34  int32[S]  sequence_lengths
+               int64[S]  sequence_pointers (byte offsets into .bin)
+               int64[D+1] document_indices (0, ..., S)
+               int8[S]   sequence_modes (multimodal files only; the header does not say so)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.data.errors import DataFileError
+
+__all__ = [
+    "DTYPE_BY_CODE",
+    "HEADER_SIZE",
+    "IDX_MAGIC",
+    "IDX_VERSION",
+    "IdxHeader",
+    "code_for_dtype",
+    "optimal_token_dtype",
+]
+
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")
+HEADER_SIZE = _HEADER.size  # 34
+
+DTYPE_BY_CODE: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_BY_DTYPE = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
+
+# Megatron stores tokens as uint16 below this vocabulary size; 65500 rather than 65536 is historical.
+_UINT16_VOCAB_LIMIT = 65500
+
+
+def code_for_dtype(dtype: np.dtype | type) -> int:
+    """Return the ``.idx`` dtype code for ``dtype``, or raise naming the supported dtypes."""
+    dtype = np.dtype(dtype)
+    try:
+        return _CODE_BY_DTYPE[dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in DTYPE_BY_CODE.values())
+        raise DataFileError(f"token dtype {dtype} cannot be stored in an .idx file; use one of: {supported}") from None
+
+
+def optimal_token_dtype(vocab_size: int | None) -> np.dtype:
+    """Megatron's choice of token dtype: uint16 when ``vocab_size < 65500``, else int32 (also for None)."""
+    if vocab_size is not None and vocab_size < _UINT16_VOCAB_LIMIT:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+@dataclass(frozen=True)
+class IdxHeader:
+    """The fixed 34-byte header at the start of every ``.idx`` file."""
+
+    dtype: np.dtype
+    sequence_count: int
+    document_count: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(IDX_MAGIC, IDX_VERSION, code_for_dtype(self.dtype), self.sequence_count, self.document_count)
+
+    def arrays_nbytes(self, multimodal: bool) -> int:
+        """Bytes that the arrays after the header occupy."""
+        per_sequence = 4 + 8 + (1 if multimodal else 0)
+        return self.sequence_count * per_sequence + self.document_count * 8
+
+    @classmethod
+    def parse(cls, raw: bytes, path: Path | str) -> IdxHeader:
+        """Parse the header bytes of ``path``; every failure names the file and the fix."""
+        if len(raw) < HEADER_SIZE:
+            raise DataFileError(
+                f"{path}: the .idx file is {len(raw)} bytes, shorter than its {HEADER_SIZE}-byte header; "
+                "the file is truncated or not an index file. Rebuild it with offline_preparation."
+            )
+        magic, version, code, sequence_count, document_count = _HEADER.unpack_from(raw)
+        if magic != IDX_MAGIC:
+            raise DataFileError(
+                f"{path}: bad magic {magic!r}, expected {IDX_MAGIC!r}; this is not a Megatron MMIDIDX index "
+                "(older 'TNTIDX' lazy/cached formats are not supported). Rebuild it with offline_preparation."
+            )
+        if version != IDX_VERSION:
+            raise DataFileError(
+                f"{path}: index version {version} is not supported, only version {IDX_VERSION}; "
+                "rebuild the dataset with a Megatron-compatible writer."
+            )
+        if code not in DTYPE_BY_CODE:
+            raise DataFileError(
+                f"{path}: unknown dtype code {code} at byte 17; valid codes are "
+                f"{sorted(DTYPE_BY_CODE)}. The file is corrupt; rebuild it with offline_preparation."
+            )
+        if document_count < 1:
+            raise DataFileError(
+                f"{path}: document_count is 0, but the document index always holds at least its leading 0; "
+                "the file is corrupt. Rebuild it with offline_preparation."
+            )
+        return cls(DTYPE_BY_CODE[code], sequence_count, document_count)

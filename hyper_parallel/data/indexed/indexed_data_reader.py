@@ -1,0 +1,251 @@
+"""Low-level reader of Megatron ``.idx``/``.bin`` pairs.
+
+Owns: parsing and checking the index, and reading token ranges of one prefix without copying the ``.bin``
+into memory. Not responsible for: documents-to-samples assembly, splits or blends (mid-level datasets), or
+writing files (``io.IndexedDatasetBuilder``). The byte layout is documented in ``idx_format``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
+
+__all__ = ["IndexedDataReader", "data_file_paths"]
+
+
+def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """Return the ``(.idx, .bin)`` paths of a dataset prefix."""
+    prefix = os.fspath(path_prefix)
+    return Path(prefix + ".idx"), Path(prefix + ".bin")
+
+
+class IndexedDataReader:
+    """Random access to the sequences of one ``<prefix>.idx``/``<prefix>.bin`` pair.
+
+    The index arrays are zero-copy views of a memory map of the ``.idx``. With ``mmap=True`` the ``.bin``
+    is memory-mapped too and reads return read-only views; with ``mmap=False`` each read is one ``pread``.
+
+    Args:
+        path_prefix: the path without ``.idx``/``.bin``.
+        mmap: memory-map the ``.bin`` (required for slicing).
+        multimodal: the index carries one int8 mode per sequence after the document indices. The header does
+            not record this, so the caller must say so.
+    """
+
+    def __init__(self, path_prefix: str | os.PathLike, mmap: bool = True, multimodal: bool = False) -> None:
+        self.path_prefix = os.fspath(path_prefix)
+        self.mmap = mmap
+        self.multimodal = multimodal
+        self._open()
+
+    # -- opening and checking -------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        idx_path, bin_path = data_file_paths(self.path_prefix)
+        missing = [str(p) for p in (idx_path, bin_path) if not p.is_file()]
+        if missing:
+            raise DataFileError(
+                f"indexed dataset '{self.path_prefix}': missing {' and '.join(missing)}. Pass the path prefix "
+                "without the .idx/.bin extension, or create the pair with "
+                "`python -m hyper_parallel.data.tools.offline_preparation`."
+            )
+        idx_size = idx_path.stat().st_size
+        with idx_path.open("rb") as f:
+            header = IdxHeader.parse(f.read(HEADER_SIZE), idx_path)
+        needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
+        if idx_size < needed:
+            raise DataFileError(
+                f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences and "
+                f"{header.document_count - 1} documents ({needed} bytes{' with modes' if self.multimodal else ''}), "
+                f"but the file has {idx_size} bytes. Rebuild it; an interrupted writer leaves such files."
+            )
+        self._header = header
+        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        count = header.sequence_count
+        offset = HEADER_SIZE
+        self._lengths = np.frombuffer(self._idx_map, dtype=np.int32, count=count, offset=offset)
+        offset += self._lengths.nbytes
+        self._pointers = np.frombuffer(self._idx_map, dtype=np.int64, count=count, offset=offset)
+        offset += self._pointers.nbytes
+        self._document_indices = np.frombuffer(
+            self._idx_map, dtype=np.int64, count=header.document_count, offset=offset
+        )
+        offset += self._document_indices.nbytes
+        self._modes = (
+            np.frombuffer(self._idx_map, dtype=np.int8, count=count, offset=offset) if self.multimodal else None
+        )
+
+        bin_size = bin_path.stat().st_size
+        if count:
+            end = int(self._pointers[-1]) + int(self._lengths[-1]) * self.dtype.itemsize
+            if end > bin_size:
+                raise DataFileError(
+                    f"{bin_path}: the data file is {bin_size} bytes but the index points to byte {end} "
+                    f"(last of {count} sequences). The .bin is truncated or belongs to another .idx; rebuild the pair."
+                )
+        self._bin_size = bin_size
+        self._fd: int | None = None
+        self._bin: np.ndarray | None = None
+        if self.mmap:
+            # numpy cannot map an empty file; an empty dataset has nothing to read anyway.
+            self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
+        else:
+            self._fd = os.open(bin_path, os.O_RDONLY)
+
+    def verify(self) -> None:
+        """Check that lengths, pointers, document indices and the ``.bin`` size agree; raise listing every problem.
+
+        Opening already checks what is cheap; this walks the whole index (a few vectorised passes).
+        """
+        idx_path, bin_path = data_file_paths(self.path_prefix)
+        problems = []
+        lengths = self._lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            problems.append(f"sequence {int(np.argmin(lengths))} has a negative length {int(lengths.min())}")
+        expected_pointers = np.zeros_like(lengths)
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=expected_pointers[1:])
+        bad = np.flatnonzero(expected_pointers != self._pointers)
+        if bad.size:
+            i = int(bad[0])
+            problems.append(
+                f"{bad.size} sequence pointers disagree with the cumulative lengths; first: sequence {i} points to "
+                f"byte {int(self._pointers[i])}, expected {int(expected_pointers[i])}"
+            )
+        docs = self._document_indices
+        if docs[0] != 0:
+            problems.append(f"document_indices must start with 0, found {int(docs[0])}")
+        if docs[-1] != len(self):
+            problems.append(f"document_indices must end with the sequence count {len(self)}, found {int(docs[-1])}")
+        steps = np.flatnonzero(np.diff(docs) < 0)
+        if steps.size:
+            problems.append(f"document_indices decrease at position {int(steps[0]) + 1}")
+        total = int(lengths.sum()) * self.dtype.itemsize
+        if total != self._bin_size:
+            problems.append(f"the sequences hold {total} bytes but {bin_path} has {self._bin_size} bytes")
+        if problems:
+            raise DataFileError(f"{idx_path}: the index is inconsistent:\n  - " + "\n  - ".join(problems))
+
+    # -- metadata ---------------------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The token dtype recorded in the header."""
+        return self._header.dtype
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 token count of every sequence (a view of the index)."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of every sequence in the ``.bin`` (a view of the index)."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 array of length documents + 1; document d covers sequences ``[d_i[d], d_i[d + 1])``."""
+        return self._document_indices
+
+    @property
+    def sequence_modes(self) -> np.ndarray | None:
+        """int8 mode of every sequence for multimodal files, else None."""
+        return self._modes
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._lengths.sum(dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self._header.sequence_count
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataReader({self.path_prefix!r}, sequences={len(self)}, documents={self.num_documents}, "
+            f"dtype={self.dtype}, mmap={self.mmap}, multimodal={self.multimodal})"
+        )
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        if self._bin is not None:
+            return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
+        raw = os.pread(self._fd, count * self.dtype.itemsize, byte_offset)
+        return np.frombuffer(raw, dtype=self.dtype)
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} is out of range for '{self.path_prefix}' with {n} sequences")
+        return i + n if i < 0 else i
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Return ``length`` tokens of sequence ``i`` starting ``offset`` tokens in (default: to its end)."""
+        i = self._check_index(int(i))
+        sequence_length = int(self._lengths[i])
+        if length is None:
+            length = sequence_length - offset
+        if offset < 0 or length < 0 or offset + length > sequence_length:
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) are outside sequence {i} of '{self.path_prefix}', "
+                f"which has {sequence_length} tokens"
+            )
+        array = self._read(int(self._pointers[i]) + offset * self.dtype.itemsize, length)
+        return (array, int(self._modes[i])) if self._modes is not None else array
+
+    def __getitem__(self, key: int | slice):
+        """``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only).
+
+        Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
+        """
+        if isinstance(key, slice):
+            return self._get_slice(key)
+        if isinstance(key, (int, np.integer)):
+            return self.get(key)
+        raise TypeError(f"indices must be integers or slices, not {type(key).__name__}")
+
+    def _get_slice(self, key: slice):
+        if not self.mmap:
+            raise ValueError(
+                f"slicing '{self.path_prefix}' needs a memory-mapped .bin; open it with mmap=True or read "
+                "sequences one at a time with reader[i]"
+            )
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError(f"only contiguous slices are supported (step 1), got step {step}")
+        stop = max(start, stop)
+        lengths = self._lengths[start:stop]
+        if start == stop:
+            tokens = []
+        else:
+            flat = self._read(int(self._pointers[start]), int(lengths.sum(dtype=np.int64)))
+            tokens = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64))
+        return (tokens, self._modes[start:stop]) if self._modes is not None else tokens
+
+    # -- lifetime ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            self.close()
+
+    def __getstate__(self) -> dict:
+        # Workers re-open the files rather than receiving pickled maps.
+        return {"path_prefix": self.path_prefix, "mmap": self.mmap, "multimodal": self.multimodal}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()

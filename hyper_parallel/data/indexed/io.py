@@ -1,0 +1,210 @@
+"""Writer of Megatron-compatible ``.idx``/``.bin`` pairs.
+
+Owns: appending token sequences and documents, merging existing pairs, and writing the index. Files are
+byte-identical to megatron-core's ``IndexedDatasetBuilder`` for the same calls. Unlike it, the metadata lives
+in growable numpy arrays (not Python lists), token ids that do not fit the dtype are refused, and outputs are
+written under temporary names and renamed only by ``finalize``, so an interrupted run leaves no file that
+looks finished. Not responsible for: tokenization or record parsing (``tools.offline_preparation``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed.idx_format import IdxHeader, code_for_dtype
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
+
+__all__ = ["IndexedDatasetBuilder", "temporary_path"]
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """The name a file is written under until it is complete."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+
+class _GrowableArray:
+    """An append-only numpy array with amortised O(1) appends."""
+
+    def __init__(self, dtype, initial: tuple[int, ...] = ()) -> None:
+        self._data = np.empty(max(1024, len(initial)), dtype=dtype)
+        self._size = 0
+        self.extend(np.asarray(initial, dtype=dtype))
+
+    def _reserve(self, extra: int) -> None:
+        needed = self._size + extra
+        if needed > len(self._data):
+            grown = np.empty(max(needed, 2 * len(self._data)), dtype=self._data.dtype)
+            grown[: self._size] = self._data[: self._size]
+            self._data = grown
+
+    def append(self, value: int) -> None:
+        self._reserve(1)
+        self._data[self._size] = value
+        self._size += 1
+
+    def extend(self, values: np.ndarray) -> None:
+        self._reserve(len(values))
+        self._data[self._size : self._size + len(values)] = values
+        self._size += len(values)
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._size]
+
+    def __len__(self) -> int:
+        return self._size
+
+
+def _as_numpy(tokens) -> np.ndarray:
+    if hasattr(tokens, "detach"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    return np.asarray(tokens).reshape(-1)
+
+
+class IndexedDatasetBuilder:
+    """Build one ``.bin``/``.idx`` pair.
+
+    Args:
+        bin_path: where the ``.bin`` goes once ``finalize`` is called.
+        dtype: token dtype; ``idx_format.optimal_token_dtype(vocab_size)`` gives Megatron's choice.
+        multimodal: also record one int8 mode per sequence.
+
+    Example::
+
+        builder = IndexedDatasetBuilder("corpus_text_document.bin", dtype=numpy.uint16)
+        builder.add_document(numpy.array([5, 6, 7, 0]), lengths=[4])
+        builder.finalize("corpus_text_document.idx")
+    """
+
+    def __init__(self, bin_path: str | os.PathLike, dtype=np.int32, multimodal: bool = False) -> None:
+        self.bin_path = Path(bin_path)
+        self.dtype = np.dtype(dtype)
+        code_for_dtype(self.dtype)  # fail now, not at finalize
+        self.multimodal = multimodal
+        self._bin_tmp = temporary_path(self.bin_path)
+        self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed by finalize or abort
+        self._lengths = _GrowableArray(np.int32)
+        self._document_indices = _GrowableArray(np.int64, (0,))
+        self._modes = _GrowableArray(np.int8) if multimodal else None
+
+    # -- adding data ------------------------------------------------------------------------------------------
+
+    def _cast(self, tokens) -> np.ndarray:
+        array = _as_numpy(tokens)
+        if array.dtype == self.dtype:
+            return array
+        if array.size and np.issubdtype(self.dtype, np.integer):
+            if not np.issubdtype(array.dtype, np.integer):
+                raise DataFileError(f"token ids must be integers to be stored as {self.dtype}, got {array.dtype}")
+            limits = np.iinfo(self.dtype)
+            low, high = int(array.min()), int(array.max())
+            if low < limits.min or high > limits.max:
+                raise DataFileError(
+                    f"token id {high if high > limits.max else low} does not fit the dataset dtype {self.dtype} "
+                    f"(range {limits.min}..{limits.max}) of {self.bin_path}; build with a wider dtype "
+                    "(int32 for vocabularies of 65500 tokens or more)"
+                )
+        return array.astype(self.dtype)
+
+    def _write(self, array: np.ndarray) -> None:
+        self._bin_file.write(np.ascontiguousarray(array).tobytes(order="C"))
+
+    def add_item(self, tokens, mode: int = 0) -> None:
+        """Append one sequence without closing the current document."""
+        array = self._cast(tokens)
+        self._write(array)
+        self._lengths.append(array.size)
+        if self._modes is not None:
+            self._modes.append(mode)
+
+    def end_document(self) -> None:
+        """Close the current document at the current sequence count."""
+        self._document_indices.append(len(self._lengths))
+
+    def add_document(self, tokens, lengths, modes=None) -> None:
+        """Append one document made of ``len(lengths)`` sequences whose tokens are concatenated in ``tokens``."""
+        array = self._cast(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if int(lengths.sum()) != array.size:
+            raise ValueError(f"the sequence lengths sum to {int(lengths.sum())} but the document has {array.size} tokens")
+        self._write(array)
+        self._lengths.extend(lengths)
+        if self._modes is not None:
+            self._modes.extend(np.zeros(len(lengths), np.int8) if modes is None else np.asarray(modes, np.int8))
+        self._document_indices.append(len(self._lengths))
+
+    def add_documents(self, tokens, document_lengths) -> None:
+        """Append many single-sequence documents at once: ``tokens`` is their concatenation."""
+        array = self._cast(tokens)
+        document_lengths = np.asarray(document_lengths, dtype=np.int64).reshape(-1)
+        if int(document_lengths.sum()) != array.size:
+            raise ValueError(
+                f"the document lengths sum to {int(document_lengths.sum())} but {array.size} tokens were given"
+            )
+        self._write(array)
+        first = len(self._lengths)
+        self._lengths.extend(document_lengths)
+        if self._modes is not None:
+            self._modes.extend(np.zeros(len(document_lengths), np.int8))
+        self._document_indices.extend(np.arange(first + 1, len(self._lengths) + 1, dtype=np.int64))
+
+    def add_index(self, path_prefix: str | os.PathLike) -> None:
+        """Append every sequence and document of another pair (same dtype), copying its ``.bin``."""
+        other = IndexedDataReader(path_prefix, multimodal=self.multimodal)
+        if other.dtype != self.dtype:
+            raise DataFileError(
+                f"cannot merge '{path_prefix}' (dtype {other.dtype}) into {self.bin_path} (dtype {self.dtype}); "
+                "all merged datasets must share one token dtype"
+            )
+        offset = len(self._lengths)
+        self._lengths.extend(other.sequence_lengths)
+        self._document_indices.extend(other.document_indices[1:] + offset)
+        if self._modes is not None:
+            self._modes.extend(other.sequence_modes)
+        with open(data_file_paths(path_prefix)[1], "rb") as source:
+            shutil.copyfileobj(source, self._bin_file, length=16 << 20)
+
+    # -- finishing --------------------------------------------------------------------------------------------
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._lengths)
+
+    def finalize(self, idx_path: str | os.PathLike) -> None:
+        """Write the index and move both files to their final names."""
+        idx_path = Path(idx_path)
+        self._bin_file.close()
+        lengths = self._lengths.view()
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        document_indices = self._document_indices.view()
+        header = IdxHeader(self.dtype, len(lengths), len(document_indices))
+        idx_tmp = temporary_path(idx_path)
+        with open(idx_tmp, "wb") as f:
+            f.write(header.pack())
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(document_indices.tobytes())
+            if self._modes is not None:
+                f.write(self._modes.view().tobytes())
+        # Remove a stale index first: at no moment can a new .bin pair with an old .idx.
+        idx_path.unlink(missing_ok=True)
+        os.replace(self._bin_tmp, self.bin_path)
+        os.replace(idx_tmp, idx_path)
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        self._bin_file.close()
+        self._bin_tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetBuilder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._bin_file.closed:  # an exception, or a block that never called finalize
+            self.abort()
