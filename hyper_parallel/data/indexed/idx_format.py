@@ -81,7 +81,9 @@ class IdxHeader:
     document_count: int
 
     def pack(self) -> bytes:
-        return _HEADER.pack(IDX_MAGIC, IDX_VERSION, code_for_dtype(self.dtype), self.sequence_count, self.document_count)
+        return _HEADER.pack(
+            IDX_MAGIC, IDX_VERSION, code_for_dtype(self.dtype), self.sequence_count, self.document_count
+        )
 
     def arrays_nbytes(self, multimodal: bool) -> int:
         """Bytes that the arrays after the header occupy."""

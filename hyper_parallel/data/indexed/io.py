@@ -131,27 +131,43 @@ class IndexedDatasetBuilder:
         array = self._cast(tokens)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if int(lengths.sum()) != array.size:
-            raise ValueError(f"the sequence lengths sum to {int(lengths.sum())} but the document has {array.size} tokens")
+            raise ValueError(
+                f"the sequence lengths sum to {int(lengths.sum())} but the document has {array.size} tokens"
+            )
         self._write(array)
         self._lengths.extend(lengths)
         if self._modes is not None:
             self._modes.extend(np.zeros(len(lengths), np.int8) if modes is None else np.asarray(modes, np.int8))
         self._document_indices.append(len(self._lengths))
 
-    def add_documents(self, tokens, document_lengths) -> None:
-        """Append many single-sequence documents at once: ``tokens`` is their concatenation."""
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document=None) -> None:
+        """Append many documents at once; ``tokens`` is the concatenation of all their sequences.
+
+        Args:
+            tokens: every token of every sequence, in order.
+            sequence_lengths: tokens per sequence.
+            sequences_per_document: sequences per document; default one sequence per document.
+        """
         array = self._cast(tokens)
-        document_lengths = np.asarray(document_lengths, dtype=np.int64).reshape(-1)
-        if int(document_lengths.sum()) != array.size:
+        sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)
+        if int(sequence_lengths.sum()) != array.size:
             raise ValueError(
-                f"the document lengths sum to {int(document_lengths.sum())} but {array.size} tokens were given"
+                f"the sequence lengths sum to {int(sequence_lengths.sum())} but {array.size} tokens were given"
+            )
+        if sequences_per_document is None:
+            sequences_per_document = np.ones(len(sequence_lengths), np.int64)
+        sequences_per_document = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
+        if int(sequences_per_document.sum()) != len(sequence_lengths):
+            raise ValueError(
+                f"sequences_per_document sums to {int(sequences_per_document.sum())} but "
+                f"{len(sequence_lengths)} sequence lengths were given"
             )
         self._write(array)
         first = len(self._lengths)
-        self._lengths.extend(document_lengths)
+        self._lengths.extend(sequence_lengths)
         if self._modes is not None:
-            self._modes.extend(np.zeros(len(document_lengths), np.int8))
-        self._document_indices.extend(np.arange(first + 1, len(self._lengths) + 1, dtype=np.int64))
+            self._modes.extend(np.zeros(len(sequence_lengths), np.int8))
+        self._document_indices.extend(first + np.cumsum(sequences_per_document))
 
     def add_index(self, path_prefix: str | os.PathLike) -> None:
         """Append every sequence and document of another pair (same dtype), copying its ``.bin``."""

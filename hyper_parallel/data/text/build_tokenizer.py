@@ -1,12 +1,15 @@
 """Tokenizer adapter: load a local Hugging Face tokenizer and expose what the data pipeline needs.
 
-Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids, its vocabulary size and an
-identity string for cache keys. Not responsible for: chat templates (``chat_template``) or record transforms.
+Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids, its vocabulary size and a
+content fingerprint for cache keys. A local tokenizer is read with ``tokenizers`` alone (fast start-up);
+``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for chat templates).
+Not responsible for: chat templates (``chat_template``) or record transforms.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,43 +21,46 @@ __all__ = ["BUNDLED_TOKENIZER_PATH", "TextTokenizer", "build_tokenizer"]
 
 BUNDLED_TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
-# Names tried, in order, for the end-of-document token of a bare tokenizer.json without a config.
+# Tried in order for the end-of-document token of a bare tokenizer.json that has no config beside it.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+_SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
 class TextTokenizer:
-    """A loaded tokenizer. ``hf`` is the ``transformers`` fast tokenizer; ``name_or_path`` where it came from."""
+    """A loaded tokenizer.
 
-    hf: object
+    Attributes:
+        backend: the ``tokenizers.Tokenizer`` (Rust) used for encoding on hot paths.
+        name_or_path: where it came from.
+        eos_token_id, pad_token_id, bos_token_id: special-token ids, None when the tokenizer has none.
+    """
+
+    backend: object
     name_or_path: str
-
-    @property
-    def backend(self):
-        """The underlying ``tokenizers.Tokenizer`` (Rust), used for batch encoding on hot paths."""
-        return self.hf.backend_tokenizer
+    eos_token_id: int | None
+    pad_token_id: int | None
+    bos_token_id: int | None
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added special tokens included (what the token dtype must hold)."""
-        return len(self.hf)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self.hf.pad_token_id
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.hf.bos_token_id
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def eod(self) -> int | None:
         """Megatron's name for the end-of-document token: the EOS token."""
         return self.eos_token_id
+
+    @cached_property
+    def hf(self):
+        """The ``transformers`` tokenizer (imported on first use), for chat templates and HF-only features."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        path = Path(self.name_or_path)
+        if path.is_file():
+            return PreTrainedTokenizerFast(tokenizer_file=str(path))
+        return AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=path.is_dir())
 
     @cached_property
     def fingerprint(self) -> str:
@@ -65,7 +71,39 @@ class TextTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def _token_content(value) -> str | None:
+    """A special token as written in a config: a string or an AddedToken dict with ``content``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]:
+    names: dict[str, str | None] = {"eos": None, "pad": None, "bos": None}
+    for file_name in _SPECIAL_TOKEN_FILES if directory else ():
+        path = directory / file_name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise DataConfigError(
+                f"{path}: invalid JSON ({error}); fix or regenerate it with save_pretrained"
+            ) from None
+        for role in names:
+            names[role] = names[role] or _token_content(config.get(f"{role}_token"))
+    if names["eos"] is None and directory is None:
+        vocab = backend.get_vocab(with_added_tokens=True)
+        names["eos"] = next((t for t in _EOS_CANDIDATES if t in vocab), None)
+    ids = {}
+    for role, token in names.items():
+        ids[role] = None if token is None else backend.token_to_id(token)
+        if token is not None and ids[role] is None:
+            raise DataConfigError(f"the {role} token {token!r} named in {directory} is not in the vocabulary")
+    return ids
 
 
 def _hub_error(name: str) -> DataConfigError:
@@ -76,42 +114,47 @@ def _hub_error(name: str) -> DataConfigError:
     )
 
 
-def build_tokenizer(name_or_path: str | os.PathLike) -> TextTokenizer:
-    """Load a tokenizer from a Hugging Face tokenizer directory or a ``tokenizer.json`` file.
-
-    A Hub name is tried only when ``HF_HUB_OFFLINE`` is not set; otherwise it is a clear error at once.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    name = os.fspath(name_or_path)
-    path = Path(name).expanduser()
-    if path.is_file():
-        if path.suffix != ".json":
-            raise DataConfigError(
-                f"tokenizer file {path} is not a tokenizer.json; pass a Hugging Face tokenizer directory or its "
-                "tokenizer.json"
-            )
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        vocab = hf.get_vocab()
-        eos = next((t for t in _EOS_CANDIDATES if t in vocab), None)
-        if eos is not None:
-            hf.eos_token = eos
-        return TextTokenizer(hf, str(path))
-    if path.is_dir():
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as error:
-            raise DataConfigError(
-                f"could not load a tokenizer from directory {path}: {error}. The directory needs tokenizer.json "
-                "(and usually tokenizer_config.json), as written by `save_pretrained`."
-            ) from error
-        if not getattr(hf, "is_fast", False):
-            raise DataConfigError(f"tokenizer in {path} has no fast (Rust) implementation; save it with tokenizer.json")
-        return TextTokenizer(hf, str(path))
+def _from_transformers(name: str) -> TextTokenizer:
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}:
         raise _hub_error(name)
+    from transformers import AutoTokenizer
+
     try:
         hf = AutoTokenizer.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 - any Hub failure gets the same actionable message
         raise _hub_error(name) from error
-    return TextTokenizer(hf, name)
+    if not getattr(hf, "is_fast", False):
+        raise DataConfigError(f"tokenizer '{name}' has no fast (Rust) implementation; save it with tokenizer.json")
+    return TextTokenizer(hf.backend_tokenizer, name, hf.eos_token_id, hf.pad_token_id, hf.bos_token_id)
+
+
+def build_tokenizer(name_or_path: str | os.PathLike) -> TextTokenizer:
+    """Load a tokenizer from a Hugging Face tokenizer directory or a ``tokenizer.json`` file.
+
+    Special tokens come from ``tokenizer_config.json``/``special_tokens_map.json`` beside ``tokenizer.json``;
+    a bare ``tokenizer.json`` gets its EOS from common names such as ``<|endoftext|>`` or ``</s>``.
+    A Hub name is tried only when ``HF_HUB_OFFLINE`` is not set; otherwise it is a clear error at once.
+    """
+    from tokenizers import Tokenizer
+
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        tokenizer_file, directory = path / "tokenizer.json", path
+        if not tokenizer_file.is_file():
+            raise DataConfigError(
+                f"tokenizer directory {path} has no tokenizer.json; save the tokenizer with a fast (Rust) "
+                "implementation, e.g. `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`"
+            )
+    elif path.is_file():
+        if path.suffix != ".json":
+            raise DataConfigError(f"tokenizer file {path} is not a tokenizer.json; pass it or its directory")
+        tokenizer_file, directory = path, None
+    else:
+        return _from_transformers(name)
+    try:
+        backend = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as error:  # noqa: BLE001 - the Rust loader raises a bare Exception
+        raise DataConfigError(f"{tokenizer_file}: not a valid tokenizer.json ({error})") from None
+    ids = _special_token_ids(backend, directory)
+    return TextTokenizer(backend, str(path), ids["eos"], ids["pad"], ids["bos"])

@@ -1,0 +1,56 @@
+"""Logging for ``hyper_parallel.data``: one logger tree, rank-aware switches, never sample text.
+
+Owns: the ``hyper_parallel.data`` logger and ``enable_dataset_logging``. Library code logs through
+``get_logger(__name__)``; it never configures the root logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["enable_dataset_logging", "get_logger"]
+
+_ROOT = "hyper_parallel.data"
+
+
+def get_logger(name: str = _ROOT) -> logging.Logger:
+    """The logger for a module of this package."""
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def _current_rank() -> int:
+    for variable in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if variable in os.environ:
+            return int(os.environ[variable])
+    return 0
+
+
+def enable_dataset_logging(
+    level: str | int = "info", ranks: tuple[int, ...] | None = (0,), rank: int | None = None
+) -> None:
+    """Send this package's logs at ``level`` to stderr on the given ranks (``None``: every rank).
+
+    Args:
+        level: ``debug``, ``info``, ``warn``/``warning`` or a logging level number.
+        ranks: ranks that log; others are silenced.
+        rank: this process's rank; read from ``RANK`` (or SLURM/OpenMPI variables) when not given.
+    """
+    if isinstance(level, str):
+        name = {"warn": "WARNING"}.get(level.lower(), level.upper())
+        if not isinstance(logging.getLevelName(name), int):
+            raise ValueError(f"unknown log level {level!r}; use debug, info, warn or error")
+        level = logging.getLevelName(name)
+    logger = logging.getLogger(_ROOT)
+    this_rank = _current_rank() if rank is None else rank
+    if ranks is not None and this_rank not in ranks:
+        logger.setLevel(logging.CRITICAL + 1)
+        return
+    logger.setLevel(level)
+    if not any(getattr(h, "_hyper_parallel_data", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[rank {this_rank}] %(levelname)s %(name)s: %(message)s"))
+        handler._hyper_parallel_data = True
+        logger.addHandler(handler)
+    logger.propagate = False

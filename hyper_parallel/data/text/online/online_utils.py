@@ -1,0 +1,321 @@
+"""Finding data files and reading their raw records, shared by the offline tools and the online sources.
+
+Owns: resolving a file, glob or directory into an ordered list of files of one format, and streaming raw
+records out of them in chunks with their line or row numbers, so that errors can name where a record came
+from. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
+consumed (often a worker process). Not responsible for: tokenization, transforms or sampling.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from hyper_parallel.data.errors import DataFileError
+
+__all__ = [
+    "FILE_FORMATS",
+    "RecordChunk",
+    "count_records",
+    "file_format",
+    "iter_record_chunks",
+    "resolve_data_files",
+]
+
+# Extension (after removing ".gz") -> format name. Parquet and Arrow carry their own compression.
+FILE_FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+_GZIP_FORMATS = {"json", "csv", "text"}
+_GLOB_CHARS = set("*?[")
+
+RecordKind = Literal["json_lines", "text_lines", "records"]
+
+
+@dataclass
+class RecordChunk:
+    """Consecutive raw records of one file.
+
+    Attributes:
+        source: the file the records come from.
+        kind: ``json_lines`` (``items`` are undecoded JSON lines), ``text_lines`` (undecoded text lines, one
+            document each) or ``records`` (already-parsed dicts, from columnar formats and JSON arrays).
+        items: the raw records.
+        locations: where each record starts, as a 1-based line number (``location_unit == "line"``) or a
+            0-based row number (``"row"``).
+        location_unit: ``"line"`` or ``"row"``.
+        bytes_read: bytes of ``source`` consumed up to the end of this chunk (compressed bytes for ``.gz``).
+    """
+
+    source: str
+    kind: RecordKind
+    items: list
+    locations: list[int]
+    location_unit: str
+    bytes_read: int
+
+    def where(self, position: int) -> str:
+        """``file:line N`` or ``file:row N`` of the record at ``position`` in this chunk."""
+        return f"{self.source}:{self.location_unit} {self.locations[position]}"
+
+
+def file_format(path: str | os.PathLike) -> str | None:
+    """The format name of ``path`` from its extension, or None when unsupported."""
+    name = os.fspath(path).lower()
+    compressed = name.endswith(".gz")
+    if compressed:
+        name = name[:-3]
+    fmt = FILE_FORMATS.get(os.path.splitext(name)[1])
+    if compressed and fmt not in _GZIP_FORMATS:
+        return None
+    return fmt
+
+
+def _supported() -> str:
+    return ", ".join(sorted(FILE_FORMATS)) + " (json, jsonl, csv and txt also as .gz)"
+
+
+def resolve_data_files(path_or_pattern: str | os.PathLike) -> tuple[list[Path], str]:
+    """Resolve a file, a glob or a directory (not recursive) into sorted files of one format.
+
+    Returns:
+        The files, sorted by path for a deterministic order, and their format name.
+    """
+    spec = os.fspath(path_or_pattern)
+    path = Path(spec).expanduser()
+    if _GLOB_CHARS & set(spec):
+        candidates = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+        if not candidates:
+            raise DataFileError(f"the pattern '{spec}' matches no files; check the path and the quoting of the glob")
+    elif path.is_dir():
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            raise DataFileError(
+                f"{path} is a Hugging Face dataset saved with save_to_disk; convert it with "
+                "`python -m hyper_parallel.data.tools.huggingface_offline` instead"
+            )
+        candidates = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and file_format(p)]
+        if not candidates:
+            raise DataFileError(f"the directory {path} holds no data files; supported: {_supported()}")
+    elif path.is_file():
+        candidates = [path]
+    else:
+        raise DataFileError(f"no such file or directory: {spec}; pass a file, a directory or a glob of data files")
+    files = sorted(candidates)
+    formats = {p: file_format(p) for p in files}
+    unsupported = [str(p) for p, fmt in formats.items() if fmt is None]
+    if unsupported:
+        raise DataFileError(f"unsupported file type: {unsupported[0]}; supported: {_supported()}")
+    kinds = sorted(set(formats.values()))
+    if len(kinds) > 1:
+        raise DataFileError(
+            f"'{spec}' mixes formats {kinds}; process one format per run (e.g. narrow the glob to *.jsonl)"
+        )
+    return files, kinds[0]
+
+
+class _CountingReader(io.RawIOBase):
+    """Counts the bytes read from a file, so a gzip stream can report compressed progress."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self._raw.readinto(buffer)
+        self.count += n or 0
+        return n
+
+
+def _open_lines(path: Path) -> tuple[BinaryIO, _CountingReader]:
+    counter = _CountingReader(open(path, "rb"))  # noqa: SIM115 - closed with the returned stream
+    raw = io.BufferedReader(counter, buffer_size=1 << 20)
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
+    return stream, counter
+
+
+def _line_chunks(path: Path, kind: RecordKind, chunk_size: int, chunk_bytes: int) -> Iterator[RecordChunk]:
+    """Chunks of non-blank lines, numbered from 1, closed at ``chunk_size`` lines or ``chunk_bytes`` bytes."""
+    stream, counter = _open_lines(path)
+    with stream, counter._raw:
+        items: list[bytes] = []
+        locations: list[int] = []
+        size = 0
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            items.append(line)
+            locations.append(number)
+            size += len(line)
+            if len(items) == chunk_size or size >= chunk_bytes:
+                yield RecordChunk(str(path), kind, items, locations, "line", counter.count)
+                items, locations, size = [], [], 0
+        if items:
+            yield RecordChunk(str(path), kind, items, locations, "line", counter.count)
+
+
+def _starts_with_array(path: Path) -> bool:
+    stream, counter = _open_lines(path)
+    with stream, counter._raw:
+        head = stream.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _json_array_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
+    """A ``.json`` file holding one JSON array of records (read whole: such files are small by nature)."""
+    stream, counter = _open_lines(path)
+    with stream, counter._raw:
+        raw = stream.read()
+    try:
+        records = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise DataFileError(f"{path}: byte {error.start} is not valid UTF-8; re-encode the file as UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise DataFileError(
+            f"{path}:line {error.lineno}: invalid JSON ({error.msg}, column {error.colno}); fix the file"
+        ) from None
+    if not isinstance(records, list):
+        raise DataFileError(f"{path}: expected a JSON array of records or one JSON object per line")
+    size = path.stat().st_size
+    for start in range(0, len(records), chunk_size):
+        items = records[start : start + chunk_size]
+        yield RecordChunk(str(path), "records", items, list(range(start, start + len(items))), "row", size)
+
+
+def _csv_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
+    import csv
+
+    stream, counter = _open_lines(path)
+    with stream, counter._raw:
+        text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
+        reader = csv.DictReader(text)
+        items: list[dict] = []
+        locations: list[int] = []
+        try:
+            for record in reader:
+                items.append(record)
+                locations.append(reader.line_num)
+                if len(items) == chunk_size:
+                    yield RecordChunk(str(path), "records", items, locations, "line", counter.count)
+                    items, locations = [], []
+        except UnicodeDecodeError:
+            raise DataFileError(
+                f"{path}:line {reader.line_num + 1}: the file is not valid UTF-8; re-encode it as UTF-8 "
+                "(e.g. `iconv -f latin1 -t utf-8`)"
+            ) from None
+        except csv.Error as error:
+            raise DataFileError(f"{path}:line {reader.line_num}: malformed CSV ({error}); fix the file") from None
+        if items:
+            yield RecordChunk(str(path), "records", items, locations, "line", counter.count)
+
+
+def _table_columns(path: Path, schema_names: Sequence[str], columns: Sequence[str] | None) -> list[str] | None:
+    if columns is None:
+        return None
+    missing = [c for c in columns if c not in schema_names]
+    if missing:
+        raise DataFileError(
+            f"{path}: missing key(s) {missing}; the file has columns {list(schema_names)}. "
+            "Pass the right --json-keys or fix --text-template"
+        )
+    return list(columns)
+
+
+def _parquet_chunks(path: Path, chunk_size: int, columns: Sequence[str] | None) -> Iterator[RecordChunk]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
+        raise DataFileError(f"{path}: not a readable Parquet file ({error})") from None
+    selected = _table_columns(path, parquet.schema_arrow.names, columns)
+    size = path.stat().st_size
+    row = 0
+    total = parquet.metadata.num_rows
+    for batch in parquet.iter_batches(batch_size=chunk_size, columns=selected):
+        items = batch.to_pylist()
+        end = row + len(items)
+        yield RecordChunk(str(path), "records", items, list(range(row, end)), "row", size * end // max(total, 1))
+        row = end
+
+
+def _arrow_batches(path: Path):
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(source)  # Hugging Face writes the IPC stream format
+    except pa.ArrowInvalid:
+        try:
+            file_reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid as error:
+            raise DataFileError(f"{path}: not an Arrow IPC stream or file ({error})") from None
+        return file_reader.schema, (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+    return reader.schema, iter(reader)
+
+
+def _arrow_chunks(path: Path, chunk_size: int, columns: Sequence[str] | None) -> Iterator[RecordChunk]:
+    schema, batches = _arrow_batches(path)
+    selected = _table_columns(path, schema.names, columns)
+    size = path.stat().st_size
+    row = 0
+    for batch in batches:
+        if selected is not None:
+            batch = batch.select(selected)
+        for start in range(0, batch.num_rows, chunk_size):
+            items = batch.slice(start, chunk_size).to_pylist()
+            yield RecordChunk(str(path), "records", items, list(range(row, row + len(items))), "row", size)
+            row += len(items)
+
+
+def _file_chunks(
+    path: Path, fmt: str, chunk_size: int, columns: Sequence[str] | None, chunk_bytes: int
+) -> Iterator[RecordChunk]:
+    if fmt == "json":
+        if path.suffix.lower() == ".json" and _starts_with_array(path):
+            return _json_array_chunks(path, chunk_size)
+        return _line_chunks(path, "json_lines", chunk_size, chunk_bytes)
+    if fmt == "text":
+        return _line_chunks(path, "text_lines", chunk_size, chunk_bytes)
+    if fmt == "csv":
+        return _csv_chunks(path, chunk_size)
+    if fmt == "parquet":
+        return _parquet_chunks(path, chunk_size, columns)
+    return _arrow_chunks(path, chunk_size, columns)
+
+
+def iter_record_chunks(
+    files: Iterable[Path],
+    fmt: str,
+    chunk_size: int = 4096,
+    columns: Sequence[str] | None = None,
+    chunk_bytes: int = 1 << 20,
+) -> Iterator[RecordChunk]:
+    """Stream the raw records of ``files`` (all of format ``fmt``) in chunks of at most ``chunk_size`` records.
+
+    Args:
+        columns: for Parquet and Arrow, the only columns to read; a missing one is a clear error.
+        chunk_bytes: line formats also close a chunk once it holds this many bytes, so that chunks of long
+            documents stay small.
+    """
+    for path in files:
+        yield from _file_chunks(Path(path), fmt, chunk_size, columns, chunk_bytes)
+
+
+def count_records(files: Iterable[Path], fmt: str, columns: Sequence[str] | None = None) -> int:
+    """How many records ``iter_record_chunks`` yields for ``files``, without parsing JSON lines."""
+    return sum(len(chunk.items) for chunk in iter_record_chunks(files, fmt, chunk_size=4096, columns=columns))

@@ -1,0 +1,43 @@
+"""The ``hp-data`` command: one entry point for the package's tools.
+
+Each subcommand is a module that also runs on its own with ``python -m hyper_parallel.data.tools.<module>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+# subcommand -> (module, one-line description)
+COMMANDS = {
+    "quickstart": ("quickstart", "run the offline path on the bundled corpus and tokenizer"),
+    "prepare": ("offline_preparation", "tokenize local JSON/JSONL/Parquet/CSV/Arrow/text files into .bin/.idx"),
+    "prepare-hf": ("huggingface_offline", "tokenize a saved or local Hugging Face dataset into .bin/.idx"),
+    "inspect": ("read_indexed_dataset", "summarise, verify, decode or plot a .bin/.idx pair"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: hp-data COMMAND [options]   (hp-data COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command '{command}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"hyper_parallel.data.tools.{COMMANDS[command][0]}")
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

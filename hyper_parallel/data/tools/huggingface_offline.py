@@ -1,0 +1,136 @@
+"""Offline preparation of a Hugging Face dataset: ``save_to_disk`` folders and local dataset directories.
+
+Usage::
+
+    python -m hyper_parallel.data.tools.huggingface_offline \\
+        --dataset-name-or-path /data/my_dataset --split train --output-prefix /data/train \\
+        --json-keys text --tokenizer-name-or-path /models/tokenizer
+
+The dataset is read with Hugging Face ``datasets`` (``load_from_disk`` for a ``save_to_disk`` folder,
+``load_dataset`` for a local dataset directory) and fed through the same pipeline as ``offline_preparation``:
+same flags, same outputs. Only the columns the run needs are read.
+
+Owns: loading the dataset and turning it into record chunks. Not responsible for: tokenizing or writing
+(``offline_preparation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.text.online.online_utils import RecordChunk
+from hyper_parallel.data.tools.offline_config import (
+    OfflinePreparationConfig,
+    add_preparation_arguments,
+    config_from_args,
+)
+from hyper_parallel.data.tools.offline_encoding import template_fields
+from hyper_parallel.data.tools.offline_preparation import (
+    PreparationSummary,
+    RecordSource,
+    run_cli,
+    run_offline_preparation,
+)
+
+__all__ = ["load_hf_dataset", "main", "run_huggingface_offline"]
+
+
+def _is_saved_to_disk(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def load_hf_dataset(name_or_path: str, split: str = "train", subset: str | None = None):
+    """Load one split of a local Hugging Face dataset as a ``datasets.Dataset``.
+
+    Args:
+        name_or_path: a ``save_to_disk`` folder (a Dataset or a DatasetDict) or a local dataset directory.
+        split: the split to read from a DatasetDict or a dataset directory.
+        subset: the configuration name of a dataset directory with several.
+    """
+    import datasets
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise DataFileError(
+            f"no dataset at '{name_or_path}': pass a folder written by `Dataset.save_to_disk` or a local "
+            "dataset directory (download Hub datasets with `datasets.load_dataset(...).save_to_disk(DIR)` first)"
+        )
+    try:
+        if _is_saved_to_disk(path):
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = datasets.load_dataset(str(path), name=subset, split=split)
+    except (FileNotFoundError, ValueError) as error:
+        raise DataFileError(f"could not load a Hugging Face dataset from {path}: {error}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataConfigError(f"{path} has splits {sorted(loaded)}, not '{split}'; pass --split with one of them")
+        loaded = loaded[split]
+    return loaded
+
+
+def _chunks(dataset, source: str, columns: list[str], chunk_size: int) -> Iterator[RecordChunk]:
+    total_bytes = max(1, dataset.data.nbytes)
+    rows = len(dataset)
+    for start in range(0, rows, chunk_size):
+        batch = dataset[start : start + chunk_size]
+        count = len(batch[columns[0]]) if columns else 0
+        items = [{column: batch[column][i] for column in columns} for i in range(count)]
+        end = start + count
+        yield RecordChunk(source, "records", items, list(range(start, end)), "row", total_bytes * end // rows)
+
+
+def run_huggingface_offline(
+    config: OfflinePreparationConfig, split: str = "train", subset: str | None = None
+) -> PreparationSummary:
+    """Prepare one split of a local Hugging Face dataset; see ``run_offline_preparation``."""
+    dataset = load_hf_dataset(config.dataset_name_or_path, split, subset)
+    columns = template_fields(config.text_template) if config.text_template else list(config.json_keys)
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise DataFileError(
+            f"{config.dataset_name_or_path} (split {split}): missing key(s) {missing}; the dataset has columns "
+            f"{dataset.column_names}. Pass the right --json-keys or fix --text-template"
+        )
+    dataset = dataset.select_columns(columns)
+    source = RecordSource(
+        chunks=_chunks(dataset, f"{config.dataset_name_or_path}[{split}]", columns, config.chunk_size),
+        total_bytes=max(1, dataset.data.nbytes),
+        total_records=len(dataset),
+        description=f"Hugging Face dataset {config.dataset_name_or_path} split {split}",
+    )
+    return run_offline_preparation(config, source)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hyper_parallel.data.tools.huggingface_offline",
+        description=__doc__.split("Owns:")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--dataset-name-or-path", required=True, help="a save_to_disk folder or a local Hugging Face dataset directory"
+    )
+    parser.add_argument("--split", default="train", help="split to convert (default: train)")
+    parser.add_argument("--subset", default=None, help="configuration name, for dataset directories with several")
+    add_preparation_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hyper_parallel.data.dataset_logging import enable_dataset_logging
+
+    args = build_parser().parse_args(argv)
+    enable_dataset_logging("info", ranks=None)
+    return run_cli(
+        lambda: run_huggingface_offline(config_from_args(args), args.split, args.subset),
+        "Hugging Face offline preparation finished:",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Typed, validated configuration of offline preparation, and its command-line flags.
+
+Owns: the option names, defaults and checks of ``offline_preparation`` and ``huggingface_offline``.
+Not responsible for: reading inputs or tokenizing (``offline_preparation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from hyper_parallel.data.errors import DataConfigError
+
+__all__ = ["OfflinePreparationConfig", "add_preparation_arguments", "config_from_args", "parse_bool"]
+
+
+def parse_bool(value: str | bool) -> bool:
+    """Parse ``true/false/1/0/yes/no/on/off`` (any case), for flags written as ``--append-eod true``."""
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in {"true", "1", "yes", "on"}:
+        return True
+    if lowered in {"false", "0", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OfflinePreparationConfig:
+    """What to tokenize, how, and where to write it.
+
+    Attributes:
+        dataset_name_or_path: a file, a glob, or a directory of ``.json``/``.jsonl`` (optionally ``.gz``),
+            ``.parquet``, ``.csv`` (optionally ``.gz``), ``.arrow`` or ``.txt`` (optionally ``.gz``) files.
+        output_prefix: outputs are ``<output_prefix>_<key>_document.{bin,idx}``.
+        tokenizer_name_or_path: a local Hugging Face tokenizer directory or ``tokenizer.json``.
+        json_keys: record fields to tokenize; one output pair per key.
+        append_eod: append the tokenizer's EOS token to every non-empty document.
+        add_special_tokens: let the tokenizer add its own special tokens (e.g. BOS), as ``tokenizer(text)`` does.
+        pack_to_seq_len: if set to N, concatenate documents and write fixed records of N + 1 tokens; each
+            partition packs on its own and drops its tail shorter than N + 1.
+        text_template: a ``str.format`` template over record fields (e.g. ``"{title}\\n\\n{text}"``) whose result
+            is tokenized instead of the raw field; needs exactly one json key, which names the output.
+        workers: tokenizer processes.
+        partitions: independent partitions (own packing buffer each), merged into the final prefix at the end.
+        keep_sequential_samples: give partitions contiguous blocks of records instead of round-robin.
+        keep_partition_files: keep the per-partition outputs after merging.
+        skip_bad_records: count and skip malformed records instead of stopping at the first.
+        token_dtype: force the token dtype (e.g. ``"int32"``); default is Megatron's choice from the vocabulary.
+        log_interval: log progress every this many documents.
+        chunk_size: records handed to a worker at a time.
+    """
+
+    dataset_name_or_path: str
+    output_prefix: str
+    tokenizer_name_or_path: str
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = True
+    add_special_tokens: bool = True
+    pack_to_seq_len: int | None = None
+    text_template: str | None = None
+    workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    partitions: int = 1
+    keep_sequential_samples: bool = False
+    keep_partition_files: bool = False
+    skip_bad_records: bool = False
+    token_dtype: str | None = None
+    log_interval: int = 1000
+    chunk_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_keys, str):
+            object.__setattr__(self, "json_keys", (self.json_keys,))
+        object.__setattr__(self, "json_keys", tuple(self.json_keys))
+        if not self.json_keys or any(not key for key in self.json_keys):
+            raise DataConfigError(f"json_keys must name at least one record field, got {self.json_keys!r}")
+        if len(set(self.json_keys)) != len(self.json_keys):
+            raise DataConfigError(f"json_keys has duplicates: {self.json_keys!r}; each key writes one output pair")
+        if self.text_template is not None and len(self.json_keys) != 1:
+            raise DataConfigError(
+                f"text_template renders one document per record, so it needs exactly one json key to name the "
+                f"output, got {self.json_keys!r}"
+            )
+        for name in ("workers", "partitions", "log_interval", "chunk_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise DataConfigError(f"{name} must be at least 1, got {value}")
+        if self.pack_to_seq_len is not None and self.pack_to_seq_len < 1:
+            raise DataConfigError(f"pack_to_seq_len must be a positive token count, got {self.pack_to_seq_len}")
+        if not self.output_prefix:
+            raise DataConfigError("output_prefix must not be empty")
+
+    def output_prefix_for(self, key: str) -> str:
+        """The final path prefix of the output for ``key``."""
+        return f"{self.output_prefix}_{key}_document"
+
+
+def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every flag except the input one (which differs between the local and Hugging Face tools)."""
+    parser.add_argument("--output-prefix", required=True, help="outputs are <prefix>_<key>_document.{bin,idx}")
+    parser.add_argument(
+        "--tokenizer-name-or-path", required=True, help="local Hugging Face tokenizer directory or tokenizer.json"
+    )
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="record fields to tokenize (default: text)")
+    parser.add_argument(
+        "--append-eod", type=parse_bool, default=True, metavar="BOOL", help="append EOS to each document (default true)"
+    )
+    parser.add_argument(
+        "--add-special-tokens",
+        type=parse_bool,
+        default=True,
+        metavar="BOOL",
+        help="let the tokenizer add its special tokens such as BOS (default true)",
+    )
+    parser.add_argument(
+        "--pack-to-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pack documents into records of N+1 tokens (for is_dataset_from_mr: true); tails are dropped",
+    )
+    parser.add_argument(
+        "--text-template", default=None, help='str.format template over record fields, e.g. "{title}\\n\\n{text}"'
+    )
+    parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), help="tokenizer processes")
+    parser.add_argument("--partitions", type=int, default=1, help="independent partitions merged at the end")
+    parser.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="assign contiguous record blocks to partitions instead of round-robin",
+    )
+    parser.add_argument("--keep-partition-files", action="store_true", help="keep per-partition outputs after merge")
+    parser.add_argument(
+        "--skip-bad-records", action="store_true", help="count and skip malformed records instead of stopping"
+    )
+    parser.add_argument("--dtype", dest="token_dtype", default=None, help="force the token dtype, e.g. int32")
+    parser.add_argument("--log-interval", type=int, default=1000, help="log progress every N documents")
+    parser.add_argument("--chunk-size", type=int, default=4096, help="at most this many records per worker task")
+
+
+def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
+    """Build the config from parsed flags; invalid combinations raise DataConfigError."""
+    return OfflinePreparationConfig(
+        dataset_name_or_path=args.dataset_name_or_path,
+        output_prefix=args.output_prefix,
+        tokenizer_name_or_path=args.tokenizer_name_or_path,
+        json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod,
+        add_special_tokens=args.add_special_tokens,
+        pack_to_seq_len=args.pack_to_seq_len,
+        text_template=args.text_template,
+        workers=args.workers,
+        partitions=args.partitions,
+        keep_sequential_samples=args.keep_sequential_samples,
+        keep_partition_files=args.keep_partition_files,
+        skip_bad_records=args.skip_bad_records,
+        token_dtype=args.token_dtype,
+        log_interval=args.log_interval,
+        chunk_size=args.chunk_size,
+    )
