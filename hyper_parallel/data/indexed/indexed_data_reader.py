@@ -179,7 +179,22 @@ class IndexedDataReader:
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         if self._bin is not None:
             return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
-        raw = os.pread(self._fd, count * self.dtype.itemsize, byte_offset)
+        # pread may return fewer bytes than asked (Linux caps one call near 2 GiB): read until complete.
+        wanted = count * self.dtype.itemsize
+        raw = os.pread(self._fd, wanted, byte_offset)
+        if len(raw) < wanted:
+            parts = [raw]
+            done = len(raw)
+            while done < wanted:
+                part = os.pread(self._fd, wanted - done, byte_offset + done)
+                if not part:
+                    raise DataFileError(
+                        f"{self.path_prefix}.bin ended at byte {byte_offset + done} while reading {count} tokens "
+                        f"at byte {byte_offset}; the file was truncated after it was opened"
+                    )
+                parts.append(part)
+                done += len(part)
+            raw = b"".join(parts)
         return np.frombuffer(raw, dtype=self.dtype)
 
     def _check_index(self, i: int) -> int:

@@ -128,28 +128,22 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens, lengths, modes=None) -> None:
         """Append one document made of ``len(lengths)`` sequences whose tokens are concatenated in ``tokens``."""
-        array = self._cast(tokens)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        if int(lengths.sum()) != array.size:
-            raise ValueError(
-                f"the sequence lengths sum to {int(lengths.sum())} but the document has {array.size} tokens"
-            )
-        self._write(array)
-        self._lengths.extend(lengths)
-        if self._modes is not None:
-            self._modes.extend(np.zeros(len(lengths), np.int8) if modes is None else np.asarray(modes, np.int8))
-        self._document_indices.append(len(self._lengths))
+        self.add_documents(tokens, lengths, [len(lengths)], modes)
 
-    def add_documents(self, tokens, sequence_lengths, sequences_per_document=None) -> None:
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document=None, modes=None) -> None:
         """Append many documents at once; ``tokens`` is the concatenation of all their sequences.
 
         Args:
             tokens: every token of every sequence, in order.
             sequence_lengths: tokens per sequence.
             sequences_per_document: sequences per document; default one sequence per document.
+            modes: one int8 mode per sequence (multimodal builders only); default 0.
         """
         array = self._cast(tokens)
         sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)
+        if sequence_lengths.size and sequence_lengths.min() < 0:
+            raise ValueError(f"sequence lengths must not be negative, got {int(sequence_lengths.min())}")
         if int(sequence_lengths.sum()) != array.size:
             raise ValueError(
                 f"the sequence lengths sum to {int(sequence_lengths.sum())} but {array.size} tokens were given"
@@ -162,11 +156,15 @@ class IndexedDatasetBuilder:
                 f"sequences_per_document sums to {int(sequences_per_document.sum())} but "
                 f"{len(sequence_lengths)} sequence lengths were given"
             )
+        if self._modes is not None:
+            modes = np.zeros(len(sequence_lengths), np.int8) if modes is None else np.asarray(modes, np.int8)
+            if modes.shape != sequence_lengths.shape:
+                raise ValueError(f"{modes.size} modes were given for {sequence_lengths.size} sequences")
         self._write(array)
         first = len(self._lengths)
         self._lengths.extend(sequence_lengths)
         if self._modes is not None:
-            self._modes.extend(np.zeros(len(sequence_lengths), np.int8))
+            self._modes.extend(modes)
         self._document_indices.extend(first + np.cumsum(sequences_per_document))
 
     def add_index(self, path_prefix: str | os.PathLike) -> None:

@@ -176,6 +176,8 @@ def encode_chunk(chunk: RecordChunk, tokenizer, settings: EncodingSettings, skip
         document = len(positions)
         positions.append(position)
         for strings, documents, sentences in zip(per_key_strings, per_key_documents, texts, strict=True):
+            # Empty strings are dropped before tokenizing, so a BOS-adding tokenizer cannot make them non-empty.
+            sentences = [s for s in sentences if s]
             strings.extend(sentences)
             documents.extend([document] * len(sentences))
 
