@@ -96,6 +96,11 @@ class IndexedDataReader:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
         else:
             self._fd = os.open(bin_path, os.O_RDONLY)
+        # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
+        self._count = header.sequence_count
+        self._dtype = header.dtype
+        self._itemsize = header.dtype.itemsize
+        self._bin_view = memoryview(self._bin) if self._bin is not None else None
 
     def verify(self) -> None:
         """Check that lengths, pointers, document indices and the ``.bin`` size agree; raise listing every problem.
@@ -177,8 +182,8 @@ class IndexedDataReader:
     # -- reading ----------------------------------------------------------------------------------------------
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
-        if self._bin is not None:
-            return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_offset)
+        if self._bin_view is not None:
+            return np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
         # pread may return fewer bytes than asked (Linux caps one call near 2 GiB): read until complete.
         wanted = count * self.dtype.itemsize
         raw = os.pread(self._fd, wanted, byte_offset)
@@ -197,16 +202,16 @@ class IndexedDataReader:
             raw = b"".join(parts)
         return np.frombuffer(raw, dtype=self.dtype)
 
-    def _check_index(self, i: int) -> int:
-        n = len(self)
+    def _check_index(self, i) -> int:
+        n = self._count
         if not -n <= i < n:
             raise IndexError(f"sequence {i} is out of range for '{self.path_prefix}' with {n} sequences")
-        return i + n if i < 0 else i
+        return int(i) + n if i < 0 else int(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Return ``length`` tokens of sequence ``i`` starting ``offset`` tokens in (default: to its end)."""
-        i = self._check_index(int(i))
-        sequence_length = int(self._lengths[i])
+        i = self._check_index(i)
+        sequence_length = self._lengths.item(i)
         if length is None:
             length = sequence_length - offset
         if offset < 0 or length < 0 or offset + length > sequence_length:
@@ -214,18 +219,20 @@ class IndexedDataReader:
                 f"tokens [{offset}, {offset + length}) are outside sequence {i} of '{self.path_prefix}', "
                 f"which has {sequence_length} tokens"
             )
-        array = self._read(int(self._pointers[i]) + offset * self.dtype.itemsize, length)
-        return (array, int(self._modes[i])) if self._modes is not None else array
+        array = self._read(self._pointers.item(i) + offset * self._itemsize, length)
+        return (array, self._modes.item(i)) if self._modes is not None else array
 
     def __getitem__(self, key: int | slice):
         """``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only).
 
         Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
         """
+        if isinstance(key, (int, np.integer)):
+            i = self._check_index(key)
+            array = self._read(self._pointers.item(i), self._lengths.item(i))
+            return (array, self._modes.item(i)) if self._modes is not None else array
         if isinstance(key, slice):
             return self._get_slice(key)
-        if isinstance(key, (int, np.integer)):
-            return self.get(key)
         raise TypeError(f"indices must be integers or slices, not {type(key).__name__}")
 
     def _get_slice(self, key: slice):

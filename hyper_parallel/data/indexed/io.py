@@ -61,9 +61,10 @@ class _GrowableArray:
 
 
 def _as_numpy(tokens) -> np.ndarray:
-    if hasattr(tokens, "detach"):  # a torch tensor
-        tokens = tokens.detach().cpu().numpy()
-    return np.asarray(tokens).reshape(-1)
+    if not isinstance(tokens, np.ndarray):
+        # torch tensors (detached and moved to CPU if needed), lists and scalars
+        tokens = tokens.numpy(force=True) if hasattr(tokens, "numpy") else np.asarray(tokens)
+    return tokens if tokens.ndim == 1 else tokens.reshape(-1)
 
 
 class IndexedDatasetBuilder:
@@ -91,6 +92,8 @@ class IndexedDatasetBuilder:
         self._lengths = _GrowableArray(np.int32)
         self._document_indices = _GrowableArray(np.int64, (0,))
         self._modes = _GrowableArray(np.int8) if multimodal else None
+        self._integer_limits = np.iinfo(self.dtype) if np.issubdtype(self.dtype, np.integer) else None
+        self._range_check_by_dtype: dict[np.dtype, bool] = {}  # input dtype -> whether values need checking
 
     # -- adding data ------------------------------------------------------------------------------------------
 
@@ -98,12 +101,23 @@ class IndexedDatasetBuilder:
         array = _as_numpy(tokens)
         if array.dtype == self.dtype:
             return array
-        if array.size and np.issubdtype(self.dtype, np.integer):
-            if not np.issubdtype(array.dtype, np.integer):
+        if not array.size:  # e.g. an empty list, which numpy types as float64
+            return array.astype(self.dtype)
+        limits = self._integer_limits
+        check = self._range_check_by_dtype.get(array.dtype)
+        if check is None:
+            check = limits is not None and not np.can_cast(array.dtype, self.dtype, "safe")
+            if check and array.dtype.kind not in "iu":
                 raise DataFileError(f"token ids must be integers to be stored as {self.dtype}, got {array.dtype}")
-            limits = np.iinfo(self.dtype)
-            low, high = int(array.min()), int(array.max())
-            if low < limits.min or high > limits.max:
+            self._range_check_by_dtype[array.dtype] = check
+        if check:
+            if limits.min == 0:
+                # One pass: every id fits an unsigned dtype iff no bit above its width is set (negatives set them all).
+                out_of_range = int(np.bitwise_or.reduce(array)) & ~int(limits.max)
+            else:
+                out_of_range = int(array.min()) < limits.min or int(array.max()) > limits.max
+            if out_of_range:
+                low, high = int(array.min()), int(array.max())
                 raise DataFileError(
                     f"token id {high if high > limits.max else low} does not fit the dataset dtype {self.dtype} "
                     f"(range {limits.min}..{limits.max}) of {self.bin_path}; build with a wider dtype "
@@ -112,7 +126,14 @@ class IndexedDatasetBuilder:
         return array.astype(self.dtype)
 
     def _write(self, array: np.ndarray) -> None:
-        self._bin_file.write(np.ascontiguousarray(array).tobytes(order="C"))
+        self._bin_file.write(np.ascontiguousarray(array).data)  # the array's memory, no bytes copy
+
+    @staticmethod
+    def _check_lengths(total: int, smallest: int, tokens: int) -> None:
+        if smallest < 0:
+            raise ValueError(f"sequence lengths must not be negative, got {smallest}")
+        if total != tokens:
+            raise ValueError(f"the sequence lengths sum to {total} but {tokens} tokens were given")
 
     def add_item(self, tokens, mode: int = 0) -> None:
         """Append one sequence without closing the current document."""
@@ -128,8 +149,20 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens, lengths, modes=None) -> None:
         """Append one document made of ``len(lengths)`` sequences whose tokens are concatenated in ``tokens``."""
-        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        self.add_documents(tokens, lengths, [len(lengths)], modes)
+        array = self._cast(tokens)
+        lengths = [int(n) for n in lengths]  # a handful per document: plain ints are cheapest
+        self._check_lengths(sum(lengths), min(lengths, default=0), array.size)
+        if self._modes is not None:
+            modes = [0] * len(lengths) if modes is None else [int(m) for m in modes]
+            if len(modes) != len(lengths):
+                raise ValueError(f"{len(modes)} modes were given for {len(lengths)} sequences")
+        self._write(array)
+        for n in lengths:
+            self._lengths.append(n)
+        if self._modes is not None:
+            for mode in modes:
+                self._modes.append(mode)
+        self._document_indices.append(len(self._lengths))
 
     def add_documents(self, tokens, sequence_lengths, sequences_per_document=None, modes=None) -> None:
         """Append many documents at once; ``tokens`` is the concatenation of all their sequences.
@@ -142,12 +175,8 @@ class IndexedDatasetBuilder:
         """
         array = self._cast(tokens)
         sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64).reshape(-1)
-        if sequence_lengths.size and sequence_lengths.min() < 0:
-            raise ValueError(f"sequence lengths must not be negative, got {int(sequence_lengths.min())}")
-        if int(sequence_lengths.sum()) != array.size:
-            raise ValueError(
-                f"the sequence lengths sum to {int(sequence_lengths.sum())} but {array.size} tokens were given"
-            )
+        smallest = int(sequence_lengths.min()) if sequence_lengths.size else 0
+        self._check_lengths(int(sequence_lengths.sum()), smallest, array.size)
         if sequences_per_document is None:
             sequences_per_document = np.ones(len(sequence_lengths), np.int64)
         sequences_per_document = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
