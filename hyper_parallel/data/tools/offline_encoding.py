@@ -127,20 +127,22 @@ def _texts(record: dict, settings: EncodingSettings) -> list[list[str]]:
     return texts
 
 
-def _assemble(encodings: list, documents_of_strings: np.ndarray, positions: list[int], settings: EncodingSettings):
-    """Concatenate one key's encodings, drop empty sentences and documents, append EOD. Vectorised.
+def _assemble(
+    encodings: list, lengths: np.ndarray, string_documents: np.ndarray, kept: np.ndarray, settings: EncodingSettings
+) -> EncodedDocuments:
+    """Concatenate one key's encodings of the kept documents, drop empty sentences, append EOD. Vectorised.
 
-    Example: strings ``["ab", "", "c"]`` of documents ``[0, 0, 1]`` with EOD ``9`` give tokens ``a b 9 c 9``,
-    sequence lengths ``[3, 2]`` and one sequence per document.
+    Example: strings ``["ab", "", "c"]`` of documents ``[0, 0, 1]`` (both kept) with EOD ``9`` give tokens
+    ``a b 9 c 9``, sequence lengths ``[3, 2]`` and one sequence per document.
     """
     dtype = np.dtype(settings.token_dtype)
-    lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
     flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype, int(lengths.sum()))
-    kept = lengths > 0
-    sequence_lengths = lengths[kept]
-    sequence_documents = documents_of_strings[kept]
-    # Documents with at least one non-empty sentence, and their sequence counts.
-    document_ids, sequences_per_document = np.unique(sequence_documents, return_counts=True)
+    string_kept = (lengths > 0) & kept[string_documents]
+    if not string_kept.all():
+        flat = flat[np.repeat(string_kept, lengths)]
+    sequence_lengths = lengths[string_kept]
+    # Every kept document has at least one non-empty sequence of this key.
+    sequences_per_document = np.bincount(string_documents[string_kept], minlength=len(kept))[kept]
     if settings.append_eod and len(sequence_lengths):
         last_sequence = np.cumsum(sequences_per_document) - 1
         ends = np.cumsum(sequence_lengths)[last_sequence]
@@ -151,15 +153,16 @@ def _assemble(encodings: list, documents_of_strings: np.ndarray, positions: list
         tokens=flat,
         sequence_lengths=sequence_lengths,
         sequences_per_document=sequences_per_document.astype(np.int64),
-        record_positions=np.asarray(positions, np.int64)[document_ids],
-    ), len(positions) - len(document_ids)
+        record_positions=np.empty(0, np.int64),  # filled by the caller, shared by every key
+    )
 
 
 def encode_chunk(chunk: RecordChunk, tokenizer, settings: EncodingSettings, skip_bad_records: bool) -> EncodedChunk:
     """Tokenize every key of every record in ``chunk`` with a ``tokenizers.Tokenizer``.
 
     Malformed records are reported as ``file:line N: reason`` strings; the caller decides whether one stops
-    the run. Documents of a malformed record are dropped for every key, so the outputs stay aligned.
+    the run. A record that is malformed, or empty in any key, is dropped from every key's output, so the
+    outputs of several keys stay aligned document for document.
     """
     per_key_strings: list[list[str]] = [[] for _ in settings.json_keys]
     per_key_documents: list[list[int]] = [[] for _ in settings.json_keys]
@@ -181,17 +184,23 @@ def encode_chunk(chunk: RecordChunk, tokenizer, settings: EncodingSettings, skip
             strings.extend(sentences)
             documents.extend([document] * len(sentences))
 
-    all_strings = list(chain.from_iterable(per_key_strings))
-    encodings = tokenizer.encode_batch_fast(all_strings, add_special_tokens=settings.add_special_tokens)
-    result = EncodedChunk(documents={}, records=len(chunk.items), bad_records=bad)
-    start = 0
-    for key, strings, documents in zip(settings.json_keys, per_key_strings, per_key_documents, strict=True):
-        encoded, empty = _assemble(
-            encodings[start : start + len(strings)], np.asarray(documents, np.int64), positions, settings
-        )
+    encodings = tokenizer.encode_batch_fast(
+        list(chain.from_iterable(per_key_strings)), add_special_tokens=settings.add_special_tokens
+    )
+    lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
+    bounds = np.cumsum([0] + [len(strings) for strings in per_key_strings])
+    string_documents = [np.asarray(documents, np.int64) for documents in per_key_documents]
+    kept = np.ones(len(positions), bool)
+    for key_index, documents in enumerate(string_documents):
+        key_lengths = lengths[bounds[key_index] : bounds[key_index + 1]]
+        kept &= np.bincount(documents, weights=key_lengths, minlength=len(positions)) > 0
+    record_positions = np.asarray(positions, np.int64)[kept]
+    result = EncodedChunk(documents={}, records=len(chunk.items), empty_documents=int((~kept).sum()), bad_records=bad)
+    for key_index, key in enumerate(settings.json_keys):
+        begin, end = bounds[key_index], bounds[key_index + 1]
+        encoded = _assemble(encodings[begin:end], lengths[begin:end], string_documents[key_index], kept, settings)
+        encoded.record_positions = record_positions
         result.documents[key] = encoded
-        result.empty_documents += empty
-        start += len(strings)
     return result
 
 

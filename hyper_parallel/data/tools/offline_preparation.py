@@ -24,7 +24,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +207,47 @@ class _KeyOutput:
     def tokens(self) -> int:
         return sum(w.tokens for w in self.partitions)
 
+    @property
+    def sequences(self) -> int:
+        return sum(w.builder.num_sequences for w in self.partitions)
+
+
+class _Outputs:
+    """Every key's output, and the assignment of records (by global index) to partitions."""
+
+    def __init__(self, config: OfflinePreparationConfig, dtype: np.dtype, total_records: int | None) -> None:
+        self.by_key = {key: _KeyOutput(config, key, dtype) for key in config.json_keys}
+        self.partitions = config.partitions
+        # Contiguous blocks of ceil(records / partitions) with keep_sequential_samples, else round-robin.
+        self.block = None
+        if config.partitions > 1 and config.keep_sequential_samples:
+            self.block = max(1, -(-(total_records or 0) // config.partitions))
+        self.next_record = 0
+
+    def _partitions_of(self, documents: EncodedDocuments) -> np.ndarray | None:
+        if self.partitions == 1:
+            return None
+        records = self.next_record + documents.record_positions
+        if self.block is None:
+            return records % self.partitions
+        return np.minimum(records // self.block, self.partitions - 1)
+
+    def add(self, encoded: EncodedChunk) -> None:
+        for key, documents in encoded.documents.items():
+            self.by_key[key].add(documents, self._partitions_of(documents))
+        self.next_record += encoded.records
+
+    def finalize(self) -> int:
+        """Publish every output; returns the tail tokens dropped by packing."""
+        return sum(out.finalize() for out in self.by_key.values())
+
+    def abort(self) -> None:
+        for out in self.by_key.values():
+            out.abort()
+
+    def total(self, attribute: str) -> int:
+        return sum(getattr(out, attribute) for out in self.by_key.values())
+
 
 # -- progress ---------------------------------------------------------------------------------------------------
 
@@ -278,34 +320,25 @@ def _token_dtype(config: OfflinePreparationConfig, vocab_size: int) -> np.dtype:
     return dtype
 
 
-@dataclass
-class _Router:
-    """Assigns each record (by its global index) to a partition: round-robin or contiguous blocks."""
-
-    partitions: int
-    block: int | None = None
-    next_record: int = field(default=0)
-
-    def partitions_of(self, chunk_first: int, documents: EncodedDocuments) -> np.ndarray | None:
-        if self.partitions == 1:
-            return None
-        records = chunk_first + documents.record_positions
-        if self.block is None:
-            return records % self.partitions
-        return np.minimum(records // self.block, self.partitions - 1)
-
-
 def _submit_in_order(pool, chunks: Iterable[RecordChunk], window: int) -> Iterator[tuple[RecordChunk, EncodedChunk]]:
-    """Encode chunks on the pool, at most ``window`` in flight (bounded memory), yielding results in order."""
+    """Encode chunks on the pool, at most ``window`` in flight (bounded memory), yielding results in order.
+
+    If the consumer stops early (an error), chunks not yet started are cancelled; running ones finish, so no
+    worker is killed mid-write (killing one can leave the pool's result queue locked).
+    """
     pending: deque = deque()
-    for chunk in chunks:
-        pending.append((chunk, pool.apply_async(encode_chunk_in_worker, (chunk,))))
-        if len(pending) >= window:
-            chunk, result = pending.popleft()
-            yield chunk, result.get()
-    while pending:
-        chunk, result = pending.popleft()
-        yield chunk, result.get()
+    try:
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(encode_chunk_in_worker, chunk)))
+            if len(pending) >= window:
+                chunk, future = pending.popleft()
+                yield chunk, future.result()
+        while pending:
+            chunk, future = pending.popleft()
+            yield chunk, future.result()
+    finally:
+        for _, future in pending:
+            future.cancel()
 
 
 def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSource | None = None) -> PreparationSummary:
@@ -340,62 +373,56 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         add_special_tokens=config.add_special_tokens,
         token_dtype=dtype.str,
     )
-    router = _Router(config.partitions)
-    if config.partitions > 1 and config.keep_sequential_samples:
-        router.block = max(1, -(-(source.total_records or 0) // config.partitions))
     Path(config.output_prefix).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-    outputs = {key: _KeyOutput(config, key, dtype) for key in config.json_keys}
+    outputs = _Outputs(config, dtype, source.total_records)
     summary = PreparationSummary(
-        outputs={key: out.final_prefix for key, out in outputs.items()},
+        outputs={key: out.final_prefix for key, out in outputs.by_key.items()},
         token_dtype=str(dtype),
         packed_to=config.pack_to_seq_len,
     )
     progress = _Progress(source.total_bytes, config.log_interval)
-    finished_bytes, current_source = 0, None
-    context = multiprocessing.get_context("spawn")
     try:
-        with context.Pool(
+        with ProcessPoolExecutor(
             config.workers,
+            mp_context=multiprocessing.get_context("spawn"),  # forking after tokenizer threads start can deadlock
             initializer=init_worker,
             initargs=(tokenizer.backend.to_str(), settings, config.skip_bad_records),
         ) as pool:
-            for chunk, encoded in _submit_in_order(pool, source.chunks, window=2 * config.workers + 2):
-                if encoded.bad_records:
-                    if not config.skip_bad_records:
-                        raise DataFileError(encoded.bad_records[0])
-                    for message in encoded.bad_records[: max(0, _MAX_LOGGED_BAD_RECORDS - summary.bad_records)]:
-                        logger.warning("skipped: %s", message)
-                    summary.bad_records += len(encoded.bad_records)
-                for key, documents in encoded.documents.items():
-                    outputs[key].add(documents, router.partitions_of(router.next_record, documents))
-                router.next_record += encoded.records
-                summary.records += encoded.records
-                summary.empty_documents += encoded.empty_documents
-                if chunk.source != current_source:
-                    if current_source is not None:
-                        finished_bytes += Path(current_source).stat().st_size if source.total_bytes else 0
-                    current_source = chunk.source
-                summary.input_bytes = finished_bytes + chunk.bytes_read
-                progress.update(
-                    summary.input_bytes,
-                    sum(o.documents for o in outputs.values()),
-                    sum(o.tokens for o in outputs.values()),
-                )
-        for out in outputs.values():
-            summary.dropped_tail_tokens += out.finalize()
+            encoded_chunks = _submit_in_order(pool, source.chunks, window=2 * config.workers + 2)
+            try:
+                for chunk, encoded in encoded_chunks:
+                    _count_bad_records(encoded, config.skip_bad_records, summary)
+                    outputs.add(encoded)
+                    summary.records += encoded.records
+                    summary.empty_documents += encoded.empty_documents
+                    summary.input_bytes = chunk.bytes_read
+                    progress.update(chunk.bytes_read, outputs.total("documents"), outputs.total("tokens"))
+            finally:
+                encoded_chunks.close()  # cancel queued work before the pool shuts down
+        summary.dropped_tail_tokens = outputs.finalize()
     except BaseException:
-        for out in outputs.values():
-            out.abort()
+        outputs.abort()
         raise
     finally:
         progress.close()
-    summary.documents = sum(o.documents for o in outputs.values())
-    summary.tokens = sum(o.tokens for o in outputs.values())
-    summary.sequences = sum(len(w.builder._lengths) for o in outputs.values() for w in o.partitions)
+    summary.documents = outputs.total("documents")
+    summary.tokens = outputs.total("tokens")
+    summary.sequences = outputs.total("sequences")
     summary.seconds = time.perf_counter() - started
     if summary.documents == 0:
         logger.warning("no documents were written: every record was empty, malformed or shorter than one record")
     return summary
+
+
+def _count_bad_records(encoded: EncodedChunk, skip: bool, summary: PreparationSummary) -> None:
+    """Stop at the first malformed record, or count it and log the first few."""
+    if not encoded.bad_records:
+        return
+    if not skip:
+        raise DataFileError(encoded.bad_records[0])
+    for message in encoded.bad_records[: max(0, _MAX_LOGGED_BAD_RECORDS - summary.bad_records)]:
+        logger.warning("skipped: %s", message)
+    summary.bad_records += len(encoded.bad_records)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,7 +56,8 @@ class RecordChunk:
         locations: where each record starts, as a 1-based line number (``location_unit == "line"``) or a
             0-based row number (``"row"``).
         location_unit: ``"line"`` or ``"row"``.
-        bytes_read: bytes of ``source`` consumed up to the end of this chunk (compressed bytes for ``.gz``).
+        bytes_read: bytes consumed up to the end of this chunk, counted from the start of the first file of the
+            run (compressed bytes for ``.gz``).
     """
 
     source: str
@@ -206,9 +207,14 @@ def _csv_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
         items: list[dict] = []
         locations: list[int] = []
         try:
-            for record in reader:
+            reader.fieldnames  # reads the header line, so line_num counts from it  # noqa: B018
+            while True:
+                start = reader.line_num + 1  # a quoted field may span lines: report where the record starts
+                record = next(reader, None)
+                if record is None:
+                    break
                 items.append(record)
-                locations.append(reader.line_num)
+                locations.append(start)
                 if len(items) == chunk_size:
                     yield RecordChunk(str(path), "records", items, locations, "line", counter.count)
                     items, locations = [], []
@@ -286,7 +292,7 @@ def _file_chunks(
     path: Path, fmt: str, chunk_size: int, columns: Sequence[str] | None, chunk_bytes: int
 ) -> Iterator[RecordChunk]:
     if fmt == "json":
-        if path.suffix.lower() == ".json" and _starts_with_array(path):
+        if path.name.lower().removesuffix(".gz").endswith(".json") and _starts_with_array(path):
             return _json_array_chunks(path, chunk_size)
         return _line_chunks(path, "json_lines", chunk_size, chunk_bytes)
     if fmt == "text":
@@ -312,8 +318,12 @@ def iter_record_chunks(
         chunk_bytes: line formats also close a chunk once it holds this many bytes, so that chunks of long
             documents stay small.
     """
+    finished_bytes = 0  # so that bytes_read counts from the start of the first file
     for path in files:
-        yield from _file_chunks(Path(path), fmt, chunk_size, columns, chunk_bytes)
+        for chunk in _file_chunks(Path(path), fmt, chunk_size, columns, chunk_bytes):
+            chunk.bytes_read += finished_bytes
+            yield chunk
+        finished_bytes += Path(path).stat().st_size
 
 
 def count_records(files: Iterable[Path], fmt: str, columns: Sequence[str] | None = None) -> int:

@@ -1,0 +1,195 @@
+"""Offline preparation (JSONL on disk to ``.bin``/``.idx``) vs the bare ``tokenizers`` batch-encode throughput.
+
+The corpus is the bundled Jane Austen chapters split into paragraphs (about 10,000 realistic documents), repeated
+until it holds the target number of tokens. The reference encodes the texts, already in memory, with one
+``Tokenizer.encode_batch_fast`` call per batch on the default Rust thread pool; ours runs the offline tool end to
+end on the JSONL file with one worker per core. Both are measured in this process, in interleaved rounds, the
+reference first in each round.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import BenchContext, Row, log, measure, remove_prefix
+
+NAME = "offline"
+TITLE = "offline preparation vs bare tokenizers batch encoding"
+
+TOKENS_FULL = 4_000_000
+TOKENS_QUICK = 1_000_000
+BATCH = 1024
+JSON_KEY = "text"
+
+
+def corpus_path() -> Path:
+    """The bundled chapters: one JSON record per chapter with a ``text`` field."""
+    from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+
+    return BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapters.jsonl.gz"
+
+
+def load_paragraphs(path: Path) -> list[str]:
+    """Every non-blank paragraph (chapters split on blank lines), in corpus order."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        chapters = [json.loads(line)[JSON_KEY] for line in f if line.strip()]
+    return [paragraph.strip() for chapter in chapters for paragraph in chapter.split("\n\n") if paragraph.strip()]
+
+
+def repeat_to_tokens(paragraphs: list[str], token_counts: list[int], target: int) -> list[str]:
+    """Repeat the paragraphs in order, stopping at the first one that brings the total to ``target`` tokens."""
+    texts: list[str] = []
+    total = 0
+    while total < target:
+        for text, count in zip(paragraphs, token_counts, strict=True):
+            texts.append(text)
+            total += count
+            if total >= target:
+                break
+    return texts
+
+
+def write_jsonl(texts: list[str], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({JSON_KEY: text}, ensure_ascii=False) + "\n")
+
+
+@contextmanager
+def _quiet_project_logging() -> Iterator[None]:
+    """Keep the tool's progress logging out of the benchmark output."""
+    logger = logging.getLogger("hyper_parallel")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def offline_tool(context: BenchContext, texts: list[str], tokenizer_path: Path) -> tuple[Callable[[], Any], str]:
+    """Write the corpus as JSONL and return (a call running the offline tool on it, its output prefix).
+
+    Raises ImportError while the offline tool is not available.
+    """
+    from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+    from hyper_parallel.data.tools.offline_preparation import run_offline_preparation
+
+    jsonl = context.workdir / "offline_corpus.jsonl"
+    write_jsonl(texts, jsonl)
+    config = OfflinePreparationConfig(
+        dataset_name_or_path=str(jsonl),
+        output_prefix=str(context.workdir / "offline_out"),
+        tokenizer_name_or_path=str(tokenizer_path),
+        json_keys=(JSON_KEY,),
+        append_eod=True,
+        add_special_tokens=False,
+        workers=os.cpu_count() or 1,
+    )
+
+    def prepare() -> Any:
+        with _quiet_project_logging():
+            return run_offline_preparation(config)
+
+    return prepare, config.output_prefix_for(JSON_KEY)
+
+
+def check_output(prefix: str, summary: Any, expected: np.ndarray, documents: int) -> None:
+    """Assert the tool wrote exactly the reference ids plus EOD, one sequence per document, and said so."""
+    from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
+
+    reader = IndexedDataReader(prefix)
+    assert summary.tokens == expected.size, f"offline preparation reports {summary.tokens} tokens, not {expected.size}"
+    assert reader.num_documents == documents, (
+        f"offline preparation wrote {reader.num_documents} documents, not {documents}"
+    )
+    written = np.fromfile(prefix + ".bin", dtype=reader.dtype)
+    assert np.array_equal(written, expected), "offline preparation output differs from the bare encoding + EOD"
+
+
+def run(context: BenchContext) -> list[Row]:
+    """Reference and ours in interleaved rounds on identical texts; ours is checked token for token."""
+    from tokenizers import Tokenizer
+
+    from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
+
+    tokenizer = Tokenizer.from_file(str(BUNDLED_TOKENIZER_PATH / "tokenizer.json"))
+    paragraphs = load_paragraphs(corpus_path())
+    # Untimed first pass: warms the tokenizer up and gives each paragraph's token count.
+    counts = [len(e.ids) for e in tokenizer.encode_batch_fast(paragraphs, add_special_tokens=False)]
+    texts = repeat_to_tokens(paragraphs, counts, TOKENS_QUICK if context.quick else TOKENS_FULL)
+    documents = len(texts)
+    megabytes = sum(len(text.encode("utf-8")) for text in texts) / 1e6
+    eod = build_tokenizer(BUNDLED_TOKENIZER_PATH).eod
+
+    def encode_bare() -> list:
+        return [
+            tokenizer.encode_batch_fast(texts[start : start + BATCH], add_special_tokens=False)
+            for start in range(0, documents, BATCH)
+        ]
+
+    cases: dict[str, Callable[[], Any]] = {"bare": encode_bare}
+    missing: ImportError | None = None
+    try:
+        cases["ours"], output = offline_tool(context, texts, BUNDLED_TOKENIZER_PATH)
+    except ImportError as error:
+        missing = error
+
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    expected: list[np.ndarray] = []  # the reference ids + EOD, from its first round
+    reported_seconds: list[float] = []
+
+    def after(name: str, result: Any) -> None:
+        if name == "bare":
+            if not expected:
+                ids = (e.ids + [eod] for batch in result for e in batch)
+                expected.append(np.fromiter(chain.from_iterable(ids), dtype=np.int64))
+            return
+        assert os.environ.get("TOKENIZERS_PARALLELISM") == parallelism, (
+            "offline preparation changed TOKENIZERS_PARALLELISM in the parent; that skews the next reference round"
+        )
+        if not reported_seconds:  # the reference ran first in this round, so `expected` is there
+            check_output(output, result, expected[0], documents)
+        reported_seconds.append(result.seconds)
+        remove_prefix(output)
+
+    log(f"{' and '.join(cases)}: {documents:,} docs, {megabytes:.1f} MB, {context.repeats} interleaved rounds")
+    timings = measure(cases, context.repeats, after=after)
+    (context.workdir / "offline_corpus.jsonl").unlink(missing_ok=True)
+
+    bare = timings["bare"].best
+    tokens = expected[0].size - documents  # text tokens, without the appended EOD
+    reference_note = (
+        f"ref: tokenizers encode_batch_fast(add_special_tokens=False) on in-memory texts, batches of {BATCH}, "
+        f"default Rust thread pool; {documents:,} docs, {tokens:,} tokens, {megabytes:.1f} MB"
+    )
+    if missing is not None:
+        return [Row.skipped("offline prep: tokens/s", f"{missing}; {reference_note}", "tokens/s", tokens / bare)]
+
+    ours = timings["ours"].best
+    ours_note = (
+        f"ours: run_offline_preparation end to end (reads the JSONL from disk, {os.cpu_count()} workers, appends EOD, "
+        f"writes .bin/.idx; output checked equal to ref ids + EOD), wall time {ours:.2f} s (summary.seconds "
+        f"{min(reported_seconds):.2f} s); tokens exclude the appended EOD"
+    )
+    return [
+        Row.compare("offline prep: tokens/s", tokens / ours, tokens / bare, "tokens/s", goal=0.9, note=ours_note),
+        Row.compare("offline prep: docs/s", documents / ours, documents / bare, "docs/s", note=reference_note),
+        Row.compare(
+            "offline prep: input MB/s",
+            megabytes / ours,
+            megabytes / bare,
+            "MB/s",
+            note="MB of UTF-8 text (not the JSONL file size), the same work for both",
+        ),
+    ]

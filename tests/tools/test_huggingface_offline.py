@@ -1,0 +1,117 @@
+"""Specification of offline preparation from Hugging Face ``save_to_disk`` folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+from hyper_parallel.data.tools.huggingface_offline import load_hf_dataset, main, run_huggingface_offline
+from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+
+from .test_offline_preparation import (
+    encode_documents,
+    make_records,
+    pair_bytes,
+    prepare,
+    read_documents,
+    restore_package_logger,  # noqa: F401 - fixture
+    write_jsonl,
+)
+
+RECORDS = make_records(11, seed=70)
+OTHER_RECORDS = make_records(4, seed=71)
+
+
+def run_hf(dataset_path: Path, output_prefix: Path, split: str = "train", **options):
+    config = OfflinePreparationConfig(
+        dataset_name_or_path=str(dataset_path),
+        output_prefix=str(output_prefix),
+        tokenizer_name_or_path=str(BUNDLED_TOKENIZER_PATH),
+        workers=options.pop("workers", 1),
+        chunk_size=options.pop("chunk_size", 4),
+        **options,
+    )
+    return run_huggingface_offline(config, split=split)
+
+
+@pytest.fixture(scope="module")
+def jsonl_reference(tmp_path_factory) -> tuple[bytes, bytes]:
+    """The output pair of ``RECORDS`` prepared from a JSONL file."""
+    directory = tmp_path_factory.mktemp("hf_reference")
+    summary = prepare(write_jsonl(directory / "in.jsonl", RECORDS), directory / "out")
+    return pair_bytes(summary.outputs["text"])
+
+
+@pytest.fixture(scope="module")
+def saved_dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("saved") / "dataset"
+    datasets.Dataset.from_list(RECORDS).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved_dataset_dict(tmp_path_factory) -> Path:
+    """A DatasetDict whose ``test`` split holds ``RECORDS`` and whose ``train`` split holds other records."""
+    path = tmp_path_factory.mktemp("saved") / "dataset_dict"
+    splits = {"train": datasets.Dataset.from_list(OTHER_RECORDS), "test": datasets.Dataset.from_list(RECORDS)}
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+def test_saved_dataset_matches_the_jsonl_output(tmp_path, tokenizer, saved_dataset, jsonl_reference):
+    """A ``Dataset.save_to_disk`` folder gives byte-identical outputs to the same records as JSONL."""
+    summary = run_hf(saved_dataset, tmp_path / "out", workers=2)
+    assert pair_bytes(summary.outputs["text"]) == jsonl_reference
+    assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, [r["text"] for r in RECORDS])
+    assert summary.records == len(RECORDS)
+
+
+def test_dataset_dict_split_is_selected(tmp_path, saved_dataset_dict, jsonl_reference):
+    """The requested split of a saved DatasetDict is the one prepared."""
+    summary = run_hf(saved_dataset_dict, tmp_path / "out", split="test")
+    assert pair_bytes(summary.outputs["text"]) == jsonl_reference
+
+
+def test_text_template_reads_the_template_columns(tmp_path, tokenizer, saved_dataset):
+    """A template renders the record from the dataset columns it names."""
+    summary = run_hf(saved_dataset, tmp_path / "out", text_template="{title}: {text}")
+    rendered = [f"{r['title']}: {r['text']}" for r in RECORDS]
+    assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, rendered)
+
+
+def test_unknown_split_is_a_config_error_listing_splits(tmp_path, saved_dataset_dict):
+    """A split the DatasetDict lacks is a DataConfigError that lists the splits it has."""
+    with pytest.raises(DataConfigError, match=r"has splits \['test', 'train'\], not 'validation'; pass --split"):
+        run_hf(saved_dataset_dict, tmp_path / "out", split="validation")
+
+
+def test_missing_column_is_a_data_file_error_listing_columns(tmp_path, saved_dataset):
+    """A json key the dataset lacks is a DataFileError listing its columns; nothing is written."""
+    with pytest.raises(
+        DataFileError, match=r"missing key\(s\) \['body'\]; the dataset has columns \['text', 'title'\]"
+    ):
+        run_hf(saved_dataset, tmp_path / "out", json_keys=("body",))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("missing", r"no dataset at .*missing.*save_to_disk"), ("empty", r"could not load a Hugging Face dataset from")],
+)
+def test_path_without_a_dataset_is_a_data_file_error(tmp_path, name, message):
+    """A missing path, or a directory holding no dataset, is a DataFileError explaining what to pass."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataFileError, match=message):
+        load_hf_dataset(str(tmp_path / name))
+
+
+def test_cli_reports_unknown_split_with_exit_code_2(tmp_path, capsys, saved_dataset_dict, restore_package_logger):  # noqa: F811
+    """The command line reports a bad split as ``error: ...`` with exit code 2 and no traceback."""
+    argv = ["--dataset-name-or-path", str(saved_dataset_dict), "--split", "dev", "--output-prefix", str(tmp_path / "o")]
+    assert main(argv + ["--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "not 'dev'" in err and "Traceback" not in err
