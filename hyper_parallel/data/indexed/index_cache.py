@@ -1,0 +1,144 @@
+"""On-disk caches of index arrays (document, sample, shuffle and blending indices).
+
+Owns: the cache key, the file names, atomic publication and loading. The key is the MD5 of a readable JSON
+description that lists every setting that changes the arrays (unlike megatron-core's, whose key omits
+``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices). Arrays are written under
+temporary names and renamed; the description is written last and marks the entry complete. One process builds
+while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
+Not responsible for: computing the arrays (``indexed_helpers``) or deciding what they mean (the datasets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.parallel.build_barrier import build_once
+
+__all__ = ["IndexCache", "LazyArrays"]
+
+logger = get_logger("hyper_parallel.data.indexed.index_cache")
+
+
+class LazyArrays(Mapping):
+    """Index arrays memory-mapped on first access (``defer_npy_index_mmap``)."""
+
+    def __init__(self, paths: dict[str, Path]) -> None:
+        self._paths = paths
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = np.load(self._paths[name], mmap_mode="r", allow_pickle=False)
+        return self._arrays[name]
+
+    def __iter__(self):
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            return True
+    except OSError:
+        return False
+
+
+class IndexCache:
+    """One cache entry: ``<dir>/<md5>-<kind>-<split>-{description.txt,<name>.npy}``.
+
+    Args:
+        directory: the cache directory, or None to keep arrays in memory only.
+        kind: the dataset class name, e.g. ``"GPTDataset"``.
+        split: ``"train"``, ``"valid"`` or ``"test"``.
+        description: every setting that determines the arrays; serialised with ``json.dumps(indent=4)``.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, kind: str, split: str, description: dict) -> None:
+        self.description_text = json.dumps(description, indent=4)
+        self.key = hashlib.md5(self.description_text.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self.directory = None if directory is None else Path(directory)
+        self._stem = f"{self.key}-{kind}-{split}"
+
+    def path(self, name: str) -> Path:
+        assert self.directory is not None
+        suffix = "txt" if name == "description" else "npy"
+        return self.directory / f"{self._stem}-{name}.{suffix}"
+
+    def is_complete(self, names: tuple[str, ...]) -> bool:
+        return all(self.path(name).is_file() for name in (*names, "description"))
+
+    def _publish(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, array in arrays.items():
+            temporary = self.path(name).with_name(f"{self.path(name).name}.tmp-{os.getpid()}")
+            with open(temporary, "wb") as f:
+                np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+            os.replace(temporary, self.path(name))
+        description = self.path("description")
+        temporary = description.with_name(f"{description.name}.tmp-{os.getpid()}")
+        temporary.write_text(self.description_text, encoding="utf-8")
+        os.replace(temporary, description)  # last: marks the entry complete
+
+    def load(self, names: tuple[str, ...], defer: bool = False) -> Mapping[str, np.ndarray]:
+        """Memory-map the arrays now, or on first access with ``defer``."""
+        arrays = LazyArrays({name: self.path(name) for name in names})
+        if not defer:
+            for name in names:
+                arrays[name]  # noqa: B018 - map now
+        return arrays
+
+    def get_or_build(
+        self,
+        names: tuple[str, ...],
+        build: Callable[[], dict[str, np.ndarray]],
+        *,
+        assume_complete: bool = False,
+        defer: bool = False,
+        synchronize: bool = True,
+    ) -> Mapping[str, np.ndarray]:
+        """Load the entry, building it first if needed (once, whoever else asks at the same time).
+
+        Args:
+            names: the arrays of the entry.
+            build: computes them.
+            assume_complete: skip existence checks and waiting (``fast_cache_load``).
+            defer: map the files on first access (``defer_npy_index_mmap``).
+            synchronize: hold other ranks while rank 0 builds (every rank must then call this).
+        """
+        if self.directory is None:
+            return build()
+        if assume_complete:
+            return self.load(names, defer)
+        if not _writable(self.directory):
+            if self.is_complete(names):
+                return self.load(names, defer)
+            logger.warning(
+                "cache directory %s is not writable; building the %s indices in memory (set data_cache_path to a "
+                "writable directory to build them once and share them)",
+                self.directory,
+                self._stem,
+            )
+            return build()
+
+        def build_and_publish() -> None:
+            logger.info("building the %s indices in %s", self._stem, self.directory)
+            self._publish(build())
+
+        build_once(
+            lambda: self.is_complete(names),
+            build_and_publish,
+            self.directory / f"{self._stem}.lock",
+            synchronize=synchronize,
+        )
+        return self.load(names, defer)

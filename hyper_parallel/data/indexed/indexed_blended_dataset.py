@@ -1,0 +1,123 @@
+"""``BlendedDataset``: several mid-level datasets of one split mixed by weight, in megatron-core's order.
+
+Owns: the blending indices (``dataset_index`` int16, ``dataset_sample_index`` int64), their cache, and the check
+that no source is asked for more samples than it has. Not responsible for: building the sources or choosing
+their sizes (``indexed_split_builder``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.index_cache import IndexCache
+from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
+from hyper_parallel.data.indexed.indexed_helpers import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+    normalize_weights,
+)
+
+__all__ = ["BlendedDataset"]
+
+_INDEX_NAMES = ("dataset_index", "dataset_sample_index")
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """Draw samples from ``datasets`` in proportion to ``weights`` until ``size`` samples.
+
+    At each step the source with the largest deficit (``weight * max(step, 1) - drawn``, ties to the lowest
+    index) gives its next sample. With ``size=None`` the weights are the sources' sizes and every sample of every
+    source is used once. Each sample carries ``dataset_id``, the index of its source.
+
+    Args:
+        datasets: mid-level datasets of one split (each with ``unique_identifiers``).
+        weights: positive weights (normalised here), or the integer source sizes when ``size`` is None.
+        size: samples in the blend, or None for the exhaustive blend.
+        config: the Indexed-path settings (cache directory, fast loading).
+        split: the split name, for the cache key.
+        synchronize: wait for rank 0 to build the cache.
+    """
+
+    kind = "BlendedDataset"
+
+    def __init__(
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        size: int | None,
+        config: IndexedDataConfig,
+        split: str,
+        synchronize: bool = True,
+    ) -> None:
+        if not datasets:
+            raise DataConfigError("a blend needs at least one dataset")
+        if len(datasets) >= 32767:
+            raise DataConfigError(f"a blend holds at most 32766 datasets (int16 ids), got {len(datasets)}")
+        if len(weights) != len(datasets):
+            raise DataConfigError(f"{len(weights)} weights for {len(datasets)} datasets")
+        self.datasets = list(datasets)
+        self.weights = normalize_weights(weights) if size is not None else [int(w) for w in weights]
+        self.size = size
+        self.split = split
+        self.config = config
+        self.unique_identifiers = {
+            "class": self.kind,
+            "datasets": [dataset.unique_identifiers for dataset in self.datasets],
+            "split": split,
+            "weights": self.weights,
+            "size": size,
+        }
+        cache = IndexCache(config.data_cache_path, self.kind, split, self.unique_identifiers)
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
+            _INDEX_NAMES,
+            self._build_indices,
+            assume_complete=config.fast_cache_load,
+            defer=config.defer_npy_index_mmap,
+            synchronize=synchronize and not config.fast_cache_load,
+        )
+        if config.defer_npy_index_mmap:
+            self._length = size if size is not None else sum(self.weights)
+        else:
+            self._length = len(self._arrays["dataset_index"])
+            self._check_sources()
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        if self.size is None:
+            dataset_index, sample_index = build_exhaustive_blending_indices(self.weights)
+        else:
+            dataset_index, sample_index = build_blending_indices(self.weights, self.size)
+        return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+
+    def _check_sources(self) -> None:
+        """Every source must hold the samples the blend takes from it."""
+        needed = np.bincount(self._arrays["dataset_index"], minlength=len(self.datasets))
+        for source, (dataset, count) in enumerate(zip(self.datasets, needed, strict=True)):
+            if count > len(dataset):
+                raise DataConfigError(
+                    f"blend source {source} ({getattr(dataset, 'dataset_path', None)}, {self.split} split) has "
+                    f"{len(dataset)} samples but the blend needs {int(count)}; raise mid_level_dataset_surplus, "
+                    "lower its weight, or give it more data"
+                )
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def dataset_index(self) -> np.ndarray:
+        return self._arrays["dataset_index"]
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray:
+        return self._arrays["dataset_sample_index"]
+
+    def __getitem__(self, idx: int) -> dict:
+        dataset_id = int(self.dataset_index[idx])
+        sample = self.datasets[dataset_id][int(self.dataset_sample_index[idx])]
+        return {"dataset_id": dataset_id, **sample}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        return [self[i] for i in indices]

@@ -1,0 +1,254 @@
+"""Configuration of the Indexed path: the typed config, split strings, blend lists and data-path discovery.
+
+Owns: ``IndexedDataConfig`` (validated at construction), turning ``split`` into contiguous per-split ranges
+exactly as megatron-core does, parsing ``data_path`` (a prefix, a directory, or a Megatron blend list such as
+``["30", prefix_a, "70", prefix_b]``) into a ``Blend``. Not responsible for: opening files or building datasets
+(``indexed_split_builder``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+
+__all__ = [
+    "SPLIT_NAMES",
+    "Blend",
+    "IndexedDataConfig",
+    "parse_blend",
+    "parse_split",
+    "split_matrix",
+    "split_range",
+]
+
+SPLIT_NAMES = ("train", "valid", "test")
+SIMPLE_BLEND_MODES = ("no", "inter", "intra")
+DataPath = str | os.PathLike | Sequence[str | os.PathLike]
+
+
+@dataclass(frozen=True)
+class Blend:
+    """Dataset prefixes and, optionally, their raw (unnormalised) weights."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefixes:
+            raise DataConfigError("a blend needs at least one dataset prefix")
+        if self.weights is not None:
+            if len(self.weights) != len(self.prefixes):
+                raise DataConfigError(f"{len(self.weights)} weights for {len(self.prefixes)} prefixes")
+            for prefix, weight in zip(self.prefixes, self.weights, strict=True):
+                if not math.isfinite(weight) or weight <= 0:
+                    raise DataConfigError(
+                        f"blend weight {weight} of '{prefix}' must be a positive number; drop the source instead "
+                        "of giving it weight 0"
+                    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexedDataConfig:
+    """Every setting of the Indexed path (001 sections 11.2 and 11.3).
+
+    Attributes:
+        seq_length: tokens per sample (S).
+        split: train/valid/test proportions such as ``"98, 1, 1"``; ignored when per-split paths are given.
+        random_seed: seeds every index shuffle (legacy ``numpy.random.RandomState``, as megatron-core).
+        mock_data: use synthetic documents instead of files (``MockGPTDataset``).
+        is_dataset_from_mr: the data are offline-packed records of ``seq_length + add_extra_token_to_sequence``
+            tokens (``GPTFromMRDataset``) instead of variable-length documents (``GPTDataset``).
+        simple_blend: ``"no"`` (weighted ``BlendedDataset``), ``"inter"`` (round-robin) or ``"intra"``
+            (one source after another); the last two need ``is_dataset_from_mr``.
+        data_lazy_load: build each mid-level dataset on first use (``LazyDatasetProxy``).
+        skip_data_check: do not check packed records for length and pad tokens, nor the data-kind pairing.
+        create_ltor_fields_in_dataloader: samples also carry ``loss_mask``, ``position_ids`` (and
+            ``attention_mask`` when ``create_attention_mask``).
+        add_extra_token_to_sequence: read S + 1 tokens per sample so labels are the shifted tokens.
+        drop_last_partial_validation_sequence: drop (True) or pad (False) the last partial validation sample.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: the LTR field options.
+        allow_ambiguous_pad_tokens: keep a pad id that equals another special token (otherwise -1 is used).
+        data_cache_path: where index caches go; default ``<prefix dir>/cache/GPTDataset_indices``.
+        train_data_path, valid_data_path, test_data_path: separate sources per split (then ``split`` is unused).
+        mid_level_dataset_surplus: extra fraction of samples built per blended source.
+        mmap_bin_files: memory-map ``.bin`` files (else one ``pread`` per read).
+        fast_cache_load: assume the caches exist: no existence checks, no barriers.
+        defer_npy_index_mmap: map cached index files on first access.
+        per_dataset_sequences_path: a JSON file of ``{prefix: [sequence_count, document_count]}`` read instead
+            of every ``.idx`` header (``tools.build_sequences_per_dataset``).
+    """
+
+    seq_length: int
+    split: str | None = "969, 30, 1"
+    random_seed: int = 1234
+    mock_data: bool = False
+    is_dataset_from_mr: bool = False
+    simple_blend: str = "no"
+    data_lazy_load: bool = False
+    skip_data_check: bool = False
+    create_ltor_fields_in_dataloader: bool = False
+    create_attention_mask: bool = True
+    add_extra_token_to_sequence: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    allow_ambiguous_pad_tokens: bool = False
+    data_cache_path: str | None = None
+    train_data_path: DataPath | None = None
+    valid_data_path: DataPath | None = None
+    test_data_path: DataPath | None = None
+    mid_level_dataset_surplus: float = 0.005
+    mmap_bin_files: bool = True
+    fast_cache_load: bool = False
+    defer_npy_index_mmap: bool = False
+    per_dataset_sequences_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seq_length, int) or self.seq_length < 1:
+            raise DataConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
+        if self.simple_blend not in SIMPLE_BLEND_MODES:
+            raise DataConfigError(f"simple_blend must be one of {SIMPLE_BLEND_MODES}, got {self.simple_blend!r}")
+        if self.simple_blend != "no" and not self.is_dataset_from_mr:
+            raise DataConfigError(
+                f"simple_blend: {self.simple_blend!r} works on offline-packed records only; set "
+                "is_dataset_from_mr: true, or use simple_blend: 'no' for variable-length documents"
+            )
+        if self.mid_level_dataset_surplus < 0:
+            raise DataConfigError(f"mid_level_dataset_surplus must be >= 0, got {self.mid_level_dataset_surplus}")
+        if not 0 <= self.random_seed < 2**32:
+            raise DataConfigError(f"random_seed must be in [0, 2**32), got {self.random_seed}")
+        if self.split is not None and not self.has_per_split_paths:
+            split_matrix(self.split)  # validates
+        if (self.fast_cache_load or self.defer_npy_index_mmap) and self.data_cache_path is None:
+            raise DataConfigError(
+                "fast_cache_load and defer_npy_index_mmap read an existing cache; set data_cache_path to it "
+                "(build it first with `python -m hyper_parallel.data.tools.prepare_cache`)"
+            )
+        if self.mock_data and self.is_dataset_from_mr:
+            raise DataConfigError(
+                "mock_data makes variable-length documents; it cannot be used with is_dataset_from_mr"
+            )
+
+    @property
+    def has_per_split_paths(self) -> bool:
+        return any(p is not None for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
+
+    @property
+    def extra_token(self) -> int:
+        """1 when samples read one extra token for the shifted labels, else 0."""
+        return int(self.add_extra_token_to_sequence)
+
+    @classmethod
+    def from_mapping(cls, values: dict) -> IndexedDataConfig:
+        """Build from a plain mapping (e.g. a YAML ``data_config``); unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise DataConfigError(f"unknown data_config key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**values)
+
+    def load_sequences_per_dataset(self) -> dict[str, tuple[int, int]] | None:
+        """The ``{prefix: (sequence_count, document_count)}`` file named by ``per_dataset_sequences_path``."""
+        if self.per_dataset_sequences_path is None:
+            return None
+        path = Path(self.per_dataset_sequences_path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DataFileError(
+                f"per_dataset_sequences_path {path} does not exist; write it with "
+                "`python -m hyper_parallel.data.tools.build_sequences_per_dataset`"
+            ) from None
+        except json.JSONDecodeError as error:
+            raise DataFileError(f"{path}: invalid JSON ({error}); regenerate it") from None
+        return {prefix: (int(v[0]), int(v[1])) for prefix, v in raw.items()}
+
+
+# -- split ---------------------------------------------------------------------------------------------------------
+
+
+def parse_split(split: str) -> list[float]:
+    """``"98, 1, 1"`` to normalised proportions ``[0.98, 0.01, 0.01]``; any separator works, missing values are 0."""
+    values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    if not values or len(values) > 3 or re.search(r"-\s*[.0-9]", split):
+        raise DataConfigError(f"split {split!r} must hold one to three non-negative numbers, such as '98, 1, 1'")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    if total <= 0:
+        raise DataConfigError(f"split {split!r} gives every split a share of 0; give the train split a share")
+    # float64 division as numpy does it, so boundaries match megatron-core bit for bit
+    return [v / total for v in values]
+
+
+def split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """Per-split ``(begin, end)`` fractions; a zero-width split is None. The first bound is the int 0, as upstream."""
+    bounds: list[float] = [0]
+    for value in parse_split(split):
+        bounds.append(bounds[-1] + value)
+    return [(b, e) if e > b else None for b, e in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def split_range(bookend: tuple[float, float] | None, num_elements: int) -> tuple[int, int] | None:
+    """Element range ``[begin, end)`` of a split; Python's round-half-even, as megatron-core."""
+    if bookend is None:
+        return None
+    return int(round(bookend[0] * float(num_elements))), int(round(bookend[1] * float(num_elements)))
+
+
+# -- blends --------------------------------------------------------------------------------------------------------
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _discover_prefixes(directory: Path) -> list[str]:
+    """Every ``<prefix>.bin``/``.idx`` pair below ``directory``, sorted by path (deterministic)."""
+    prefixes = sorted(str(p.with_suffix("")) for p in directory.rglob("*.idx") if p.with_suffix(".bin").is_file())
+    if not prefixes:
+        raise DataFileError(f"no .bin/.idx pairs found under the directory {directory}")
+    return prefixes
+
+
+def parse_blend(data_path: DataPath) -> Blend:
+    """Turn ``data_path`` into a ``Blend``.
+
+    Accepted forms: one prefix; a directory (every ``.bin``/``.idx`` pair below it, sorted, unweighted); a list of
+    prefixes (unweighted); a Megatron blend list ``[weight, prefix, weight, prefix, ...]``. A list that mixes
+    numbers and prefixes in any other way is an error naming the entry, never silently reread as prefixes.
+    """
+    if isinstance(data_path, (str, os.PathLike)):
+        path = Path(data_path)
+        if path.is_dir():
+            return Blend(tuple(_discover_prefixes(path)))
+        entries = str(data_path).split()
+    else:
+        entries = [str(entry) for entry in data_path]
+    entries = [e.strip() for e in entries if e.strip()]
+    if not entries:
+        raise DataConfigError("data_path is empty; give a prefix, a directory or a blend list")
+    numbers = [_as_number(e) for e in entries]
+    if all(n is None for n in numbers):
+        expanded: list[str] = []
+        for entry in entries:
+            expanded += _discover_prefixes(Path(entry)) if Path(entry).is_dir() else [entry]
+        return Blend(tuple(expanded))
+    weights, prefixes = numbers[0::2], entries[1::2]
+    if len(entries) % 2 or any(w is None for w in weights) or any(n is not None for n in numbers[1::2]):
+        position = next((i for i, n in enumerate(numbers) if (i % 2 == 0) == (n is None)), len(entries) - 1)
+        raise DataConfigError(
+            f"malformed blend list {entries}: entry {position} ({entries[position]!r}) breaks the "
+            "[weight, prefix, weight, prefix, ...] pattern; give a weight before every prefix, or no weights at all"
+        )
+    return Blend(tuple(prefixes), tuple(float(w) for w in weights))

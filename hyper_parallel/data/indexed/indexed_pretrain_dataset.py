@@ -1,0 +1,447 @@
+"""Mid-level datasets of the Indexed path: fixed-length samples for causal LM pre-training.
+
+* ``GPTDataset``: variable-length documents packed into samples across document boundaries, through the
+  document, sample and shuffle indices of megatron-core (same values, dtypes and order for the same inputs).
+* ``GPTFromMRDataset``: records already packed offline to ``seq_length + add_extra_token`` tokens, read as is.
+* ``MockGPTDataset``: ``GPTDataset`` over synthetic documents (``MockGPTLowLevelDataset``).
+
+Every sample is ``{"tokens", "labels", "loss_mask"}`` (int64, int64, float32; ``labels[i]`` is the target of
+``tokens[i]``), plus ``position_ids`` and ``attention_mask`` with ``create_ltor_fields_in_dataloader``. The loss
+mask is always there because it is the only record of padding (pad ids are replaced by 0, as upstream).
+
+Owns: assembling samples and their index caches. Not responsible for: splits and blends
+(``indexed_split_builder``), reading files (``indexed_data_reader``), batching.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.index_cache import IndexCache
+from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
+from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
+from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+
+__all__ = ["GPTDataset", "GPTFromMRDataset", "MockGPTDataset", "MockGPTLowLevelDataset", "resolve_special_tokens"]
+
+_SENTINEL_PAD = -1  # never a token id, so real tokens are never masked as padding
+_INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+def resolve_special_tokens(tokenizer, allow_ambiguous_pad_tokens: bool) -> tuple[int, int]:
+    """``(eod, pad)`` ids as megatron-core resolves them.
+
+    The pad id is the tokenizer's, or -1 when it has none or when it equals another special token (EOS/EOD, or
+    any entry of ``special_tokens_dict``), unless ``allow_ambiguous_pad_tokens``.
+    """
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None:
+        eod = getattr(tokenizer, "eos_token_id", None)
+    if eod is None:
+        raise DataConfigError("the tokenizer has no EOD/EOS token id; the Indexed path needs one")
+    pad = getattr(tokenizer, "pad", None)
+    if pad is None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        return int(eod), _SENTINEL_PAD
+    specials = dict(getattr(tokenizer, "special_tokens_dict", None) or {})
+    others = [v for k, v in specials.items() if k != "pad_token"] or [
+        getattr(tokenizer, "eos", getattr(tokenizer, "eos_token_id", None)),
+        eod,
+    ]
+    if pad in others:
+        if not allow_ambiguous_pad_tokens:
+            warnings.warn(
+                f"the tokenizer's pad id {pad} equals another special token; padding uses -1 instead so that real "
+                "tokens are never masked (set allow_ambiguous_pad_tokens to keep it)",
+                stacklevel=3,
+            )
+            return int(eod), _SENTINEL_PAD
+        warnings.warn(f"the tokenizer's pad id {pad} equals another special token; keeping it", stacklevel=3)
+    return int(eod), int(pad)
+
+
+def _tokenizer_identity(tokenizer) -> object:
+    for attribute in ("fingerprint", "unique_identifiers"):
+        value = getattr(tokenizer, attribute, None)
+        if value is not None:
+            return value
+    return type(tokenizer).__name__
+
+
+class _SampleMaker:
+    """Turns rows of ``seq_length + x`` token ids into sample dicts (shift, padding rule, LTR fields)."""
+
+    def __init__(self, config: IndexedDataConfig, eod: int, pad: int) -> None:
+        self.config = config
+        self.eod = eod
+        self.pad = pad
+        self.length = config.seq_length + config.extra_token
+        # Without per-document resets the LTR fields do not depend on the tokens: compute them once and share
+        # them between samples, as upstream does.
+        self._constant = None
+        if not (config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss):
+            fields = self._fields(np.zeros(config.seq_length, np.int64))
+            self._constant = (
+                fields.loss_mask,
+                torch.from_numpy(fields.position_ids),
+                None if fields.attention_mask is None else torch.from_numpy(fields.attention_mask),
+            )
+
+    def _fields(self, tokens: np.ndarray):
+        config = self.config
+        return ltor_fields(
+            tokens,
+            self.eod,
+            config.reset_position_ids,
+            config.reset_attention_mask,
+            config.eod_mask_loss,
+            config.create_ltor_fields_in_dataloader and config.create_attention_mask,
+        )
+
+    def pad_rows(self, texts: Sequence[np.ndarray]) -> np.ndarray:
+        """Stack texts into a ``[B, seq_length + x]`` int64 matrix, padding short ones with the pad id."""
+        matrix = np.full((len(texts), self.length), self.pad, dtype=np.int64)
+        for row, text in zip(matrix, texts, strict=True):
+            row[: len(text)] = text
+        return matrix
+
+    def __call__(self, text: np.ndarray, padding_rows: np.ndarray | None = None) -> list[dict[str, torch.Tensor]]:
+        """Samples of the rows of ``text`` (``[B, seq_length + x]`` token ids, any integer dtype; short samples
+        already padded with the pad id); ``padding_rows`` get a zero loss mask."""
+        x = self.config.extra_token
+        tokens = text[:, : self.config.seq_length].astype(np.int64)
+        if x:
+            labels = text[:, 1:].astype(np.int64)
+        else:
+            labels = np.empty_like(tokens)
+            labels[:, :-1] = tokens[:, 1:]
+            labels[:, -1] = self.pad
+        if self._constant is not None:
+            loss_mask = np.repeat(self._constant[0][None], len(text), axis=0)
+            per_row = None
+        else:
+            per_row = [self._fields(row) for row in tokens]
+            loss_mask = np.stack([fields.loss_mask for fields in per_row])
+        # Pad positions are rare: find them once in the raw ids (a -1 sentinel cannot occur in unsigned data).
+        if not (self.pad < 0 and text.dtype.kind == "u"):
+            rows, columns = np.nonzero(text == self.pad)
+            in_tokens = columns < self.config.seq_length
+            tokens[rows[in_tokens], columns[in_tokens]] = 0
+            # labels[:, j] is text[:, j + 1] (with x = 0 the last label is the rolled-in pad, added below)
+            label_rows, label_columns = rows[columns >= 1], columns[columns >= 1] - 1
+            if not x:
+                label_rows = np.concatenate((label_rows, np.arange(len(text))))
+                label_columns = np.concatenate((label_columns, np.full(len(text), self.config.seq_length - 1)))
+            valid = label_columns < self.config.seq_length
+            labels[label_rows[valid], label_columns[valid]] = 0
+            loss_mask[label_rows[valid], label_columns[valid]] = 0.0
+        if padding_rows is not None and padding_rows.any():
+            loss_mask[padding_rows] = 0.0
+        tokens_t, labels_t, loss_t = torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask)
+        samples = [{"tokens": tokens_t[b], "labels": labels_t[b], "loss_mask": loss_t[b]} for b in range(len(text))]
+        if self.config.create_ltor_fields_in_dataloader:
+            for b, sample in enumerate(samples):
+                if per_row is None:
+                    position_ids, attention_mask = self._constant[1], self._constant[2]
+                else:
+                    position_ids = torch.from_numpy(per_row[b].position_ids)
+                    mask = per_row[b].attention_mask
+                    attention_mask = None if mask is None else torch.from_numpy(mask)
+                if attention_mask is not None:
+                    sample["attention_mask"] = attention_mask
+                sample["position_ids"] = position_ids
+        return samples
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Fixed-length samples cut across variable-length documents, in megatron-core's order.
+
+    Args:
+        low_level: an ``IndexedDataReader`` (or ``MockGPTLowLevelDataset``).
+        dataset_path: the prefix, recorded in the cache key; None for mock data.
+        indices: the split's sequence ids (a contiguous range), int32.
+        num_samples: samples to provide; None means exactly one epoch of the split.
+        split: ``"train"``, ``"valid"`` or ``"test"``.
+        config: the Indexed-path settings.
+        tokenizer: anything with ``eod``/``eos_token_id`` and ``pad``/``pad_token_id``.
+        synchronize: wait for rank 0 to build the cache (every rank must then build this dataset).
+    """
+
+    kind = "GPTDataset"
+
+    def __init__(
+        self,
+        low_level,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        split: str,
+        config: IndexedDataConfig,
+        tokenizer,
+        synchronize: bool = True,
+    ) -> None:
+        self.dataset = low_level
+        self.dataset_path = dataset_path
+        self.indices = np.asarray(indices, dtype=np.int32)
+        self.num_samples = num_samples
+        self.split = split
+        self.config = config
+        eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
+        self._make_sample = _SampleMaker(config, eod, pad)
+        self._drop_last = split != "valid" or config.drop_last_partial_validation_sequence
+        self.tokens_per_epoch = int(np.sum(low_level.sequence_lengths[self.indices], dtype=np.int64))
+        self.unique_identifiers = {
+            "class": self.kind,
+            "dataset_path": dataset_path,
+            "num_samples": num_samples,
+            "index_split": split,
+            "random_seed": config.random_seed,
+            "sequence_length": config.seq_length,
+            "split": config.split,
+            "add_extra_token_to_sequence": config.add_extra_token_to_sequence,
+            "drop_last_partial_sequence": self._drop_last,
+            "sequences": [int(self.indices[0]), int(self.indices[-1]) + 1] if len(self.indices) else [0, 0],
+            "tokens_per_epoch": self.tokens_per_epoch,
+            "tokenizer": _tokenizer_identity(tokenizer),
+        }
+        cache = IndexCache(self._cache_directory(), self.kind, split, self.unique_identifiers)
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
+            _INDEX_NAMES,
+            self._build_indices,
+            assume_complete=config.fast_cache_load,
+            defer=config.defer_npy_index_mmap,
+            synchronize=synchronize and not config.fast_cache_load,
+        )
+        self._length = self._expected_length() if config.defer_npy_index_mmap else len(self._arrays["shuffle_index"])
+
+    def _cache_directory(self) -> str | None:
+        if self.config.data_cache_path is not None:
+            return self.config.data_cache_path
+        if self.dataset_path is None:
+            return None  # mock data: rebuilt in memory
+        return f"{self.dataset_path}/cache/GPTDataset_indices"
+
+    def _where(self) -> str:
+        return (
+            f"{self.dataset_path or 'mock data'} ({self.split} split, sequences {self.unique_identifiers['sequences']})"
+        )
+
+    def _expected_length(self) -> int:
+        """The sample count without opening the indices (``defer_npy_index_mmap``), exactly as they are built."""
+        config = self.config
+        epochs = num_epochs(
+            self.tokens_per_epoch,
+            config.seq_length,
+            self.num_samples,
+            config.add_extra_token_to_sequence,
+            self._where(),
+        )
+        return sample_count(
+            epochs, self.tokens_per_epoch, config.seq_length, self._drop_last, config.add_extra_token_to_sequence
+        )
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        config = self.config
+        indices = build_gpt_indices(
+            self.dataset.sequence_lengths,
+            self.indices,
+            config.seq_length,
+            self.num_samples,
+            config.random_seed,
+            self._drop_last,
+            config.add_extra_token_to_sequence,
+            self._where(),
+        )
+        return {name: getattr(indices, name) for name in _INDEX_NAMES}
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def document_index(self) -> np.ndarray:
+        return self._arrays["document_index"]
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        return self._arrays["sample_index"]
+
+    @property
+    def shuffle_index(self) -> np.ndarray:
+        return self._arrays["shuffle_index"]
+
+    def text(self, idx: int) -> np.ndarray:
+        """The ``seq_length + x`` token ids of sample ``idx`` (fewer for a final partial sample), int64."""
+        if not -self._length <= idx < self._length:
+            raise IndexError(f"sample {idx} is out of range for {self._where()} with {self._length} samples")
+        x = self.config.extra_token
+        j = int(self.shuffle_index[idx])
+        d0, o0 = (int(v) for v in self.sample_index[j])
+        d1, o1 = (int(v) for v in self.sample_index[j + 1])
+        documents = self.document_index
+        if d0 == d1:
+            return self.dataset.get(int(documents[d0]), offset=o0, length=o1 - o0 + x).astype(np.int64)
+        pieces = [self.dataset.get(int(documents[d0]), offset=o0)]
+        pieces += [self.dataset.get(int(d)) for d in documents[d0 + 1 : d1]]
+        pieces.append(self.dataset.get(int(documents[d1]), offset=0, length=o1 + x))
+        return np.concatenate(pieces).astype(np.int64)
+
+    def texts(self, indices: Sequence[int]) -> np.ndarray:
+        """``[B, seq_length + x]`` int64 token ids of many samples, padded with the pad id, in few numpy calls.
+
+        Every sample is a run of pieces (a document tail, whole documents, a document head); all pieces of all
+        samples are listed at once and read with one ``gather`` on the low-level data.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) and (idx.min() < -self._length or idx.max() >= self._length):
+            raise IndexError(f"a sample index is out of range for {self._where()} with {self._length} samples")
+        idx = np.where(idx < 0, idx + self._length, idx)
+        x = self.config.extra_token
+        rows = np.asarray(self.shuffle_index[idx], dtype=np.int64)
+        begin = np.asarray(self.sample_index[rows], dtype=np.int64)
+        end = np.asarray(self.sample_index[rows + 1], dtype=np.int64)
+        counts = end[:, 0] - begin[:, 0] + 1  # pieces per sample
+        first_piece = np.cumsum(counts) - counts
+        piece_rank = np.arange(int(counts.sum())) - np.repeat(first_piece, counts)  # 0 for a sample's first piece
+        documents = np.asarray(self.document_index[np.repeat(begin[:, 0], counts) + piece_rank], dtype=np.int64)
+        is_last = piece_rank == np.repeat(counts - 1, counts)
+        starts = np.where(piece_rank == 0, np.repeat(begin[:, 1], counts), 0)
+        ends = np.where(is_last, np.repeat(end[:, 1], counts) + x, self.dataset.sequence_lengths[documents])
+        flat = self.dataset.gather(documents, starts, ends - starts)
+        if len(flat) == len(idx) * self._make_sample.length:
+            return flat.reshape(len(idx), -1)
+        sample_lengths = np.bincount(np.repeat(np.arange(len(idx)), counts), weights=ends - starts, minlength=len(idx))
+        return self._make_sample.pad_rows(np.split(flat, np.cumsum(sample_lengths[:-1]).astype(np.int64)))
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        """Sample ``idx``; ``None`` is a batch-padding sample (sample 0 with a zero loss mask), as upstream."""
+        text = self._make_sample.pad_rows([self.text(0 if idx is None else int(idx))])
+        return self._make_sample(text, np.array([idx is None]))[0]
+
+    def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
+        """Many samples at once (torch's DataLoader calls this when it exists): one vectorised read for all."""
+        padding = np.array([i is None for i in indices])
+        return self._make_sample(self.texts([0 if i is None else i for i in indices]), padding)
+
+
+class GPTFromMRDataset(torch.utils.data.Dataset):
+    """Offline-packed records (``offline_preparation --pack-to-seq-len``), read in split order, no index cache.
+
+    Each record must hold exactly ``seq_length + add_extra_token_to_sequence`` tokens and no pad token, unless
+    ``skip_data_check``.
+    """
+
+    kind = "GPTFromMRDataset"
+
+    def __init__(
+        self,
+        low_level,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        split: str,
+        config: IndexedDataConfig,
+        tokenizer,
+        synchronize: bool = True,
+    ) -> None:
+        del synchronize  # nothing is cached
+        self.dataset = low_level
+        self.dataset_path = dataset_path
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.split = split
+        self.config = config
+        eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
+        self._make_sample = _SampleMaker(config, eod, pad)
+        self._record_length = config.seq_length + config.extra_token
+        if num_samples is not None and num_samples > len(self.indices):
+            raise DataConfigError(
+                f"{dataset_path} ({split} split) holds {len(self.indices)} packed records but {num_samples} samples "
+                "were requested; packed records are not repeated. Request fewer samples, give the split a larger "
+                "share, or prepare more data"
+            )
+        self.num_samples = len(self.indices) if num_samples is None else num_samples
+        if not config.skip_data_check:
+            lengths = np.asarray(low_level.sequence_lengths)[self.indices]
+            wrong = np.flatnonzero(lengths != self._record_length)
+            if wrong.size:
+                record = int(self.indices[wrong[0]])
+                raise DataFileError(
+                    f"{dataset_path}: record {record} has {int(lengths[wrong[0]])} tokens, but packed records must "
+                    f"have seq_length + add_extra_token_to_sequence = {self._record_length} ({wrong.size} records "
+                    "differ). Prepare the data with --pack-to-seq-len "
+                    f"{config.seq_length}, or set is_dataset_from_mr: false for variable-length documents"
+                )
+        self.unique_identifiers = {
+            "class": self.kind,
+            "dataset_path": dataset_path,
+            "num_samples": self.num_samples,
+            "index_split": split,
+            "sequence_length": config.seq_length,
+            "split": config.split,
+        }
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def text(self, idx: int) -> np.ndarray:
+        if not -self.num_samples <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} is out of range for {self.dataset_path} with {self.num_samples} records")
+        record = int(self.indices[idx])
+        text = np.asarray(self.dataset.get(record), dtype=np.int64)
+        if not self.config.skip_data_check and (text == self._make_sample.pad).any():
+            raise DataFileError(
+                f"{self.dataset_path}: record {record} contains the pad token {self._make_sample.pad}; packed records "
+                "must be packed without padding. Re-pack the data, or set skip_data_check: true to accept it"
+            )
+        return text
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        return self.__getitems__([idx])[0]
+
+    def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
+        padding = np.array([i is None for i in indices])
+        texts = self._make_sample.pad_rows([self.text(0 if i is None else int(i)) for i in indices])
+        return self._make_sample(texts, padding)
+
+
+class MockGPTLowLevelDataset:
+    """100,000 synthetic documents, as megatron-core's mock: document i is ``[1, 2, ..., L-1] % vocab`` + EOD.
+
+    Lengths are drawn uniformly from [1, 4096) by ``numpy.random.default_rng(0)``.
+    """
+
+    size = 100_000
+    max_sequence_length = 4096
+
+    def __init__(self, vocab_size: int, eod: int) -> None:
+        self.vocab_size = vocab_size
+        self.eod = eod
+        rng = np.random.default_rng(seed=0)
+        self.sequence_lengths = rng.integers(1, self.max_sequence_length, size=self.size, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        length = int(self.sequence_lengths[idx])
+        return np.concatenate([(np.arange(length - 1) + 1) % self.vocab_size, [self.eod]]).astype(np.int64)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if length is None:
+            length = int(self.sequence_lengths[idx]) - offset
+        return self[idx][offset : offset + length]
+
+    def gather(self, sequence_ids, offsets, lengths) -> np.ndarray:
+        pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
+        return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
+
+class MockGPTDataset(GPTDataset):
+    """``GPTDataset`` over ``MockGPTLowLevelDataset`` (``mock_data: true``); indices are kept in memory."""
+
+    kind = "MockGPTDataset"

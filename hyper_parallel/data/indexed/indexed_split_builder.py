@@ -1,0 +1,200 @@
+"""Assembling the Indexed path: low-level readers to train/valid/test mid-level datasets to blends.
+
+Owns: the split ranges of each prefix, how many samples each source builds, which blend (if any) tops each
+split, and lazy construction. It follows megatron-core's ``BlendedMegatronDatasetBuilder`` decisions exactly:
+a single unweighted prefix (or a single prefix per split) gives a plain mid-level dataset with the requested
+sample count; weighted sources build ``ceil(ceil(N * w) * (1 + surplus))`` samples each and are blended to
+``sum(ceil(N * w))`` samples; unweighted sources build one epoch each and are blended by their sizes.
+Not responsible for: sample contents (``indexed_pretrain_dataset``) or blending order (``indexed_blended_dataset``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
+from hyper_parallel.data.indexed.indexed_data_config import (
+    SPLIT_NAMES,
+    Blend,
+    IndexedDataConfig,
+    parse_blend,
+    split_matrix,
+    split_range,
+)
+from hyper_parallel.data.indexed.indexed_dataset import dataset_class, open_low_level
+from hyper_parallel.data.indexed.indexed_helpers import blended_sample_counts, normalize_weights
+from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
+from hyper_parallel.data.indexed.indexed_simple_blended_dataset import SimpleBlendedDataset
+
+__all__ = ["IndexedSplitBuilder"]
+
+logger = get_logger("hyper_parallel.data.indexed.indexed_split_builder")
+
+Bookends = list[tuple[float, float] | None]
+Sizes = Sequence[int | None]
+
+
+@dataclass
+class _Source:
+    """One prefix's low-level data, opened on first use."""
+
+    prefix: str | None
+    config: IndexedDataConfig
+    tokenizer: object
+    known_count: int | None = None  # from per_dataset_sequences_path: no need to open the .idx for splits
+    _data: object = None
+
+    @property
+    def data(self):
+        if self._data is None:
+            self._data = open_low_level(self.prefix, self.config, self.tokenizer)
+        return self._data
+
+    def __len__(self) -> int:
+        return self.known_count if self.known_count is not None else len(self.data)
+
+
+class IndexedSplitBuilder:
+    """Builds ``(train, valid, test)`` for an Indexed-path config.
+
+    Args:
+        config: the settings.
+        tokenizer: gives ``eod``/``pad`` (and ``vocab_size`` for mock data).
+        synchronize: with a process group, every rank calls ``build`` and rank 0 builds caches first.
+    """
+
+    def __init__(self, config: IndexedDataConfig, tokenizer, synchronize: bool = True) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.cls = dataset_class(config)
+        # Lazy datasets build at first use, at different moments on different ranks: file locks only.
+        self.synchronize = synchronize and not config.data_lazy_load and not config.fast_cache_load
+        self._sequences = config.load_sequences_per_dataset()
+
+    # -- mid-level ---------------------------------------------------------------------------------------------
+
+    def _source(self, prefix: str | None) -> _Source:
+        known = None
+        if self._sequences is not None and prefix is not None:
+            if prefix not in self._sequences:
+                raise DataConfigError(
+                    f"prefix '{prefix}' is missing from per_dataset_sequences_path "
+                    f"{self.config.per_dataset_sequences_path}; rebuild it for this data_path"
+                )
+            known = self._sequences[prefix][0]
+        return _Source(prefix, self.config, self.tokenizer, known)
+
+    def _mid_level(self, source: _Source, bookend, split_index: int, num_samples: int | None):
+        split = SPLIT_NAMES[split_index]
+        begin, end = split_range(bookend, len(source))
+        indices = np.arange(begin, end, dtype=np.int32)
+
+        def build():
+            return self.cls(
+                source.data, source.prefix, indices, num_samples, split, self.config, self.tokenizer, self.synchronize
+            )
+
+        if self.config.data_lazy_load:
+            return LazyDatasetProxy(build, f"{self.cls.__name__} {source.prefix} {split} [{begin}, {end})")
+        return build()
+
+    def _splits_of(self, prefix: str | None, matrix: Bookends, sizes: Sizes) -> list:
+        source = self._source(prefix)
+        return [None if matrix[i] is None else self._mid_level(source, matrix[i], i, sizes[i]) for i in range(3)]
+
+    # -- blends ------------------------------------------------------------------------------------------------
+
+    def _blend(self, datasets: list, weights: list[float] | None, size: int | None, split_index: int):
+        split = SPLIT_NAMES[split_index]
+        if self.config.simple_blend != "no":
+            return SimpleBlendedDataset(datasets, self.config.simple_blend, size)
+
+        def build():
+            return BlendedDataset(datasets, weights, size, self.config, split, self.synchronize)
+
+        if self.config.data_lazy_load:
+            return LazyDatasetProxy(build, f"BlendedDataset of {len(datasets)} sources, {split}")
+        return build()
+
+    def _blended_splits(self, blend: Blend, matrix: Bookends, sizes: Sizes) -> list:
+        prefixes = blend.prefixes
+        weights = None if blend.weights is None else normalize_weights(blend.weights)
+        if self.config.simple_blend != "no":
+            weights = None  # inter/intra take every record once
+        if len(prefixes) == 1 and weights is None and self.config.simple_blend == "no":
+            return self._splits_of(prefixes[0], matrix, sizes)
+        if len(prefixes) == 1:
+            logger.warning("building a blend of a single source %s", prefixes[0])
+        targets: list[list[int] | None] = [None] * 3
+        buffers: list[list[int | None]] = [[None] * len(prefixes) for _ in range(3)]
+        if weights is not None:
+            for i in range(3):
+                if matrix[i] is None:
+                    continue
+                if sizes[i] is None:
+                    raise DataConfigError(
+                        f"a weighted blend needs the number of {SPLIT_NAMES[i]} samples; pass "
+                        "train_valid_test_num_samples, or drop the weights to use each source once"
+                    )
+                targets[i], buffers[i], _ = blended_sample_counts(
+                    weights, sizes[i], self.config.mid_level_dataset_surplus
+                )
+        per_source = [
+            self._splits_of(prefix, matrix, [buffers[i][k] for i in range(3)]) for k, prefix in enumerate(prefixes)
+        ]
+        result: list = [None] * 3
+        for i in range(3):
+            if matrix[i] is None:
+                continue
+            datasets = [splits[i] for splits in per_source]
+            if self.config.simple_blend != "no":
+                result[i] = self._blend(datasets, None, sizes[i], i)
+            elif weights is not None:
+                result[i] = self._blend(datasets, weights, sum(targets[i]), i)
+            else:
+                lengths = [len(d) for d in datasets]
+                size = None if sizes[i] is None else min(sizes[i], sum(lengths))
+                result[i] = self._blend(datasets, lengths, size, i)
+        return result
+
+    # -- entry -------------------------------------------------------------------------------------------------
+
+    def build(self, data_path, sizes: Sizes | None = None) -> list:
+        """Build ``[train, valid, test]`` (None for an absent split).
+
+        Args:
+            data_path: a prefix, a directory or a blend list; ignored with per-split paths or mock data.
+            sizes: samples per split; None (or a None entry) means one epoch of that split.
+        """
+        sizes = list(sizes) if sizes is not None else [None, None, None]
+        if len(sizes) != 3:
+            raise DataConfigError(f"train_valid_test_num_samples must have three entries, got {sizes}")
+        config = self.config
+        if config.mock_data:
+            return self._splits_of(None, split_matrix("1,1,1"), sizes)  # upstream forces this split for mock data
+        if config.has_per_split_paths:
+            result: list = [None] * 3
+            paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
+            for i, path in enumerate(paths):
+                if path is None:
+                    continue
+                matrix: Bookends = [None, None, None]
+                matrix[i] = (0.0, 1.0)
+                spoofed = [0, 0, 0]
+                spoofed[i] = sizes[i]
+                blend = parse_blend(path)
+                if len(blend.prefixes) == 1 and config.simple_blend == "no":
+                    result[i] = self._splits_of(blend.prefixes[0], matrix, spoofed)[i]
+                else:
+                    result[i] = self._blended_splits(blend, matrix, spoofed)[i]
+            return result
+        if data_path is None:
+            raise DataConfigError("data_path is required unless mock_data or train/valid/test_data_path are set")
+        if config.split is None:
+            raise DataConfigError("split is required with data_path, e.g. split: '98, 1, 1'")
+        return self._blended_splits(parse_blend(data_path), split_matrix(config.split), sizes)

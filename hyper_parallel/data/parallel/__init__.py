@@ -1,0 +1,1 @@
+"""Everything that talks to ``torch.distributed``; elsewhere ranks are plain integers."""
