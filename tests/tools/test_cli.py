@@ -26,9 +26,10 @@ def test_help_lists_every_command(capsys, argv):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: hp-data COMMAND")
-    for command in ("quickstart", "prepare", "prepare-hf", "inspect"):
+    commands = ("quickstart", "prepare", "prepare-hf", "inspect", "prepare-cache", "sequences-per-dataset")
+    for command in commands:
         assert f"  {command} " in out
-    assert set(COMMANDS) == {"quickstart", "prepare", "prepare-hf", "inspect"}
+    assert set(COMMANDS) == set(commands)
 
 
 def test_unknown_command_exits_2(capsys):

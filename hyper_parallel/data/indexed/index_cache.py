@@ -14,7 +14,8 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.parallel.build_barrier import build_once
 
-__all__ = ["IndexCache", "LazyArrays"]
+__all__ = ["IndexCache", "LazyArrays", "writable_directory"]
 
 logger = get_logger("hyper_parallel.data.indexed.index_cache")
 
@@ -46,7 +47,8 @@ class LazyArrays(Mapping):
         return len(self._paths)
 
 
-def _writable(directory: Path) -> bool:
+def writable_directory(directory: Path) -> bool:
+    """Whether ``directory`` exists (or can be created) and accepts new files."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
@@ -81,14 +83,21 @@ class IndexCache:
 
     def _publish(self, arrays: dict[str, np.ndarray]) -> None:
         for name, array in arrays.items():
-            temporary = self.path(name).with_name(f"{self.path(name).name}.tmp-{os.getpid()}")
-            with open(temporary, "wb") as f:
+            with self._temporary(name) as temporary, open(temporary, "wb") as f:
                 np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-            os.replace(temporary, self.path(name))
-        description = self.path("description")
-        temporary = description.with_name(f"{description.name}.tmp-{os.getpid()}")
-        temporary.write_text(self.description_text, encoding="utf-8")
-        os.replace(temporary, description)  # last: marks the entry complete
+        with self._temporary("description") as temporary:
+            temporary.write_text(self.description_text, encoding="utf-8")  # last: marks the entry complete
+
+    @contextmanager
+    def _temporary(self, name: str) -> Iterator[Path]:
+        """A temporary name for ``name``'s file, renamed into place on success and removed on failure."""
+        final = self.path(name)
+        temporary = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        try:
+            yield temporary
+            os.replace(temporary, final)
+        finally:
+            temporary.unlink(missing_ok=True)
 
     def load(self, names: tuple[str, ...], defer: bool = False) -> Mapping[str, np.ndarray]:
         """Memory-map the arrays now, or on first access with ``defer``."""
@@ -120,7 +129,7 @@ class IndexCache:
             return build()
         if assume_complete:
             return self.load(names, defer)
-        if not _writable(self.directory):
+        if not writable_directory(self.directory):
             if self.is_complete(names):
                 return self.load(names, defer)
             logger.warning(
