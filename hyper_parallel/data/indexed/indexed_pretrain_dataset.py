@@ -129,18 +129,20 @@ class _SampleMaker:
             per_row = [self._fields(row) for row in tokens]
             loss_mask = np.stack([fields.loss_mask for fields in per_row])
         # Pad positions are rare: find them once in the raw ids (a -1 sentinel cannot occur in unsigned data).
-        if not (self.pad < 0 and text.dtype.kind == "u"):
+        if self.pad < 0 and text.dtype.kind == "u":
+            rows = columns = np.empty(0, np.int64)
+        else:
             rows, columns = np.nonzero(text == self.pad)
-            in_tokens = columns < self.config.seq_length
-            tokens[rows[in_tokens], columns[in_tokens]] = 0
-            # labels[:, j] is text[:, j + 1] (with x = 0 the last label is the rolled-in pad, added below)
-            label_rows, label_columns = rows[columns >= 1], columns[columns >= 1] - 1
-            if not x:
-                label_rows = np.concatenate((label_rows, np.arange(len(text))))
-                label_columns = np.concatenate((label_columns, np.full(len(text), self.config.seq_length - 1)))
-            valid = label_columns < self.config.seq_length
-            labels[label_rows[valid], label_columns[valid]] = 0
-            loss_mask[label_rows[valid], label_columns[valid]] = 0.0
+        in_tokens = columns < self.config.seq_length
+        tokens[rows[in_tokens], columns[in_tokens]] = 0
+        # labels[:, j] is text[:, j + 1]; with x = 0 the last label is the rolled-in pad of every row
+        label_rows, label_columns = rows[columns >= 1], columns[columns >= 1] - 1
+        if not x:
+            label_rows = np.concatenate((label_rows, np.arange(len(text))))
+            label_columns = np.concatenate((label_columns, np.full(len(text), self.config.seq_length - 1)))
+        valid = label_columns < self.config.seq_length
+        labels[label_rows[valid], label_columns[valid]] = 0
+        loss_mask[label_rows[valid], label_columns[valid]] = 0.0
         if padding_rows is not None and padding_rows.any():
             loss_mask[padding_rows] = 0.0
         tokens_t, labels_t, loss_t = torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask)
