@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks                 # full run (a few minutes)
-    python -m benchmarks --quick         # small inputs, under a minute
+    python -m benchmarks --quick         # small inputs, about a minute
     python -m benchmarks --only offline  # one group
     python -m benchmarks --json results.json --workdir /mnt/scratch
 """
@@ -20,15 +20,17 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
-from benchmarks import bench_indexed_io, bench_offline
+from benchmarks import bench_indexed_dataset, bench_indexed_io, bench_offline
 from benchmarks.common import BenchContext, Row, environment, format_table
 
-GROUPS: dict[str, ModuleType] = {module.NAME: module for module in (bench_indexed_io, bench_offline)}
+GROUPS: dict[str, ModuleType] = {
+    module.NAME: module for module in (bench_indexed_io, bench_indexed_dataset, bench_offline)
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small inputs and fewer repeats (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="small inputs and fewer repeats (about a minute)")
     parser.add_argument("--only", choices=sorted(GROUPS), help="run one group")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where the scratch folder is created (default: the system temp)"

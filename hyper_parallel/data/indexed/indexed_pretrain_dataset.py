@@ -161,21 +161,21 @@ class _SampleMaker:
         return samples
 
 
-class GPTDataset(torch.utils.data.Dataset):
-    """Fixed-length samples cut across variable-length documents, in megatron-core's order.
+class _MidLevelDataset(torch.utils.data.Dataset):
+    """What the mid-level datasets share: their inputs, the sample maker, and item access through ``texts``.
 
     Args:
         low_level: an ``IndexedDataReader`` (or ``MockGPTLowLevelDataset``).
-        dataset_path: the prefix, recorded in the cache key; None for mock data.
-        indices: the split's sequence ids (a contiguous range), int32.
+        dataset_path: the prefix, recorded in cache keys and messages; None for mock data.
+        indices: the split's sequence ids (a contiguous range).
         num_samples: samples to provide; None means exactly one epoch of the split.
         split: ``"train"``, ``"valid"`` or ``"test"``.
         config: the Indexed-path settings.
         tokenizer: anything with ``eod``/``eos_token_id`` and ``pad``/``pad_token_id``.
-        synchronize: wait for rank 0 to build the cache (every rank must then build this dataset).
+        synchronize: wait for rank 0 to build caches (every rank must then build this dataset).
     """
 
-    kind = "GPTDataset"
+    kind = ""
 
     def __init__(
         self,
@@ -194,8 +194,49 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         self.split = split
         self.config = config
+        self.synchronize = synchronize
         eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
         self._make_sample = _SampleMaker(config, eod, pad)
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _positions(self, indices: Sequence[int]) -> np.ndarray:
+        """Checked, non-negative sample positions."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if len(idx) and (idx.min() < -self._length or idx.max() >= self._length):
+            raise IndexError(
+                f"a sample index in {list(indices)[:8]} is out of range for {self.dataset_path} ({self.split} split) "
+                f"with {self._length} samples"
+            )
+        return np.where(idx < 0, idx + self._length, idx)
+
+    def texts(self, indices: Sequence[int]) -> np.ndarray:
+        """``[B, seq_length + x]`` token ids of the samples, short ones padded with the pad id."""
+        raise NotImplementedError
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        """Sample ``idx``; ``None`` is a batch-padding sample (sample 0 with a zero loss mask), as upstream."""
+        return self.__getitems__([idx])[0]
+
+    def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
+        """Many samples at once (torch's DataLoader calls this when it exists), read in one go."""
+        padding = np.array([i is None for i in indices])
+        return self._make_sample(self.texts([0 if i is None else i for i in indices]), padding)
+
+
+class GPTDataset(_MidLevelDataset):
+    """Fixed-length samples cut across variable-length documents, in megatron-core's order.
+
+    The document, sample and shuffle indices are built once (``build_gpt_indices``) and cached; see
+    ``_MidLevelDataset`` for the arguments.
+    """
+
+    kind = "GPTDataset"
+
+    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
+        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
         self._drop_last = split != "valid" or config.drop_last_partial_validation_sequence
         self.tokens_per_epoch = int(np.sum(low_level.sequence_lengths[self.indices], dtype=np.int64))
         self.unique_identifiers = {
@@ -262,9 +303,6 @@ class GPTDataset(torch.utils.data.Dataset):
         )
         return {name: getattr(indices, name) for name in _INDEX_NAMES}
 
-    def __len__(self) -> int:
-        return self._length
-
     @property
     def document_index(self) -> np.ndarray:
         return self._arrays["document_index"]
@@ -277,32 +315,13 @@ class GPTDataset(torch.utils.data.Dataset):
     def shuffle_index(self) -> np.ndarray:
         return self._arrays["shuffle_index"]
 
-    def text(self, idx: int) -> np.ndarray:
-        """The ``seq_length + x`` token ids of sample ``idx`` (fewer for a final partial sample), int64."""
-        if not -self._length <= idx < self._length:
-            raise IndexError(f"sample {idx} is out of range for {self._where()} with {self._length} samples")
-        x = self.config.extra_token
-        j = int(self.shuffle_index[idx])
-        d0, o0 = (int(v) for v in self.sample_index[j])
-        d1, o1 = (int(v) for v in self.sample_index[j + 1])
-        documents = self.document_index
-        if d0 == d1:
-            return self.dataset.get(int(documents[d0]), offset=o0, length=o1 - o0 + x).astype(np.int64)
-        pieces = [self.dataset.get(int(documents[d0]), offset=o0)]
-        pieces += [self.dataset.get(int(d)) for d in documents[d0 + 1 : d1]]
-        pieces.append(self.dataset.get(int(documents[d1]), offset=0, length=o1 + x))
-        return np.concatenate(pieces).astype(np.int64)
-
     def texts(self, indices: Sequence[int]) -> np.ndarray:
         """``[B, seq_length + x]`` int64 token ids of many samples, padded with the pad id, in few numpy calls.
 
         Every sample is a run of pieces (a document tail, whole documents, a document head); all pieces of all
         samples are listed at once and read with one ``gather`` on the low-level data.
         """
-        idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) and (idx.min() < -self._length or idx.max() >= self._length):
-            raise IndexError(f"a sample index is out of range for {self._where()} with {self._length} samples")
-        idx = np.where(idx < 0, idx + self._length, idx)
+        idx = self._positions(indices)
         x = self.config.extra_token
         rows = np.asarray(self.shuffle_index[idx], dtype=np.int64)
         begin = np.asarray(self.sample_index[rows], dtype=np.int64)
@@ -320,45 +339,18 @@ class GPTDataset(torch.utils.data.Dataset):
         sample_lengths = np.bincount(np.repeat(np.arange(len(idx)), counts), weights=ends - starts, minlength=len(idx))
         return self._make_sample.pad_rows(np.split(flat, np.cumsum(sample_lengths[:-1]).astype(np.int64)))
 
-    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
-        """Sample ``idx``; ``None`` is a batch-padding sample (sample 0 with a zero loss mask), as upstream."""
-        text = self._make_sample.pad_rows([self.text(0 if idx is None else int(idx))])
-        return self._make_sample(text, np.array([idx is None]))[0]
 
-    def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
-        """Many samples at once (torch's DataLoader calls this when it exists): one vectorised read for all."""
-        padding = np.array([i is None for i in indices])
-        return self._make_sample(self.texts([0 if i is None else i for i in indices]), padding)
-
-
-class GPTFromMRDataset(torch.utils.data.Dataset):
+class GPTFromMRDataset(_MidLevelDataset):
     """Offline-packed records (``offline_preparation --pack-to-seq-len``), read in split order, no index cache.
 
     Each record must hold exactly ``seq_length + add_extra_token_to_sequence`` tokens and no pad token, unless
-    ``skip_data_check``.
+    ``skip_data_check``. See ``_MidLevelDataset`` for the arguments.
     """
 
     kind = "GPTFromMRDataset"
 
-    def __init__(
-        self,
-        low_level,
-        dataset_path: str | None,
-        indices: np.ndarray,
-        num_samples: int | None,
-        split: str,
-        config: IndexedDataConfig,
-        tokenizer,
-        synchronize: bool = True,
-    ) -> None:
-        del synchronize  # nothing is cached
-        self.dataset = low_level
-        self.dataset_path = dataset_path
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.split = split
-        self.config = config
-        eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
-        self._make_sample = _SampleMaker(config, eod, pad)
+    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
+        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
         self._record_length = config.seq_length + config.extra_token
         if num_samples is not None and num_samples > len(self.indices):
             raise DataConfigError(
@@ -366,7 +358,7 @@ class GPTFromMRDataset(torch.utils.data.Dataset):
                 "were requested; packed records are not repeated. Request fewer samples, give the split a larger "
                 "share, or prepare more data"
             )
-        self.num_samples = len(self.indices) if num_samples is None else num_samples
+        self._length = len(self.indices) if num_samples is None else num_samples
         if not config.skip_data_check:
             lengths = np.asarray(low_level.sequence_lengths)[self.indices]
             wrong = np.flatnonzero(lengths != self._record_length)
@@ -381,34 +373,27 @@ class GPTFromMRDataset(torch.utils.data.Dataset):
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
-            "num_samples": self.num_samples,
+            "num_samples": self._length,
             "index_split": split,
             "sequence_length": config.seq_length,
             "split": config.split,
         }
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def text(self, idx: int) -> np.ndarray:
-        if not -self.num_samples <= idx < self.num_samples:
-            raise IndexError(f"sample {idx} is out of range for {self.dataset_path} with {self.num_samples} records")
-        record = int(self.indices[idx])
-        text = np.asarray(self.dataset.get(record), dtype=np.int64)
-        if not self.config.skip_data_check and (text == self._make_sample.pad).any():
+    def texts(self, indices: Sequence[int]) -> np.ndarray:
+        records = self.indices[self._positions(indices)].astype(np.int64)
+        lengths = np.asarray(self.dataset.sequence_lengths)[records].astype(np.int64)
+        flat = self.dataset.gather(records, np.zeros_like(records), lengths)
+        if self.config.skip_data_check:
+            return self._make_sample.pad_rows(np.split(flat, np.cumsum(lengths[:-1])))
+        text = flat.reshape(len(records), self._record_length)
+        has_pad = (text == self._make_sample.pad).any(axis=1)
+        if has_pad.any():
+            record = int(records[np.argmax(has_pad)])
             raise DataFileError(
                 f"{self.dataset_path}: record {record} contains the pad token {self._make_sample.pad}; packed records "
                 "must be packed without padding. Re-pack the data, or set skip_data_check: true to accept it"
             )
         return text
-
-    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
-        return self.__getitems__([idx])[0]
-
-    def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
-        padding = np.array([i is None for i in indices])
-        texts = self._make_sample.pad_rows([self.text(0 if i is None else int(i)) for i in indices])
-        return self._make_sample(texts, padding)
 
 
 class MockGPTLowLevelDataset:
