@@ -103,18 +103,19 @@ def _files(directory: Path, pattern: str = "*") -> list[str]:
 # -- keys ---------------------------------------------------------------------------------------------------------
 
 
-def test_key_is_the_md5_of_the_readable_description(tmp_path):
-    """The key is the MD5 of ``json.dumps(description, indent=4)``, which is saved beside the arrays."""
+def test_key_is_the_md5_of_the_description_and_the_readable_text_is_saved(tmp_path):
+    """The key is the MD5 of the compact JSON of the description; its indented JSON is saved beside the arrays."""
     description = {"class": "GPTDataset", "dataset_path": "/data/a", "num_samples": 10}
     cache = IndexCache(tmp_path, "GPTDataset", "train", description)
-    text = json.dumps(description, indent=4)
+    compact = json.dumps(description, separators=(",", ":"))
 
-    assert cache.key == hashlib.md5(text.encode("utf-8")).hexdigest()
+    assert cache.key == hashlib.md5(compact.encode("utf-8")).hexdigest()
     arrays = cache.get_or_build(("values",), lambda: {"values": np.arange(5)})
 
     np.testing.assert_array_equal(arrays["values"], np.arange(5))
     assert _files(tmp_path, "*.npy") == [f"{cache.key}-GPTDataset-train-values.npy"]
-    assert (tmp_path / f"{cache.key}-GPTDataset-train-description.txt").read_text(encoding="utf-8") == text
+    saved = (tmp_path / f"{cache.key}-GPTDataset-train-description.txt").read_text(encoding="utf-8")
+    assert saved == json.dumps(description, indent=4)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
 """On-disk caches of index arrays (document, sample, shuffle and blending indices).
 
-Owns: the cache key, the file names, atomic publication and loading. The key is the MD5 of a readable JSON
-description that lists every setting that changes the arrays (unlike megatron-core's, whose key omits
-``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices). Arrays are written under
-temporary names and renamed; the description is written last and marks the entry complete. One process builds
-while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
+Owns: the cache key, the file names, atomic publication and loading. The key is the MD5 of a JSON description
+(saved beside the arrays, indented) that lists every setting that changes the arrays, unlike megatron-core's,
+whose key omits ``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices. Arrays are
+written under temporary names and renamed; the description is written last and marks the entry complete. One
+process builds while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
 Not responsible for: computing the arrays (``indexed_helpers``) or deciding what they mean (the datasets).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.parallel.build_barrier import build_once
+from hyper_parallel.data.parallel.build_barrier import build_once, process_group_ready
 
 __all__ = ["IndexCache", "LazyArrays", "writable_directory"]
 
@@ -37,7 +37,8 @@ class LazyArrays(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._arrays:
-            self._arrays[name] = np.load(self._paths[name], mmap_mode="r", allow_pickle=False)
+            # A plain ndarray view: indexing a np.memmap subclass costs microseconds per call.
+            self._arrays[name] = np.load(self._paths[name], mmap_mode="r", allow_pickle=False).view(np.ndarray)
         return self._arrays[name]
 
     def __iter__(self):
@@ -68,8 +69,10 @@ class IndexCache:
     """
 
     def __init__(self, directory: str | os.PathLike | None, kind: str, split: str, description: dict) -> None:
-        self.description_text = json.dumps(description, indent=4)
-        self.key = hashlib.md5(self.description_text.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self.description = description
+        # The compact form is hashed (json's fast C encoder); the indented, readable one is written at build time.
+        compact = json.dumps(description, separators=(",", ":"))
+        self.key = hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
         self.directory = None if directory is None else Path(directory)
         self._stem = f"{self.key}-{kind}-{split}"
 
@@ -86,7 +89,8 @@ class IndexCache:
             with self._temporary(name) as temporary, open(temporary, "wb") as f:
                 np.save(f, np.ascontiguousarray(array), allow_pickle=False)
         with self._temporary("description") as temporary:
-            temporary.write_text(self.description_text, encoding="utf-8")  # last: marks the entry complete
+            # last: marks the entry complete
+            temporary.write_text(json.dumps(self.description, indent=4), encoding="utf-8")
 
     @contextmanager
     def _temporary(self, name: str) -> Iterator[Path]:
@@ -127,7 +131,8 @@ class IndexCache:
         """
         if self.directory is None:
             return build()
-        if assume_complete:
+        if assume_complete or (not (synchronize and process_group_ready()) and self.is_complete(names)):
+            # A complete entry never changes (it is published by renames), so reading it needs no lock.
             return self.load(names, defer)
         if not writable_directory(self.directory):
             if self.is_complete(names):

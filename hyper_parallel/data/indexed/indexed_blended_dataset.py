@@ -23,7 +23,7 @@ from hyper_parallel.data.indexed.indexed_helpers import (
 
 __all__ = ["BlendedDataset"]
 
-_INDEX_NAMES = ("dataset_index", "dataset_sample_index")
+_INDEX_NAMES = ("dataset_index", "dataset_sample_index", "samples_per_dataset")
 
 
 class BlendedDataset(torch.utils.data.Dataset):
@@ -90,11 +90,17 @@ class BlendedDataset(torch.utils.data.Dataset):
             dataset_index, sample_index = build_exhaustive_blending_indices(self.weights)
         else:
             dataset_index, sample_index = build_blending_indices(self.weights, self.size)
-        return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+        # Counted once at build time, so that a warm load checks the sources without a pass over the index.
+        samples_per_dataset = np.bincount(dataset_index, minlength=len(self.datasets)).astype(np.int64)
+        return {
+            "dataset_index": dataset_index,
+            "dataset_sample_index": sample_index,
+            "samples_per_dataset": samples_per_dataset,
+        }
 
     def _check_sources(self) -> None:
         """Every source must hold the samples the blend takes from it."""
-        needed = np.bincount(self._arrays["dataset_index"], minlength=len(self.datasets))
+        needed = self._arrays["samples_per_dataset"]
         for source, (dataset, count) in enumerate(zip(self.datasets, needed, strict=True)):
             if count > len(dataset):
                 raise DataConfigError(

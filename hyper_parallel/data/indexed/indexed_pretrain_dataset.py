@@ -238,7 +238,10 @@ class GPTDataset(_MidLevelDataset):
     def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
         super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
         self._drop_last = split != "valid" or config.drop_last_partial_validation_sequence
-        self.tokens_per_epoch = int(np.sum(low_level.sequence_lengths[self.indices], dtype=np.int64))
+        begin, end = (int(self.indices[0]), int(self.indices[-1]) + 1) if len(self.indices) else (0, 0)
+        if end - begin != len(self.indices):
+            raise DataConfigError(f"{dataset_path}: a split's sequence ids must be one contiguous range")
+        self.tokens_per_epoch = int(np.sum(low_level.sequence_lengths[begin:end], dtype=np.int64))
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
@@ -249,7 +252,7 @@ class GPTDataset(_MidLevelDataset):
             "split": config.split,
             "add_extra_token_to_sequence": config.add_extra_token_to_sequence,
             "drop_last_partial_sequence": self._drop_last,
-            "sequences": [int(self.indices[0]), int(self.indices[-1]) + 1] if len(self.indices) else [0, 0],
+            "sequences": [begin, end],
             "tokens_per_epoch": self.tokens_per_epoch,
             "tokenizer": _tokenizer_identity(tokenizer),
         }

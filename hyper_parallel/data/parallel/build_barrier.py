@@ -16,10 +16,11 @@ from pathlib import Path
 
 from hyper_parallel.data.errors import DataFileError
 
-__all__ = ["build_once", "distributed_rank", "exclusive_file_lock", "process_group_barrier"]
+__all__ = ["build_once", "distributed_rank", "exclusive_file_lock", "process_group_barrier", "process_group_ready"]
 
 
-def _process_group_ready() -> bool:
+def process_group_ready() -> bool:
+    """Whether a torch.distributed process group of more than one rank is initialised."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch always ships distributed on supported platforms
@@ -29,7 +30,7 @@ def _process_group_ready() -> bool:
 
 def distributed_rank() -> int:
     """This process's global rank, or 0 without a process group."""
-    if not _process_group_ready():
+    if not process_group_ready():
         return 0
     import torch.distributed as dist
 
@@ -66,7 +67,7 @@ def build_once(
             if not is_complete():
                 build()
 
-    if not (synchronize and _process_group_ready()):
+    if not (synchronize and process_group_ready()):
         build_under_lock()
         return
     import torch.distributed as dist
@@ -91,7 +92,7 @@ def build_once(
 
 def process_group_barrier() -> None:
     """A barrier when a process group exists; nothing otherwise."""
-    if _process_group_ready():
+    if process_group_ready():
         import torch.distributed as dist
 
         dist.barrier()
