@@ -105,48 +105,51 @@ class _SampleMaker:
         )
 
     def pad_rows(self, texts: Sequence[np.ndarray]) -> np.ndarray:
-        """Stack texts into a ``[B, seq_length + x]`` int64 matrix, padding short ones with the pad id."""
+        """Stack texts into a ``[B, seq_length + x]`` matrix, padding short ones with the pad id (then as int64)."""
+        if all(len(text) == self.length for text in texts):
+            return np.stack(texts)  # keeps the file dtype: the pad search is cheaper on narrow ids
         matrix = np.full((len(texts), self.length), self.pad, dtype=np.int64)
         for row, text in zip(matrix, texts, strict=True):
             row[: len(text)] = text
         return matrix
 
-    def __call__(self, text: np.ndarray, padding_rows: np.ndarray | None = None) -> list[dict[str, torch.Tensor]]:
-        """Samples of the rows of ``text`` (``[B, seq_length + x]`` token ids, any integer dtype; short samples
+    def __call__(self, raw: np.ndarray, padding_rows: np.ndarray | None = None) -> list[dict[str, torch.Tensor]]:
+        """Samples of the rows of ``raw`` (``[B, seq_length + x]`` token ids, any integer dtype; short samples
         already padded with the pad id); ``padding_rows`` get a zero loss mask."""
-        x = self.config.extra_token
-        tokens = text[:, : self.config.seq_length].astype(np.int64)
+        x, length = self.config.extra_token, self.config.seq_length
         if x:
-            labels = text[:, 1:].astype(np.int64)
+            # One int64 copy; tokens and labels are overlapping views of it (each sample's rows are contiguous).
+            text = raw.astype(np.int64)
+            tokens, labels = text[:, :length], text[:, 1:]
         else:
+            tokens = raw.astype(np.int64)
             labels = np.empty_like(tokens)
             labels[:, :-1] = tokens[:, 1:]
-            labels[:, -1] = self.pad
+            labels[:, -1] = 0  # the last position has no target: a pad label, masked below
         if self._constant is not None:
-            loss_mask = np.repeat(self._constant[0][None], len(text), axis=0)
+            loss_mask = np.repeat(self._constant[0][None], len(raw), axis=0)
             per_row = None
         else:
             per_row = [self._fields(row) for row in tokens]
             loss_mask = np.stack([fields.loss_mask for fields in per_row])
         # Pad positions are rare: find them once in the raw ids (a -1 sentinel cannot occur in unsigned data).
-        if self.pad < 0 and text.dtype.kind == "u":
+        if self.pad < 0 and raw.dtype.kind == "u":
             rows = columns = np.empty(0, np.int64)
         else:
-            rows, columns = np.nonzero(text == self.pad)
-        in_tokens = columns < self.config.seq_length
-        tokens[rows[in_tokens], columns[in_tokens]] = 0
-        # labels[:, j] is text[:, j + 1]; with x = 0 the last label is the rolled-in pad of every row
-        label_rows, label_columns = rows[columns >= 1], columns[columns >= 1] - 1
-        if not x:
-            label_rows = np.concatenate((label_rows, np.arange(len(text))))
-            label_columns = np.concatenate((label_columns, np.full(len(text), self.config.seq_length - 1)))
-        valid = label_columns < self.config.seq_length
-        labels[label_rows[valid], label_columns[valid]] = 0
-        loss_mask[label_rows[valid], label_columns[valid]] = 0.0
+            rows, columns = np.nonzero(raw == self.pad)
+        # labels[:, j] is the id at text column j + 1; it is a pad label where that id is the pad
+        label = columns >= 1
+        loss_mask[rows[label], columns[label] - 1] = 0.0
+        if x:
+            text[rows, columns] = 0  # zeroes the pad in tokens and labels at once
+        else:
+            loss_mask[:, -1] = 0.0
+            tokens[rows, columns] = 0
+            labels[rows[label], columns[label] - 1] = 0
         if padding_rows is not None and padding_rows.any():
             loss_mask[padding_rows] = 0.0
         tokens_t, labels_t, loss_t = torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask)
-        samples = [{"tokens": tokens_t[b], "labels": labels_t[b], "loss_mask": loss_t[b]} for b in range(len(text))]
+        samples = [{"tokens": tokens_t[b], "labels": labels_t[b], "loss_mask": loss_t[b]} for b in range(len(raw))]
         if self.config.create_ltor_fields_in_dataloader:
             for b, sample in enumerate(samples):
                 if per_row is None:
@@ -218,7 +221,11 @@ class _MidLevelDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
         """Sample ``idx``; ``None`` is a batch-padding sample (sample 0 with a zero loss mask), as upstream."""
-        return self.__getitems__([idx])[0]
+        if idx is None:
+            return self.__getitems__([idx])[0]
+        if not -self._length <= idx < self._length:
+            self._positions([idx])  # raises the descriptive IndexError
+        return self._make_sample(self.texts([idx + self._length if idx < 0 else idx]))[0]
 
     def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
         """Many samples at once (torch's DataLoader calls this when it exists), read in one go."""
@@ -318,12 +325,28 @@ class GPTDataset(_MidLevelDataset):
     def shuffle_index(self) -> np.ndarray:
         return self._arrays["shuffle_index"]
 
+    def _text_of(self, idx: int) -> np.ndarray:
+        """One sample's token ids with plain-integer arithmetic: cheaper than the vectorised path for one sample."""
+        x = self.config.extra_token
+        j = self.shuffle_index.item(idx)
+        d0, o0 = self.sample_index[j].tolist()
+        d1, o1 = self.sample_index[j + 1].tolist()
+        documents = self.document_index
+        if d0 == d1:
+            return self.dataset.get(documents.item(d0), offset=o0, length=o1 - o0 + x)
+        pieces = [self.dataset.get(documents.item(d0), offset=o0)]
+        pieces += [self.dataset.get(d) for d in documents[d0 + 1 : d1].tolist()]
+        pieces.append(self.dataset.get(documents.item(d1), offset=0, length=o1 + x))
+        return np.concatenate(pieces)
+
     def texts(self, indices: Sequence[int]) -> np.ndarray:
         """``[B, seq_length + x]`` int64 token ids of many samples, padded with the pad id, in few numpy calls.
 
         Every sample is a run of pieces (a document tail, whole documents, a document head); all pieces of all
         samples are listed at once and read with one ``gather`` on the low-level data.
         """
+        if len(indices) == 1 and 0 <= indices[0] < self._length:
+            return self._make_sample.pad_rows([self._text_of(int(indices[0]))])
         idx = self._positions(indices)
         x = self.config.extra_token
         rows = np.asarray(self.shuffle_index[idx], dtype=np.int64)
