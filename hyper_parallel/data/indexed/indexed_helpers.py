@@ -2,8 +2,8 @@
 
 Owns the pure functions that turn a split's sequence ids and lengths into the document, sample and shuffle
 index arrays, and blend weights into blending indices: epoch count, the "separate final epoch" rule, the
-legacy ``RandomState`` shuffles, the sample boundaries (vectorised numpy instead of Megatron's per-sample C++
-loop), blend-weight normalisation and the builder's per-dataset sample counts. Every array matches Megatron's
+legacy ``RandomState`` shuffles, the sample boundaries and blending schedules (sequential walks, in the package's
+C helper), blend-weight normalisation and the builder's per-dataset sample counts. Every array matches Megatron's
 values and dtypes bit for bit. Not responsible for caching, file I/O, hashing or the dataset classes that use
 these arrays.
 
@@ -262,23 +262,16 @@ def build_sample_index(
 
     Row ``k`` is ``(position in document_index, token offset in that document)`` of the boundary between sample
     ``k - 1`` and sample ``k``; sample ``k`` reads ``S + x`` tokens from row ``k``, so with ``x = 1`` consecutive
-    samples share one token. Megatron walks the documents sample by sample; here every boundary is located at
-    once. Boundary ``k`` sits at flat token position ``p = k*S`` of the concatenated documents, and Megatron
-    places it in the document holding the *last* token the previous sample reads (flat position ``p + x - 1``),
-    which is the first document whose cumulative end reaches ``p + x``. Hence:
-
-    * with ``x = 0`` a sample ending exactly at a document's end stores ``(d, len(d))`` rather than ``(d + 1, 0)``;
-    * zero-length documents are never chosen, since an earlier document reaches the same cumulative end;
-    * a boundary past the end of the data (only the final partial sample without ``drop_last``, or a count
-      rounded up by :func:`sample_count`) gets Megatron's last-document row ``(last position, len(last) - x)``.
+    samples share one token. The walk over documents runs in the package's C helper, one pass as in Megatron:
+    boundary ``k`` lies in the first document whose cumulative end reaches ``k*S + x``, so with ``x = 0`` a sample
+    ending exactly at a document's end stores ``(d, len(d))``, zero-length documents are never chosen, and a
+    boundary past the end of the data (the final partial sample without ``drop_last``) gets Megatron's
+    last-document row ``(last position, len(last) - x)``.
 
     Example (lengths [5, 3, 7, 2], document_index [0, 1, 2, 3], S=4, E=1, T=17)::
 
-        x=1: cumulative ends [5, 8, 15, 17]; boundary 1 at p=4 looks up 5 -> document 0, offset 4;
-             boundary 2 at p=8 looks up 9 -> document 2, offset 8 - 8 = 0.
-             Rows [[0,0], [0,4], [2,0], [2,4], [3,1]].
-        x=0: boundary 2 at p=8 looks up 8 -> document 1, offset 8 - 5 = 3 (its end).
-             Rows [[0,0], [0,4], [1,3], [2,4], [3,1]] (+ [3,2] without drop_last).
+        x=1: rows [[0,0], [0,4], [2,0], [2,4], [3,1]]
+        x=0: rows [[0,0], [0,4], [1,3], [2,4], [3,1]] (+ [3,2] without drop_last)
 
     Args:
         sequence_lengths: int lengths of **all** sequences of the file (the dtype choice depends on its maximum).
@@ -308,40 +301,19 @@ def build_sample_index(
     if len(document_index) == 0:
         raise DataConfigError(f"cannot cut {n} samples from an empty document index")
 
-    # Boundary k (1-based) lies in the first document whose cumulative end reaches k*S + x, so document d hosts
-    # the boundaries reach[d-1]+1 .. reach[d], with reach[d] = #{k <= n : k*S + x <= cum_end[d]}. Working per
-    # document keeps every temporary at the document index's length; the rows are then written as running sums.
-    cum_end = sequence_lengths[document_index].astype(np.int64)
-    np.cumsum(cum_end, out=cum_end)
-    reach = cum_end - x
-    reach //= sequence_length
-    np.clip(reach, 0, n, out=reach)
-    hosted = np.diff(reach, prepend=0)
-    hosts = np.flatnonzero(hosted)  # positions holding at least one boundary, ascending
-    first_rows = reach[hosts] - hosted[hosts] + 1
-    host_starts = cum_end[hosts] - sequence_lengths[document_index[hosts]]
-    inside = int(reach[-1])  # boundaries inside the data; the rest form a suffix past its end
-
-    # Row k is (d_k, k*S - start(d_k)) and row 0 is (0, 0) = (0, 0*S - start(0)). Consecutive rows differ by
-    # (0, S) within a document and by (host jump, S - start jump) where the host changes, so each column is the
-    # running sum of those steps. Every partial sum is a real row value, hence fits the output dtype.
-    positions = sample_index[: inside + 1, 0]
-    positions[first_rows] = np.diff(hosts, prepend=0)
-    np.cumsum(positions, dtype=sample_index.dtype, out=positions)
-    offsets = sample_index[: inside + 1, 1]
-    offsets[1:] = sequence_length
-    offsets[first_rows] = sequence_length - np.diff(host_starts, prepend=0)
-    np.cumsum(offsets, dtype=sample_index.dtype, out=offsets)
-    if inside < n:
-        last_offset = int(sequence_lengths[document_index[-1]]) - x
-        if last_offset < 0:
-            raise DataConfigError(
-                "the final partial sample ends in an empty sequence (document index position "
-                f"{len(document_index) - 1}, sequence {int(document_index[-1])}) with add_extra_token=True, "
-                "which gives offset -1; Megatron rejects this index too. Use drop_last or remove empty sequences"
-            )
-        sample_index[inside + 1 :, 0] = len(document_index) - 1
-        sample_index[inside + 1 :, 1] = last_offset
+    _indexed_helpers.fill_sample_index(
+        np.ascontiguousarray(sequence_lengths, dtype=np.int32),
+        np.ascontiguousarray(document_index, dtype=np.int32),
+        sample_index,
+        sequence_length,
+        x,
+    )
+    if sample_index[-1, 1] < 0:
+        raise DataConfigError(
+            "the final partial sample ends in an empty sequence (document index position "
+            f"{len(document_index) - 1}, sequence {int(document_index[-1])}) with add_extra_token=True, "
+            "which gives offset -1; Megatron rejects this index too. Use drop_last or remove empty sequences"
+        )
     return sample_index
 
 
