@@ -124,7 +124,7 @@ def test_missing_idx_exits_2_naming_the_prefix(tmp_path, capsys):
     code, stdout, err = _run(capsys, "--data-path", a, missing, "--per-dataset-sequences-path", out)
 
     assert code == 2 and stdout == ""
-    assert err.startswith(f"error: indexed dataset '{missing}': {missing}.idx does not exist")
+    assert err.startswith(f"error: indexed dataset '{missing}': missing {missing}.idx")
     assert list(tmp_path.glob("sequences.json*")) == []
 
 

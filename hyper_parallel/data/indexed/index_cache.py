@@ -31,7 +31,7 @@ logger = get_logger("hyper_parallel.data.indexed.index_cache")
 class LazyArrays(Mapping):
     """Index arrays memory-mapped on first access (``defer_npy_index_mmap``)."""
 
-    def __init__(self, paths: dict[str, Path]) -> None:
+    def __init__(self, paths: dict[str, str]) -> None:
         self._paths = paths
         self._arrays: dict[str, np.ndarray] = {}
 
@@ -74,15 +74,19 @@ class IndexCache:
         compact = json.dumps(description, separators=(",", ":"))
         self.key = hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
         self.directory = None if directory is None else Path(directory)
+        self._directory_text = None if directory is None else os.fspath(directory)
         self._stem = f"{self.key}-{kind}-{split}"
 
     def path(self, name: str) -> Path:
         assert self.directory is not None
+        return Path(self._file(name))
+
+    def _file(self, name: str) -> str:
         suffix = "txt" if name == "description" else "npy"
-        return self.directory / f"{self._stem}-{name}.{suffix}"
+        return f"{self._directory_text}/{self._stem}-{name}.{suffix}"
 
     def is_complete(self, names: tuple[str, ...]) -> bool:
-        return all(self.path(name).is_file() for name in (*names, "description"))
+        return all(os.path.isfile(self._file(name)) for name in (*names, "description"))
 
     def _publish(self, arrays: dict[str, np.ndarray]) -> None:
         for name, array in arrays.items():
@@ -105,7 +109,7 @@ class IndexCache:
 
     def load(self, names: tuple[str, ...], defer: bool = False) -> Mapping[str, np.ndarray]:
         """Memory-map the arrays now, or on first access with ``defer``."""
-        arrays = LazyArrays({name: self.path(name) for name in names})
+        arrays = LazyArrays({name: self._file(name) for name in names})
         if not defer:
             for name in names:
                 arrays[name]  # noqa: B018 - map now

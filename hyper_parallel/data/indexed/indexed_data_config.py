@@ -121,7 +121,7 @@ class IndexedDataConfig:
                 f"simple_blend: {self.simple_blend!r} works on offline-packed records only; set "
                 "is_dataset_from_mr: true, or use simple_blend: 'no' for variable-length documents"
             )
-        if self.mid_level_dataset_surplus < 0:
+        if not math.isfinite(self.mid_level_dataset_surplus) or self.mid_level_dataset_surplus < 0:
             raise DataConfigError(f"mid_level_dataset_surplus must be >= 0, got {self.mid_level_dataset_surplus}")
         if not 0 <= self.random_seed < 2**32:
             raise DataConfigError(f"random_seed must be in [0, 2**32), got {self.random_seed}")
@@ -177,7 +177,10 @@ class IndexedDataConfig:
 
 def parse_split(split: str) -> list[float]:
     """``"98, 1, 1"`` to normalised proportions ``[0.98, 0.01, 0.01]``; any separator works, missing values are 0."""
-    values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    try:
+        values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    except ValueError:
+        raise DataConfigError(f"split {split!r} holds a malformed number; write it like '98, 1, 1'") from None
     if not values or len(values) > 3 or re.search(r"-\s*[.0-9]", split):
         raise DataConfigError(f"split {split!r} must hold one to three non-negative numbers, such as '98, 1, 1'")
     values += [0.0] * (3 - len(values))
@@ -221,6 +224,12 @@ def _discover_prefixes(directory: Path) -> list[str]:
     return prefixes
 
 
+def _is_directory_of_pairs(path: str | os.PathLike) -> bool:
+    """A directory to search, unless ``<path>.idx`` exists: a prefix wins over the same-named directory that
+    holds its default cache (``<prefix>/cache/GPTDataset_indices``)."""
+    return os.path.isdir(path) and not os.path.isfile(os.fspath(path) + ".idx")
+
+
 def parse_blend(data_path: DataPath) -> Blend:
     """Turn ``data_path`` into a ``Blend``.
 
@@ -229,9 +238,10 @@ def parse_blend(data_path: DataPath) -> Blend:
     numbers and prefixes in any other way is an error naming the entry, never silently reread as prefixes.
     """
     if isinstance(data_path, (str, os.PathLike)):
-        path = Path(data_path)
-        if path.is_dir():
-            return Blend(tuple(_discover_prefixes(path)))
+        if not os.fspath(data_path).strip():
+            raise DataConfigError("data_path is empty; give a prefix, a directory or a blend list")
+        if _is_directory_of_pairs(data_path):
+            return Blend(tuple(_discover_prefixes(Path(data_path))))
         entries = str(data_path).split()
     else:
         entries = [str(entry) for entry in data_path]
@@ -242,7 +252,7 @@ def parse_blend(data_path: DataPath) -> Blend:
     if all(n is None for n in numbers):
         expanded: list[str] = []
         for entry in entries:
-            expanded += _discover_prefixes(Path(entry)) if Path(entry).is_dir() else [entry]
+            expanded += _discover_prefixes(Path(entry)) if _is_directory_of_pairs(entry) else [entry]
         return Blend(tuple(expanded))
     weights, prefixes = numbers[0::2], entries[1::2]
     if len(entries) % 2 or any(w is None for w in weights) or any(n is not None for n in numbers[1::2]):

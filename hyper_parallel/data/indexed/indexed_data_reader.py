@@ -7,6 +7,7 @@ writing files (``io.IndexedDatasetBuilder``). The byte layout is documented in `
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -15,13 +16,40 @@ import numpy as np
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 
-__all__ = ["IndexedDataReader", "data_file_paths"]
+__all__ = ["IndexedDataReader", "data_file_paths", "read_sequence_counts"]
 
 
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
     """Return the ``(.idx, .bin)`` paths of a dataset prefix."""
     prefix = os.fspath(path_prefix)
     return Path(prefix + ".idx"), Path(prefix + ".bin")
+
+
+def missing_pair_error(prefix: str) -> DataFileError:
+    """The error for a prefix whose ``.idx`` or ``.bin`` is missing, naming which."""
+    missing = [str(p) for p in data_file_paths(prefix) if not p.is_file()]
+    return DataFileError(
+        f"indexed dataset '{prefix}': missing {' and '.join(missing)}. Pass the path prefix without the .idx/.bin "
+        "extension, or create the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
+    )
+
+
+def read_sequence_counts(prefix: str) -> tuple[int, int]:
+    """``(sequence_count, document_count)`` of ``<prefix>.idx``, from its header alone.
+
+    Raises:
+        DataFileError: the index is missing, unreadable or has a malformed header.
+    """
+    idx_path, _ = data_file_paths(prefix)
+    try:
+        with idx_path.open("rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except FileNotFoundError:
+        raise missing_pair_error(prefix) from None
+    except OSError as error:
+        raise DataFileError(f"indexed dataset '{prefix}': cannot read {idx_path}: {error.strerror}") from None
+    header = IdxHeader.parse(raw, idx_path)
+    return header.sequence_count, header.document_count
 
 
 class IndexedDataReader:
@@ -46,26 +74,33 @@ class IndexedDataReader:
     # -- opening and checking -------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        idx_path, bin_path = data_file_paths(self.path_prefix)
-        missing = [str(p) for p in (idx_path, bin_path) if not p.is_file()]
-        if missing:
-            raise DataFileError(
-                f"indexed dataset '{self.path_prefix}': missing {' and '.join(missing)}. Pass the path prefix "
-                "without the .idx/.bin extension, or create the pair with "
-                "`python -m hyper_parallel.data.tools.offline_preparation`."
-            )
-        idx_size = idx_path.stat().st_size
-        with idx_path.open("rb") as f:
-            header = IdxHeader.parse(f.read(HEADER_SIZE), idx_path)
-        needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
-        if idx_size < needed:
-            raise DataFileError(
-                f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences and "
-                f"{header.document_count - 1} documents ({needed} bytes{' with modes' if self.multimodal else ''}), "
-                f"but the file has {idx_size} bytes. Rebuild it; an interrupted writer leaves such files."
-            )
+        # Plain strings and the mmap module: opening thousands of prefixes must stay cheap (np.memmap and pathlib
+        # resolve every path component).
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
+        try:
+            idx_file = open(idx_path, "rb")  # noqa: SIM115 - closed below; the map outlives it
+            bin_fd = os.open(bin_path, os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError):
+            if "idx_file" in locals():
+                idx_file.close()
+            raise missing_pair_error(self.path_prefix) from None
+        with idx_file:
+            idx_size = os.fstat(idx_file.fileno()).st_size
+            try:
+                header = IdxHeader.parse(idx_file.read(HEADER_SIZE), idx_path)
+                needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
+                if idx_size < needed:
+                    raise DataFileError(
+                        f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
+                        f"and {header.document_count - 1} documents ({needed} bytes"
+                        f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
+                        "it; an interrupted writer leaves such files."
+                    )
+            except DataFileError:
+                os.close(bin_fd)
+                raise
+            self._idx_map = mmap.mmap(idx_file.fileno(), 0, access=mmap.ACCESS_READ)
         self._header = header
-        self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")
         count = header.sequence_count
         offset = HEADER_SIZE
         self._lengths = np.frombuffer(self._idx_map, dtype=np.int32, count=count, offset=offset)
@@ -80,27 +115,28 @@ class IndexedDataReader:
             np.frombuffer(self._idx_map, dtype=np.int8, count=count, offset=offset) if self.multimodal else None
         )
 
-        bin_size = bin_path.stat().st_size
+        bin_size = os.fstat(bin_fd).st_size
         if count:
             end = int(self._pointers[-1]) + int(self._lengths[-1]) * self.dtype.itemsize
             if end > bin_size:
+                os.close(bin_fd)
                 raise DataFileError(
                     f"{bin_path}: the data file is {bin_size} bytes but the index points to byte {end} "
                     f"(last of {count} sequences). The .bin is truncated or belongs to another .idx; rebuild the pair."
                 )
         self._bin_size = bin_size
         self._fd: int | None = None
-        self._bin: np.ndarray | None = None
+        self._bin_view: memoryview | None = None
         if self.mmap:
-            # numpy cannot map an empty file; an empty dataset has nothing to read anyway.
-            self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.empty(0, np.uint8)
+            # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
+            self._bin_view = memoryview(mmap.mmap(bin_fd, 0, access=mmap.ACCESS_READ) if bin_size else b"")
+            os.close(bin_fd)
         else:
-            self._fd = os.open(bin_path, os.O_RDONLY)
+            self._fd = bin_fd
         # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
         self._count = header.sequence_count
         self._dtype = header.dtype
         self._itemsize = header.dtype.itemsize
-        self._bin_view = memoryview(self._bin) if self._bin is not None else None
         self._tokens: np.ndarray | None = None  # the whole .bin as one token array, made on first gather
 
     def verify(self) -> None:

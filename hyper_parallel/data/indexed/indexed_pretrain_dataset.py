@@ -84,14 +84,20 @@ class _SampleMaker:
         self.length = config.seq_length + config.extra_token
         # Without per-document resets the LTR fields do not depend on the tokens: compute them once and share
         # them between samples, as upstream does.
-        self._constant = None
-        if not (config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss):
-            fields = self._fields(np.zeros(config.seq_length, np.int64))
-            self._constant = (
+        self._constant_fields = None
+        self._constant_ready = not (config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss)
+
+    @property
+    def _constant(self):
+        """``(loss_mask, position_ids, attention_mask)`` shared by every sample, or None; made on first use."""
+        if self._constant_ready and self._constant_fields is None:
+            fields = self._fields(np.zeros(self.config.seq_length, np.int64))
+            self._constant_fields = (
                 fields.loss_mask,
                 torch.from_numpy(fields.position_ids),
                 None if fields.attention_mask is None else torch.from_numpy(fields.attention_mask),
             )
+        return self._constant_fields
 
     def _fields(self, tokens: np.ndarray):
         config = self.config
@@ -410,7 +416,9 @@ class GPTFromMRDataset(_MidLevelDataset):
         lengths = np.asarray(self.dataset.sequence_lengths)[records].astype(np.int64)
         flat = self.dataset.gather(records, np.zeros_like(records), lengths)
         if self.config.skip_data_check:
-            return self._make_sample.pad_rows(np.split(flat, np.cumsum(lengths[:-1])))
+            # Unchecked records are cut or padded to seq_length + x tokens.
+            records_tokens = np.split(flat, np.cumsum(lengths[:-1]))
+            return self._make_sample.pad_rows([tokens[: self._record_length] for tokens in records_tokens])
         text = flat.reshape(len(records), self._record_length)
         has_pad = (text == self._make_sample.pad).any(axis=1)
         if has_pad.any():

@@ -26,6 +26,7 @@ from hyper_parallel.data.indexed.indexed_data_config import (
     split_matrix,
     split_range,
 )
+from hyper_parallel.data.indexed.indexed_data_reader import read_sequence_counts
 from hyper_parallel.data.indexed.indexed_dataset import dataset_class, open_low_level
 from hyper_parallel.data.indexed.indexed_helpers import blended_sample_counts, normalize_weights
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
@@ -56,7 +57,10 @@ class _Source:
         return self._data
 
     def __len__(self) -> int:
-        return self.known_count if self.known_count is not None else len(self.data)
+        """Sequences of the prefix, from the counts file, the header alone, or the mock data."""
+        if self.known_count is None:
+            self.known_count = len(self.data) if self.prefix is None else read_sequence_counts(self.prefix)[0]
+        return self.known_count
 
 
 class IndexedSplitBuilder:
@@ -109,13 +113,23 @@ class IndexedSplitBuilder:
 
     # -- blends ------------------------------------------------------------------------------------------------
 
-    def _blend(self, datasets: list, weights: list[float] | None, size: int | None, split_index: int):
+    def _blend(self, datasets: list, prefixes, weights: list[float] | None, size: int | None, split_index: int):
+        """The split's blend; ``weights`` None blends the sources by their sizes (``size`` caps the total)."""
         split = SPLIT_NAMES[split_index]
         if self.config.simple_blend != "no":
             return SimpleBlendedDataset(datasets, self.config.simple_blend, size)
 
         def build():
-            return BlendedDataset(datasets, weights, size, self.config, split, self.synchronize)
+            if weights is not None:
+                return BlendedDataset(datasets, weights, size, self.config, split, self.synchronize)
+            lengths = [len(d) for d in datasets]  # built here, so that a lazy blend opens nothing before use
+            empty = [prefix for prefix, length in zip(prefixes, lengths, strict=True) if length == 0]
+            if empty:
+                raise DataConfigError(
+                    f"blend sources {empty} have no {split} samples; give the {split} split a larger share or drop them"
+                )
+            total = None if size is None else min(size, sum(lengths))
+            return BlendedDataset(datasets, lengths, total, self.config, split, self.synchronize)
 
         if self.config.data_lazy_load:
             return LazyDatasetProxy(build, f"BlendedDataset of {len(datasets)} sources, {split}")
@@ -152,14 +166,8 @@ class IndexedSplitBuilder:
             if matrix[i] is None:
                 continue
             datasets = [splits[i] for splits in per_source]
-            if self.config.simple_blend != "no":
-                result[i] = self._blend(datasets, None, sizes[i], i)
-            elif weights is not None:
-                result[i] = self._blend(datasets, weights, sum(targets[i]), i)
-            else:
-                lengths = [len(d) for d in datasets]
-                size = None if sizes[i] is None else min(sizes[i], sum(lengths))
-                result[i] = self._blend(datasets, lengths, size, i)
+            size = sum(targets[i]) if weights is not None else sizes[i]
+            result[i] = self._blend(datasets, prefixes, weights, size, i)
         return result
 
     # -- entry -------------------------------------------------------------------------------------------------

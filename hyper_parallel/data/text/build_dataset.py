@@ -6,6 +6,7 @@ responsible for: how the datasets are built (``indexed.indexed_split_builder``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 from hyper_parallel.data.dataset_logging import get_logger
@@ -59,7 +60,7 @@ def build_indexed_text_dataset(
             "a tokenizer is required: the samples' EOD and pad ids come from it. Pass tokenizer=<path of a Hugging "
             "Face tokenizer directory> or a loaded tokenizer"
         )
-    if isinstance(tokenizer, str):
+    if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = build_tokenizer(tokenizer)
     splits = IndexedSplitBuilder(config, tokenizer, synchronize).build(data_path, train_valid_test_num_samples)
     for name, dataset in zip(("train", "valid", "test"), splits, strict=True):

@@ -29,12 +29,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 from hyper_parallel.data.indexed.indexed_data_config import DataPath, parse_blend
-from hyper_parallel.data.indexed.indexed_data_reader import data_file_paths
+from hyper_parallel.data.indexed.indexed_data_reader import read_sequence_counts
 from hyper_parallel.data.indexed.io import temporary_path
 
-__all__ = ["build_parser", "collect_prefixes", "main", "read_counts", "write_sequences_per_dataset"]
+__all__ = ["build_parser", "collect_prefixes", "main", "write_sequences_per_dataset"]
 
 _PROG = "python -m hyper_parallel.data.tools.build_sequences_per_dataset"
 
@@ -74,27 +73,6 @@ def collect_prefixes(data_paths: Iterable[DataPath | None]) -> list[str]:
     return list(prefixes)
 
 
-def read_counts(prefix: str) -> tuple[int, int]:
-    """``(sequence_count, document_count)`` of ``<prefix>.idx``, from its header alone.
-
-    Raises:
-        DataFileError: the index is missing, unreadable or has a malformed header.
-    """
-    idx_path, _ = data_file_paths(prefix)
-    try:
-        with idx_path.open("rb") as f:
-            raw = f.read(HEADER_SIZE)
-    except FileNotFoundError:
-        raise DataFileError(
-            f"indexed dataset '{prefix}': {idx_path} does not exist. Pass the prefix without the .idx/.bin "
-            "extension, exactly as training will"
-        ) from None
-    except OSError as error:
-        raise DataFileError(f"indexed dataset '{prefix}': cannot read {idx_path}: {error.strerror}") from None
-    header = IdxHeader.parse(raw, idx_path)
-    return header.sequence_count, header.document_count
-
-
 def write_sequences_per_dataset(
     prefixes: Iterable[str], output_path: str | os.PathLike, progress: bool = True
 ) -> dict[str, list[int]]:
@@ -117,7 +95,7 @@ def write_sequences_per_dataset(
         )
     prefixes = list(prefixes)
     counts = {
-        prefix: list(read_counts(prefix))
+        prefix: list(read_sequence_counts(prefix))
         for prefix in tqdm(prefixes, desc="reading .idx headers", unit="prefix", disable=None if progress else True)
     }
     temporary = temporary_path(output_path)
