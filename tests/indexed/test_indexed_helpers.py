@@ -1,8 +1,8 @@
 """Specification of ``indexed_helpers``: bit-for-bit parity with megatron-core's GPT and blending index arrays.
 
 megatron-core 0.16.1 is the reference: its compiled ``helpers_cpp``, its ``gpt_dataset`` private builders and a
-``GPTDataset`` built in memory (mock config, so nothing is cached). Golden values come from section 9 of
-``shared/reference/megatron_datasets.md``, which generated them with the upstream implementation.
+``GPTDataset`` built in memory (mock config, so nothing is cached). The golden values were generated with the
+upstream megatron-core implementation.
 """
 
 from __future__ import annotations

@@ -426,7 +426,7 @@ def test_padding_sample_matches_megatron(ltor_prefix, tmp_path, add_extra_token,
         assert_sample_equal(first, megatron_sample(reference, 0), f"{name}.__getitems__[0]", ltor=False)
 
 
-# -- golden values of the reference (/work/shared/reference/megatron_datasets.md, section 9) -------------------------
+# -- golden values, generated with megatron-core's implementation -------------------------------------------------
 
 # Generated there with the upstream implementation: five sequences of lengths [5, 3, 7, 2, 4], token j of
 # sequence i is 100 * (i + 1) + j, uint16, S = 4, seed 1234, split "1,0,0", train split.
@@ -491,7 +491,7 @@ GOLDEN_TOKENIZER = ParityTokenizer(eod=0, pad=1)
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_golden_indices_of_the_reference(name, tmp_path):
     """The public entry point reproduces the golden document, sample and shuffle indices, lengths and first
-    samples of the reference's section 9."""
+    samples generated with megatron-core."""
     golden = GOLDEN[name]
     prefix = golden_prefix(tmp_path, GOLDEN_LENGTHS)
     config = {
@@ -519,7 +519,7 @@ def test_golden_indices_of_the_reference(name, tmp_path):
         assert first["loss_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]  # the last label is padding
 
 
-# build_sample_idx(sizes=[5, 3, 7, 2], doc=[0, 1, 2, 3], S=4, E=1, T=17) of the reference's section 9. Through the
+# build_sample_idx(sizes=[5, 3, 7, 2], doc=[0, 1, 2, 3], S=4, E=1, T=17) generated with megatron-core. Through the
 # public entry point the documents are shuffled; seed 5 shuffles four documents into the identity (checked below).
 SAMPLE_INDEX_GOLDEN = {
     (True, True): [[0, 0], [0, 4], [2, 0], [2, 4], [3, 1]],
