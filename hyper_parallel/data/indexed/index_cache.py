@@ -73,9 +73,12 @@ class IndexCache:
         # The compact form is hashed (json's fast C encoder); the indented, readable one is written at build time.
         compact = json.dumps(description, separators=(",", ":"))
         self.key = hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
-        self.directory = None if directory is None else Path(directory)
         self._directory_text = None if directory is None else os.fspath(directory)
         self._stem = f"{self.key}-{kind}-{split}"
+
+    @property
+    def directory(self) -> Path | None:
+        return None if self._directory_text is None else Path(self._directory_text)
 
     def path(self, name: str) -> Path:
         assert self.directory is not None
@@ -133,7 +136,7 @@ class IndexCache:
             defer: map the files on first access (``defer_npy_index_mmap``).
             synchronize: hold other ranks while rank 0 builds (every rank must then call this).
         """
-        if self.directory is None:
+        if self._directory_text is None:
             return build()
         if assume_complete or (not (synchronize and process_group_ready()) and self.is_complete(names)):
             # A complete entry never changes (it is published by renames), so reading it needs no lock.

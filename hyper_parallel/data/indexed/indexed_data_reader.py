@@ -40,9 +40,9 @@ def read_sequence_counts(prefix: str) -> tuple[int, int]:
     Raises:
         DataFileError: the index is missing, unreadable or has a malformed header.
     """
-    idx_path, _ = data_file_paths(prefix)
+    idx_path = os.fspath(prefix) + ".idx"
     try:
-        with idx_path.open("rb") as f:
+        with open(idx_path, "rb") as f:
             raw = f.read(HEADER_SIZE)
     except FileNotFoundError:
         raise missing_pair_error(prefix) from None

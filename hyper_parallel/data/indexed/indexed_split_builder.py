@@ -59,7 +59,9 @@ class _Source:
     def __len__(self) -> int:
         """Sequences of the prefix, from the counts file, the header alone, or the mock data."""
         if self.known_count is None:
-            self.known_count = len(self.data) if self.prefix is None else read_sequence_counts(self.prefix)[0]
+            # A lazy build reads only the header now; an eager one opens the reader it needs anyway.
+            lazy = self.config.data_lazy_load and self.prefix is not None
+            self.known_count = read_sequence_counts(self.prefix)[0] if lazy else len(self.data)
         return self.known_count
 
 
