@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hyper_parallel.data.errors import DataFileError
 
-__all__ = ["build_once", "distributed_rank", "exclusive_file_lock", "process_group_barrier", "process_group_ready"]
+__all__ = ["build_once", "exclusive_file_lock", "process_group_ready"]
 
 
 def process_group_ready() -> bool:
@@ -26,15 +26,6 @@ def process_group_ready() -> bool:
     except ImportError:  # pragma: no cover - torch always ships distributed on supported platforms
         return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def distributed_rank() -> int:
-    """This process's global rank, or 0 without a process group."""
-    if not process_group_ready():
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 @contextmanager
@@ -88,11 +79,3 @@ def build_once(
             f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must be "
             "on a file system shared by all ranks (set data_cache_path to one)"
         )
-
-
-def process_group_barrier() -> None:
-    """A barrier when a process group exists; nothing otherwise."""
-    if process_group_ready():
-        import torch.distributed as dist
-
-        dist.barrier()
