@@ -54,6 +54,12 @@ def test_quickstart_writes_a_verified_pair_and_decodes_it(tmp_path, capsys, toke
     assert int(reader[0][-1]) == tokenizer.eod
     assert tokenizer.decode(reader[0]).startswith("The family of Dashwood had long been settled in Sussex.")
 
+    # Step 4 cuts the pair into 512-token samples with the Indexed path and caches its indices in the output.
+    train_line = next(line for line in out.splitlines() if line.startswith("  train: "))
+    train_samples = int(train_line.split(" of ")[1].split()[0].replace(",", ""))
+    assert train_line.startswith("  train: GPTDataset of ") and train_samples > 0
+    assert list((tmp_path / "index_cache").glob("*-GPTDataset-train-description.txt"))
+
 
 def test_prepare_dispatches_to_offline_preparation(tmp_path, tokenizer, capsys, restore_package_logger):  # noqa: F811
     """``hp-data prepare`` runs offline preparation with the same flags."""
