@@ -78,27 +78,21 @@ class IndexedDataReader:
         # resolve every path component).
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         try:
+            bin_size = os.stat(bin_path).st_size  # the .bin itself is opened on the first read
             idx_file = open(idx_path, "rb")  # noqa: SIM115 - closed below; the map outlives it
-            bin_fd = os.open(bin_path, os.O_RDONLY)
-        except (FileNotFoundError, IsADirectoryError):
-            if "idx_file" in locals():
-                idx_file.close()
+        except (FileNotFoundError, NotADirectoryError):
             raise missing_pair_error(self.path_prefix) from None
         with idx_file:
             idx_size = os.fstat(idx_file.fileno()).st_size
-            try:
-                header = IdxHeader.parse(idx_file.read(HEADER_SIZE), idx_path)
-                needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
-                if idx_size < needed:
-                    raise DataFileError(
-                        f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
-                        f"and {header.document_count - 1} documents ({needed} bytes"
-                        f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
-                        "it; an interrupted writer leaves such files."
-                    )
-            except DataFileError:
-                os.close(bin_fd)
-                raise
+            header = IdxHeader.parse(idx_file.read(HEADER_SIZE), idx_path)
+            needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
+            if idx_size < needed:
+                raise DataFileError(
+                    f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
+                    f"and {header.document_count - 1} documents ({needed} bytes"
+                    f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
+                    "it; an interrupted writer leaves such files."
+                )
             self._idx_map = mmap.mmap(idx_file.fileno(), 0, access=mmap.ACCESS_READ)
         self._header = header
         count = header.sequence_count
@@ -115,11 +109,9 @@ class IndexedDataReader:
             np.frombuffer(self._idx_map, dtype=np.int8, count=count, offset=offset) if self.multimodal else None
         )
 
-        bin_size = os.fstat(bin_fd).st_size
         if count:
             end = int(self._pointers[-1]) + int(self._lengths[-1]) * self.dtype.itemsize
             if end > bin_size:
-                os.close(bin_fd)
                 raise DataFileError(
                     f"{bin_path}: the data file is {bin_size} bytes but the index points to byte {end} "
                     f"(last of {count} sequences). The .bin is truncated or belongs to another .idx; rebuild the pair."
@@ -127,12 +119,7 @@ class IndexedDataReader:
         self._bin_size = bin_size
         self._fd: int | None = None
         self._bin_view: memoryview | None = None
-        if self.mmap:
-            # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
-            self._bin_view = memoryview(mmap.mmap(bin_fd, 0, access=mmap.ACCESS_READ) if bin_size else b"")
-            os.close(bin_fd)
-        else:
-            self._fd = bin_fd
+        self._bin_opened = False
         # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
         self._count = header.sequence_count
         self._dtype = header.dtype
@@ -218,9 +205,26 @@ class IndexedDataReader:
 
     # -- reading ----------------------------------------------------------------------------------------------
 
+    def _open_bin(self) -> None:
+        """Map (or open) the ``.bin`` on first use: start-up with thousands of prefixes opens only the indices."""
+        try:
+            fd = os.open(self.path_prefix + ".bin", os.O_RDONLY)
+        except FileNotFoundError:
+            raise missing_pair_error(self.path_prefix) from None
+        if self.mmap:
+            # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
+            self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
+            os.close(fd)
+        else:
+            self._fd = fd
+        self._bin_opened = True
+
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         if self._bin_view is not None:
             return np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
+        if not self._bin_opened:
+            self._open_bin()
+            return self._read(byte_offset, count)
         # pread may return fewer bytes than asked (Linux caps one call near 2 GiB): read until complete.
         wanted = count * self.dtype.itemsize
         raw = os.pread(self._fd, wanted, byte_offset)
@@ -289,6 +293,8 @@ class IndexedDataReader:
             or np.any(offsets + lengths > self._lengths[sequence_ids])
         ):
             raise IndexError(f"a requested token range is outside its sequence in '{self.path_prefix}'")
+        if not self._bin_opened:
+            self._open_bin()
         if self._bin_view is None:
             pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
             return np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
