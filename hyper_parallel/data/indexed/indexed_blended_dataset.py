@@ -73,11 +73,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         }
         cache = IndexCache(config.data_cache_path, self.kind, split, self.unique_identifiers)
         self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
-            _INDEX_NAMES,
-            self._build_indices,
-            assume_complete=config.fast_cache_load,
-            defer=config.defer_npy_index_mmap,
-            synchronize=synchronize and not config.fast_cache_load,
+            _INDEX_NAMES, self._build_indices, **config.cache_options(synchronize)
         )
         if config.defer_npy_index_mmap:
             self._length = size if size is not None else sum(self.weights)

@@ -141,6 +141,14 @@ class IndexedDataConfig:
     def has_per_split_paths(self) -> bool:
         return any(p is not None for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
 
+    def cache_options(self, synchronize: bool) -> dict[str, bool]:
+        """How index caches are read: ``IndexCache.get_or_build`` keywords from the fast start-up settings."""
+        return {
+            "assume_complete": self.fast_cache_load,
+            "defer": self.defer_npy_index_mmap,
+            "synchronize": synchronize and not self.fast_cache_load,
+        }
+
     @property
     def extra_token(self) -> int:
         """1 when samples read one extra token for the shifted labels, else 0."""

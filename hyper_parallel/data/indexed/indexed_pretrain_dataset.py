@@ -203,7 +203,6 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         self.split = split
         self.config = config
-        self.synchronize = synchronize
         eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
         self._make_sample = _SampleMaker(config, eod, pad)
         self._length = 0
@@ -271,11 +270,7 @@ class GPTDataset(_MidLevelDataset):
         }
         cache = IndexCache(self._cache_directory(), self.kind, split, self.unique_identifiers)
         self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
-            _INDEX_NAMES,
-            self._build_indices,
-            assume_complete=config.fast_cache_load,
-            defer=config.defer_npy_index_mmap,
-            synchronize=synchronize and not config.fast_cache_load,
+            _INDEX_NAMES, self._build_indices, **config.cache_options(synchronize)
         )
         self._length = self._expected_length() if config.defer_npy_index_mmap else len(self._arrays["shuffle_index"])
 

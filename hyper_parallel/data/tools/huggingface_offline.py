@@ -101,7 +101,6 @@ def run_huggingface_offline(
         chunks=_chunks(dataset, f"{config.dataset_name_or_path}[{split}]", columns, config.chunk_size),
         total_bytes=max(1, dataset.data.nbytes),
         total_records=len(dataset),
-        description=f"Hugging Face dataset {config.dataset_name_or_path} split {split}",
     )
     return run_offline_preparation(config, source)
 

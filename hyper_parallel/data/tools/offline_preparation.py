@@ -69,7 +69,6 @@ class RecordSource:
     chunks: Iterable[RecordChunk]
     total_bytes: int | None = None
     total_records: int | None = None
-    description: str = ""
 
 
 @dataclass
@@ -306,7 +305,6 @@ def _local_source(config: OfflinePreparationConfig) -> RecordSource:
         chunks=iter_record_chunks(files, fmt, config.chunk_size, columns),
         total_bytes=sum(p.stat().st_size for p in files),
         total_records=total_records,
-        description=f"{len(files)} {fmt} file(s)",
     )
 
 
