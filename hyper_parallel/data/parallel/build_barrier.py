@@ -13,10 +13,13 @@ import fcntl
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from hyper_parallel.data.errors import DataFileError
 
-__all__ = ["build_once", "exclusive_file_lock", "process_group_ready"]
+T = TypeVar("T")
+
+__all__ = ["build_once", "exclusive_file_lock", "process_group_ready", "rank_zero_first"]
 
 
 def process_group_ready() -> bool:
@@ -79,3 +82,27 @@ def build_once(
             f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must be "
             "on a file system shared by all ranks (set data_cache_path to one)"
         )
+
+
+def rank_zero_first(load: Callable[[], T]) -> T:
+    """Run ``load`` on rank 0, then on the other ranks, so that a cache it writes is written once.
+
+    Without a process group this is just ``load()``. A failure on rank 0 raises on every rank instead of hanging.
+    """
+    if not process_group_ready():
+        return load()
+    import torch.distributed as dist
+
+    failure: list[str | None] = [None]
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = load()
+        except Exception as error:  # noqa: BLE001 - relayed to every rank below, then re-raised here
+            failure[0] = f"{type(error).__name__}: {error}"
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise DataFileError(f"rank 0 failed to load the data ({failure[0]}); see rank 0's log")
+    return result if dist.get_rank() == 0 else load()

@@ -1,7 +1,8 @@
-"""Public entry points that build datasets from configs (the ``dataset._target_`` of 001 section 11).
+"""Public entry points that build datasets from configs (the ``dataset._target_`` of a pipeline config).
 
-Owns: turning a YAML-friendly ``data_config`` mapping and a tokenizer (or its path) into datasets. Not
-responsible for: how the datasets are built (``indexed.indexed_split_builder``).
+Owns: turning a YAML-friendly ``data_config`` mapping and a tokenizer (or its path) into datasets, for the Online
+path (``build_online_text_dataset``) and the Indexed path (``build_indexed_text_dataset``). Not responsible for:
+how the datasets are built (``text.online`` sources, ``indexed.indexed_split_builder``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_split_builder import IndexedSplitBuilder
+from hyper_parallel.data.text.build_data_transform import build_llm_data_transform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
+from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
+from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
 
-__all__ = ["build_indexed_text_dataset"]
+__all__ = ["build_indexed_text_dataset", "build_online_text_dataset"]
 
 logger = get_logger("hyper_parallel.data.text.build_dataset")
 
@@ -67,3 +72,56 @@ def build_indexed_text_dataset(
         if dataset is not None:
             logger.info("%s: %s", name, type(dataset).__name__)
     return tuple(splits)
+
+
+def build_online_text_dataset(
+    data_path=None,
+    data_transform=None,
+    data_config: OnlineDataConfig | Mapping | None = None,
+    tokenizer=None,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    seed: int = 1234,
+):
+    """Build the Online dataset: local files read with Hugging Face ``datasets``, tokenized when read.
+
+    Args:
+        data_path: a JSON/JSONL/Parquet/CSV/Arrow file, a glob, a directory of such files, or a ``save_to_disk``
+            directory.
+        data_transform: a transform (e.g. from ``build_llm_data_transform``) or a mapping of its arguments.
+        data_config: an ``OnlineDataConfig`` or a mapping of its fields; ``dataset_type`` picks ``mapping``
+            (``streaming=False``) or ``iterable`` (``streaming=True``).
+        tokenizer: a loaded tokenizer or its path; needed when ``data_transform`` is a mapping.
+        dp_rank, dp_world_size: this rank's share of an iterable source (a mapping source is shared; the batch
+            sampler assigns its indices).
+        seed: seeds an iterable source's shuffle buffer.
+
+    Returns:
+        A ``TransformDataset`` (mapping) or ``IterableTransformDataset`` (iterable), or ``(train, valid, test)``
+        when ``data_config`` names a validation or test path.
+    """
+    if data_path is None:
+        raise DataConfigError("data_path is required: a data file, glob, directory or save_to_disk directory")
+    if data_transform is None:
+        raise DataConfigError(
+            "data_transform is required, e.g. {_target_: hyper_parallel.data.text.build_data_transform."
+            "build_llm_data_transform, data_type: plaintext, max_seq_len: 4096}"
+        )
+    config = data_config if isinstance(data_config, OnlineDataConfig) else OnlineDataConfig.from_mapping(data_config)
+    if isinstance(data_transform, Mapping):
+        data_transform = build_llm_data_transform(tokenizer=tokenizer, **data_transform)
+
+    def build(path):
+        source = open_online_source(path, config, dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)
+        if isinstance(source, OnlineMappingDataset):
+            dataset = TransformDataset(source, data_transform)
+        else:
+            dataset = IterableTransformDataset(source, data_transform)
+        logger.info("online dataset: %r", dataset)
+        return dataset
+
+    train = build(data_path)
+    if config.valid_data_path is None and config.test_data_path is None:
+        return train
+    others = (config.valid_data_path, config.test_data_path)
+    return (train, *(None if path is None else build(path) for path in others))

@@ -26,6 +26,7 @@ __all__ = [
     "count_records",
     "file_format",
     "iter_record_chunks",
+    "load_hf_dataset",
     "resolve_data_files",
 ]
 
@@ -39,6 +40,8 @@ FILE_FORMATS = {
     ".txt": "text",
 }
 _GZIP_FORMATS = {"json", "csv", "text"}
+# Our format name -> the Hugging Face ``datasets`` builder that reads it (the names happen to agree).
+_HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow", "text": "text"}
 _GLOB_CHARS = set("*?[")
 
 RecordKind = Literal["json_lines", "text_lines", "records"]
@@ -101,7 +104,7 @@ def resolve_data_files(path_or_pattern: str | os.PathLike) -> tuple[list[Path], 
         if not candidates:
             raise DataFileError(f"the pattern '{spec}' matches no files; check the path and the quoting of the glob")
     elif path.is_dir():
-        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        if is_saved_hf_dataset(path):
             raise DataFileError(
                 f"{path} is a Hugging Face dataset saved with save_to_disk; convert it with "
                 "`python -m hyper_parallel.data.tools.huggingface_offline` instead"
@@ -329,3 +332,59 @@ def iter_record_chunks(
 def count_records(files: Iterable[Path], fmt: str, columns: Sequence[str] | None = None) -> int:
     """How many records ``iter_record_chunks`` yields for ``files``, without parsing JSON lines."""
     return sum(len(chunk.items) for chunk in iter_record_chunks(files, fmt, chunk_size=4096, columns=columns))
+
+
+def is_saved_hf_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def _load_saved_hf_dataset(path: Path, split: str):
+    from datasets import DatasetDict, load_from_disk
+
+    dataset = load_from_disk(str(path))
+    if isinstance(dataset, DatasetDict):
+        if split not in dataset:
+            raise DataFileError(f"{path} holds the splits {sorted(dataset)}, not '{split}'; set split to one of them")
+        dataset = dataset[split]
+    return dataset
+
+
+def load_hf_dataset(
+    data_path: str | os.PathLike, *, streaming: bool, cache_dir: str | os.PathLike | None = None, split: str = "train"
+):
+    """Open local data files with Hugging Face ``datasets``.
+
+    Args:
+        data_path: a JSON/JSONL/Parquet/CSV/Arrow/text file, a glob, a directory of such files, or a directory
+            written by ``save_to_disk``.
+        streaming: False gives a random-access ``datasets.Dataset`` (its Arrow cache is written under
+            ``cache_dir``); True gives a ``datasets.IterableDataset`` read as it is iterated.
+        split: the split of a saved ``DatasetDict``.
+
+    Returns:
+        The dataset and a short description of where it comes from, for messages.
+    """
+    path = Path(os.fspath(data_path)).expanduser()
+    if path.is_dir() and is_saved_hf_dataset(path):
+        dataset = _load_saved_hf_dataset(path, split)
+        if streaming:
+            dataset = dataset.to_iterable_dataset(num_shards=max(1, len(dataset.cache_files)))
+        return dataset, str(path)
+    files, fmt = resolve_data_files(data_path)
+    from datasets import load_dataset
+
+    description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {os.fspath(data_path)}"
+    try:
+        dataset = load_dataset(
+            _HF_BUILDERS[fmt],
+            data_files=[str(f) for f in files],
+            split="train",
+            streaming=streaming,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+        )
+    except Exception as error:  # noqa: BLE001 - the builders raise many types; all get the file named
+        raise DataFileError(f"{description}: Hugging Face datasets could not read it as {fmt} ({error})") from error
+    return dataset, description

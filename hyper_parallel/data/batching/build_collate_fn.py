@@ -1,0 +1,273 @@
+"""Collate functions: pack variable-length Online samples into one row, stack fixed-length Indexed samples.
+
+Owns: turning the samples of one micro-batch into the tensors a training step consumes. Online ``ModelSample``s
+(``input_ids`` and already-shifted ``labels``) are concatenated into a single ``[1, packed_length]`` row with
+``cu_seq_lens`` marking the sequence boundaries for variable-length attention; the row is padded at its tail to
+the multiple that context/tensor parallelism (and the attention kernels) need, and that padding is recorded as one
+extra synthetic sequence, so that it attends only to itself. Indexed samples, already of equal length, are stacked
+into ``[micro_batch_size, seq_length]`` tensors. Not responsible for: choosing which samples form a batch (the
+samplers in ``parallel``), splitting the packed row across context-parallel ranks, or tokenization.
+
+Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens plus 3 pad tokens (labels
+``IGNORE_INDEX``) and ``cu_seq_lens = [0, 3, 5, 8]``; with lengths 3 and 1 it holds 4 tokens and
+``cu_seq_lens = [0, 3, 4]``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+
+__all__ = [
+    "TextPackingCollator",
+    "build_indexed_collate_fn",
+    "build_online_text_collate_fn",
+    "collate_indexed_samples",
+    "sequence_alignment",
+]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as a Python int, or a ``DataConfigError`` when it is not an integer ``>= minimum``."""
+    if isinstance(value, bool):  # bool is an int subclass, but True as a size is always a mistake
+        raise DataConfigError(f"{name} must be an integer >= {minimum}, got the bool {value}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise DataConfigError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise DataConfigError(f"{name} must be an integer >= {minimum}, got {number}")
+    return number
+
+
+def sequence_alignment(
+    *, cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False, sequence_multiple: int = 1
+) -> int:
+    """Return the multiple every packed row length must be padded to.
+
+    Context parallelism splits the row into ``cp_size`` parts; sequence parallelism further splits each part
+    across the ``tp_size`` tensor-parallel ranks. An extra multiple required by the kernels (e.g. 32) is combined
+    with that by least common multiple, so both constraints hold at once.
+
+    Args:
+        cp_size: context-parallel size.
+        tp_size: tensor-parallel size; counts only with ``sequence_parallel``.
+        sequence_parallel: whether activations are split along the sequence across tensor-parallel ranks.
+        sequence_multiple: any further multiple the row length must satisfy.
+
+    Returns:
+        ``lcm(cp_size * tp_size if sequence_parallel else cp_size, sequence_multiple)``.
+
+    Raises:
+        DataConfigError: a size is not a positive integer, or ``sequence_parallel`` is not a bool.
+
+    Example:
+        ``cp_size=2, tp_size=4, sequence_parallel=True`` gives 8; adding ``sequence_multiple=32`` gives 32, and
+        ``sequence_multiple=12`` gives 24.
+    """
+    cp = _check_int("cp_size", cp_size, 1)
+    tp = _check_int("tp_size", tp_size, 1)
+    multiple = _check_int("sequence_multiple", sequence_multiple, 1)
+    if not isinstance(sequence_parallel, bool | np.bool_):
+        raise DataConfigError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    return math.lcm(cp * tp if sequence_parallel else cp, multiple)
+
+
+def _field(sample: Any, key: str, index: int) -> np.ndarray:
+    """Field ``key`` of sample ``index`` as a 1-D integer numpy array (no copy when it already is one)."""
+    if not isinstance(sample, Mapping):
+        raise DataFileError(
+            f"sample {index} of the batch is a {type(sample).__name__}, not a mapping with 'input_ids' and "
+            "'labels'; the dataset must return one dict per sample"
+        )
+    if key not in sample:
+        raise DataFileError(
+            f"sample {index} of the batch has no {key!r} (its keys: {sorted(map(str, sample))}); "
+            "Online samples need 'input_ids' and 'labels'"
+        )
+    value = sample[key]
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise DataFileError(
+            f"sample {index} of the batch: {key!r} must be 1-D, got shape {tuple(array.shape)}; pass one "
+            "unbatched sequence per sample"
+        )
+    if len(array) == 0:
+        raise DataFileError(f"sample {index} of the batch: {key!r} is empty; drop zero-length samples before batching")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise DataFileError(f"sample {index} of the batch: {key!r} must hold integer ids, got dtype {array.dtype}")
+    return array
+
+
+class TextPackingCollator:
+    """Pack Online samples into one ``[1, packed_length]`` row with ``cu_seq_lens`` boundaries.
+
+    Picklable (plain attributes only), so it can be handed to ``DataLoader`` workers.
+
+    Attributes:
+        alignment: the packed length is padded at its tail to a multiple of this.
+        pad_token_id: input id used for that padding (its labels are ``IGNORE_INDEX``).
+    """
+
+    def __init__(self, *, alignment: int = 1, pad_token_id: int = 0) -> None:
+        """Validate and store the settings.
+
+        Args:
+            alignment: multiple of the packed length, usually from ``sequence_alignment``.
+            pad_token_id: a valid token id (``>= 0``); it is never trained on, but it goes through the embedding.
+
+        Raises:
+            DataConfigError: a setting is not a non-negative integer, or the alignment is 0.
+        """
+        self.alignment = _check_int("alignment", alignment, 1)
+        self.pad_token_id = _check_int("pad_token_id", pad_token_id, 0)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id})"
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """Concatenate ``samples`` into one padded row.
+
+        Args:
+            samples: K mappings, each with 1-D integer ``input_ids`` and ``labels`` of the same length ``>= 1``
+                (numpy arrays, lists or tensors).
+
+        Returns:
+            ``input_ids`` and ``labels``: int64 ``[1, packed_length]``; ``cu_seq_lens``: int32 ``[K + 1]``, or
+            ``[K + 2]`` when tail padding was added (the padding is its own final sequence).
+
+        Raises:
+            DataFileError: the batch is empty, or a sample is not a mapping, lacks a field, has a field that is
+                not 1-D integer, is empty, or has ``input_ids`` and ``labels`` of different lengths.
+        """
+        if len(samples) == 0:
+            raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to pack")
+        inputs, labels = [], []
+        for index, sample in enumerate(samples):
+            ids, targets = _field(sample, "input_ids", index), _field(sample, "labels", index)
+            if len(ids) != len(targets):
+                raise DataFileError(
+                    f"sample {index} of the batch has {len(ids)} input_ids but {len(targets)} labels; labels "
+                    "must be shifted in place (one per input id, IGNORE_INDEX where there is no loss)"
+                )
+            inputs.append(ids)
+            labels.append(targets)
+
+        lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
+        total = int(lengths.sum())
+        pad = -total % self.alignment
+        packed_length = total + pad
+        if packed_length > _INT32_MAX:
+            raise DataFileError(
+                f"the packed row would hold {packed_length} tokens, more than cu_seq_lens (int32) can address; "
+                "use a smaller micro-batch"
+            )
+        # One allocation per output; the padding tail is written by ``full`` and the samples by one concatenate.
+        input_row = np.full(packed_length, self.pad_token_id, dtype=np.int64)
+        label_row = np.full(packed_length, IGNORE_INDEX, dtype=np.int64)
+        np.concatenate(inputs, out=input_row[:total])
+        np.concatenate(labels, out=label_row[:total])
+        cu_seq_lens = np.zeros(len(lengths) + 1 + (pad > 0), dtype=np.int32)
+        np.cumsum(lengths, out=cu_seq_lens[1 : len(lengths) + 1])
+        if pad:
+            cu_seq_lens[-1] = packed_length
+        return {
+            "input_ids": torch.from_numpy(input_row).unsqueeze(0),
+            "labels": torch.from_numpy(label_row).unsqueeze(0),
+            "cu_seq_lens": torch.from_numpy(cu_seq_lens),
+        }
+
+
+def build_online_text_collate_fn(
+    tokenizer: Any = None,
+    *,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    sequence_multiple: int = 1,
+    pad_token_id: int | None = None,
+) -> TextPackingCollator:
+    """Build the packing collator of the Online path for a parallel layout.
+
+    Args:
+        tokenizer: optional; its ``pad_token_id`` is the padding id when ``pad_token_id`` is not given.
+        cp_size, tp_size, sequence_parallel, sequence_multiple: see ``sequence_alignment``.
+        pad_token_id: explicit padding id; otherwise the tokenizer's, otherwise 0 (the padding carries no loss
+            and is its own sequence in ``cu_seq_lens``, so any valid id works).
+
+    Returns:
+        A picklable ``TextPackingCollator``.
+
+    Raises:
+        DataConfigError: a size or the padding id is invalid.
+    """
+    alignment = sequence_alignment(
+        cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel, sequence_multiple=sequence_multiple
+    )
+    if pad_token_id is None:
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = 0
+    return TextPackingCollator(alignment=alignment, pad_token_id=pad_token_id)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(np.shape(value))
+
+
+def collate_indexed_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack fixed-length Indexed samples into ``[micro_batch_size, ...]`` tensors with ``default_collate``.
+
+    Each sample is a dict of equal-length arrays (``tokens``, ``labels``, ``loss_mask``, optional
+    ``position_ids`` and ``attention_mask``) and scalars such as ``dataset_id``; numpy arrays and torch tensors
+    both work. A module-level function, so ``DataLoader`` workers can pickle it.
+
+    Raises:
+        DataFileError: the batch is empty, a sample is None or not a mapping, the samples' keys differ, or a
+            field's shape differs from sample 0's.
+    """
+    if len(samples) == 0:
+        raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to stack")
+    first = samples[0]
+    for index, sample in enumerate(samples):
+        if sample is None:
+            raise DataFileError(
+                f"sample {index} of the batch is None; Indexed datasets return a dict for every index (batch "
+                "padding uses dataset[None], which is a dict with a zero loss mask), so check the dataset or sampler"
+            )
+        if not isinstance(sample, Mapping):
+            raise DataFileError(f"sample {index} of the batch is a {type(sample).__name__}, not a dict of arrays")
+        if sample.keys() != first.keys():
+            missing = sorted(map(str, first.keys() - sample.keys()))
+            extra = sorted(map(str, sample.keys() - first.keys()))
+            raise DataFileError(
+                f"sample {index} of the batch has different fields from sample 0 (missing {missing}, extra "
+                f"{extra}); every sample of a batch must come from datasets with the same configuration"
+            )
+        if index:
+            for key, value in sample.items():
+                if _shape(value) != _shape(first[key]):
+                    raise DataFileError(
+                        f"sample {index} of the batch: field {key!r} has shape {_shape(value)} but sample 0's has "
+                        f"{_shape(first[key])}; Indexed samples must all have seq_length tokens"
+                    )
+    return default_collate(list(samples))
+
+
+def build_indexed_collate_fn() -> Callable[[Sequence[Mapping[str, Any]]], dict[str, torch.Tensor]]:
+    """Return the collate function of the Indexed path (``collate_indexed_samples``; picklable)."""
+    return collate_indexed_samples

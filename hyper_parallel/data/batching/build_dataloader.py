@@ -1,0 +1,662 @@
+"""Fixed and dynamic (token-budget) DataLoaders with exact, worker-count-independent resume.
+
+Owns: choosing the ModelSamples of each micro-batch, DataLoader workers and prefetch, and the loader state.
+Not responsible for: reading files (sources), tokenizing (transforms), packing the chosen samples (collators) or
+parallel delivery (``ParallelBatch``).
+
+How a loader reads, whatever the source::
+
+    main process: source keys, in order                  workers (or the main process)
+      mapping:  index lists from the DP batch sampler  ->  dataset[index] -> transform -> ModelSamples
+      iterable: (position, record) lists read from the  ->  transform(record) -> ModelSamples
+                stream (sharded by DP rank, buffer-shuffled)
+    torch DataLoader returns the results in key order, so the batches never depend on ``num_workers``.
+
+Resume: the loader remembers the key batches the DataLoader has taken but the caller has not consumed yet (the
+prefetch). ``state_dict()`` describes the position *before* them: for a mapping source the sampler's
+``(epoch, consumed_samples)`` before the oldest unconsumed batch; for an iterable source the stream's cursor plus
+the unconsumed records, which are read again first. The dynamic loader adds its token buffer (as
+``(index, window)`` keys for mapping sources, as token lists for streams). A restored loader therefore yields
+exactly the batches an uninterrupted run would yield.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn, build_online_text_collate_fn
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+from hyper_parallel.data.parallel.batch_sampler import build_dataset_batch_sampler
+from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
+
+__all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "TextTokenBatcher", "calculate_num_micro_batches"]
+
+logger = get_logger(__name__)
+
+_STATE_VERSION = 1
+
+
+def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
+    """Micro-batches per rank in one optimizer step: ``global / (micro * dp)``, which must divide evenly."""
+    per_step = micro_batch_size * dp_world_size
+    if micro_batch_size <= 0 or dp_world_size <= 0 or global_batch_size <= 0 or global_batch_size % per_step:
+        raise DataConfigError(
+            f"global_batch_size={global_batch_size} must be a positive multiple of micro_batch_size * "
+            f"dp_world_size = {micro_batch_size} * {dp_world_size}; change one of them"
+        )
+    return global_batch_size // per_step
+
+
+# Sources of keys ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pulled:
+    """A key batch the torch DataLoader has taken from the source."""
+
+    keys: list
+    sampler_state: dict | None = None  # mapping sources: the sampler's state before this batch
+
+
+class _MappingSource:
+    """Index batches from the DP batch sampler, a pure function of ``(epoch, consumed_samples)``."""
+
+    kind = "mapping"
+
+    def __init__(self, dataset, sampler) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+
+    def pull(self) -> Iterator[_Pulled]:
+        batches = iter(self.sampler)
+        while True:
+            before = self.sampler.state_dict()
+            keys = next(batches, None)
+            if keys is None:
+                return
+            yield _Pulled(keys, before)
+
+    def state_dict(self, unconsumed: deque) -> dict:
+        return unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def rewind(self, unconsumed: deque) -> None:
+        """Continue from the oldest batch an abandoned iteration took but never delivered."""
+        self.sampler.load_state_dict(unconsumed[0].sampler_state)
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return state["consumed_samples"] == 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _StreamSource:
+    """Record batches read from an iterable source in this process; the workers only tokenize them."""
+
+    kind = "iterable"
+
+    def __init__(self, dataset: IterableTransformDataset, records_per_batch: int, drop_last: bool) -> None:
+        self.stream = dataset.stream
+        self.dataset = dataset.record_transform()
+        self.records_per_batch = records_per_batch
+        self.drop_last = drop_last
+        self.replay: deque[list] = deque()  # key batches taken before a restore, delivered again first
+        self.end_after_replay = False  # the epoch ended right after the replayed batches
+        self.epoch_ended = False  # this iteration has read the stream to the end of the epoch
+
+    def pull(self) -> Iterator[_Pulled]:
+        while self.replay:
+            yield _Pulled(self.replay.popleft())
+        if self.end_after_replay:
+            self.end_after_replay = False
+            return
+        while True:
+            keys = self.stream.read(self.records_per_batch)
+            if not keys:
+                self.epoch_ended = True
+                return
+            if self.drop_last and len(keys) < self.records_per_batch:
+                continue  # the incomplete last batch; the next read ends the epoch
+            yield _Pulled(keys)
+
+    def state_dict(self, unconsumed: deque) -> dict:
+        pending = [pulled.keys for pulled in unconsumed] + list(self.replay)
+        return {
+            "stream": self.stream.state_dict(),
+            "pending": pending,
+            "end_after_pending": bool(pending) and (self.epoch_ended or self.end_after_replay),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.replay = deque(state["pending"])
+        self.end_after_replay = bool(state["end_after_pending"])
+        self.epoch_ended = False
+
+    def rewind(self, unconsumed: deque) -> None:
+        self.load_state_dict(self.state_dict(unconsumed))
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return False  # a stream is split by the DP size, so its state never moves to another DP size
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.stream.epoch:
+            self.replay.clear()
+            self.end_after_replay = self.epoch_ended = False
+        self.stream.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        raise TypeError("a loader over a streaming (iterable) source has no length; iterate until it stops")
+
+
+class _TrackedLoader:
+    """A torch DataLoader over source keys that knows which taken batches the caller has not consumed yet.
+
+    It is also the DataLoader's ``batch_sampler``: the DataLoader iterates it in this process to get keys.
+    """
+
+    def __init__(self, source, worker_dataset, collate_fn: Callable, loader_options: dict) -> None:
+        self.source = source
+        self.unconsumed: deque[_Pulled] = deque()
+        self._generation = 0
+        self.loader = torch.utils.data.DataLoader(
+            worker_dataset, batch_sampler=self, collate_fn=collate_fn, **loader_options
+        )
+
+    def __iter__(self) -> Iterator[list]:
+        generation = self._generation
+        pulls = self.source.pull()
+        # An iteration superseded by a newer one stops taking keys, so no key is lost between the two.
+        while generation == self._generation:
+            pulled = next(pulls, None)
+            if pulled is None:
+                return
+            self.unconsumed.append(pulled)
+            yield pulled.keys
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def batches(self) -> Iterator[tuple[_Pulled, object]]:
+        """``(key batch, DataLoader output)`` pairs from the current position to the end of the epoch."""
+        if self.unconsumed:
+            self.source.rewind(self.unconsumed)
+            self.unconsumed.clear()
+        if isinstance(self.source, _StreamSource):
+            self.source.epoch_ended = False
+        self._generation += 1
+        for output in self.loader:
+            yield self.unconsumed.popleft(), output
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict(self.unconsumed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generation += 1
+        self.unconsumed.clear()
+        self.source.load_state_dict(state)
+
+
+# Worker-side helpers (module level so that worker processes can unpickle them) -----------------------------------
+
+
+def _as_lists(items: list) -> list:
+    """Keep each record's ModelSamples apart: the dynamic loader chooses among them in the main process."""
+    return items
+
+
+class _OneSamplePerRecord(torch.utils.data.Dataset):
+    """The fixed loader's view of an Online dataset: at most one ModelSample per record."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, key) -> list:
+        samples = self.dataset[key]
+        if len(samples) > 1:
+            raise DataFileError(
+                f"{self.dataset.where(key)} gave {len(samples)} samples (a document longer than max_seq_len is cut "
+                "into several windows), but FixedBatchDataLoader takes exactly one sample per record. Use "
+                "DynamicBatchDataLoader, which packs every window, or raise data_transform.max_seq_len"
+            )
+        return samples
+
+
+class _CollateRecords:
+    """Collate the samples of a fixed batch; records rejected by the transform (no sample) are left out."""
+
+    def __init__(self, collate_fn: Callable) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[list]):
+        samples = [sample for samples in items for sample in samples]
+        return self.collate_fn(samples) if samples else None
+
+
+# Loaders --------------------------------------------------------------------------------------------------------
+
+
+def _is_online(dataset) -> bool:
+    return isinstance(dataset, (TransformDataset, IterableTransformDataset))
+
+
+class _Loader:
+    """What both loaders share: the key source, the tracked torch DataLoader and the state envelope."""
+
+    def __init__(
+        self,
+        dataset,
+        *,
+        micro_batch_size: int,
+        global_batch_size: int | None,
+        dp_rank: int,
+        dp_world_size: int,
+        sampler_type: str,
+        data_sharding: bool,
+        data_rearrange_map,
+        drop_last: bool,
+        seed: int,
+        num_workers: int,
+        prefetch_factor: int | None,
+        pin_memory: bool,
+        persistent_workers: bool,
+        multiprocessing_context,
+        worker_collate_fn: Callable,
+        one_sample_per_record: bool = False,
+    ) -> None:
+        if not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
+            raise DataConfigError(f"micro_batch_size is {micro_batch_size!r}; use a positive integer")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        if isinstance(dataset, IterableTransformDataset):
+            if (dataset.stream.dp_rank, dataset.stream.dp_world_size) != (dp_rank, dp_world_size):
+                raise DataConfigError(
+                    f"the streaming dataset was built for DP rank {dataset.stream.dp_rank} of "
+                    f"{dataset.stream.dp_world_size}, but the loader is for rank {dp_rank} of {dp_world_size}; "
+                    "build the dataset with the loader's dp_rank and dp_world_size"
+                )
+            source = _StreamSource(dataset, micro_batch_size, drop_last)
+        else:
+            sampler = build_dataset_batch_sampler(
+                total_samples=len(dataset),
+                micro_batch_size=micro_batch_size,
+                global_batch_size=global_batch_size,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world_size,
+                drop_last=drop_last,
+                data_rearrange_map=data_rearrange_map,
+                sampler_type=sampler_type,
+                data_sharding=data_sharding,
+                seed=seed,
+            )
+            source = _MappingSource(dataset, sampler)
+        options = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "generator": torch.Generator().manual_seed(seed),
+        }
+        if num_workers > 0:
+            options.update(persistent_workers=persistent_workers, multiprocessing_context=multiprocessing_context)
+            if prefetch_factor is not None:
+                options["prefetch_factor"] = prefetch_factor
+        worker_dataset = _OneSamplePerRecord(source.dataset) if one_sample_per_record else source.dataset
+        self._tracked = _TrackedLoader(source, worker_dataset, worker_collate_fn, options)
+
+    @property
+    def source_type(self) -> str:
+        return self._tracked.source.kind
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (no-op when already in it)."""
+        self._tracked.source.set_epoch(epoch)
+
+    def _state(self, **extra) -> dict:
+        return {
+            "version": _STATE_VERSION,
+            "loader": type(self).__name__,
+            "source_type": self.source_type,
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "source": self._tracked.state_dict(),
+            **extra,
+        }
+
+    def _check_state(self, state: Mapping) -> None:
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ResumeStateError(
+                f"loader state version {getattr(state, 'get', lambda _: None)('version')!r} is not supported "
+                f"(expected {_STATE_VERSION}); it was not saved by this loader or by a compatible release"
+            )
+        for key, expected in (("loader", type(self).__name__), ("source_type", self.source_type)):
+            if state[key] != expected:
+                raise ResumeStateError(
+                    f"the state was saved by a {state[key]} loader but this is a {expected} one; resume with the "
+                    "same loader and source type, or start without the state"
+                )
+
+
+class FixedBatchDataLoader(_Loader):
+    """Batches of exactly ``micro_batch_size`` samples (the last may be smaller without ``drop_last``).
+
+    Works with Online datasets (mapping or iterable; each record must give one ModelSample, packed by the collator)
+    and with any map-style dataset such as the Indexed GPTDataset (stacked by ``build_indexed_collate_fn``).
+
+    Args:
+        dataset: the dataset of this DP rank (an iterable source must be built with the same DP rank and size).
+        collate_fn: turns the samples into a batch; default: packing for Online datasets, stacking otherwise.
+        micro_batch_size: samples per batch.
+        global_batch_size: samples per optimizer step over all DP ranks (default ``micro * dp``).
+        dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
+        sampler_type, data_sharding, data_rearrange_map, drop_last, seed: see ``build_dataset_batch_sampler``
+            (mapping sources); ``drop_last`` also drops a stream's incomplete last batch.
+        num_workers, prefetch_factor, pin_memory, persistent_workers, multiprocessing_context: as for
+            ``torch.utils.data.DataLoader``; batches and resume do not depend on them.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        collate_fn: Callable | None = None,
+        *,
+        micro_batch_size: int = 1,
+        global_batch_size: int | None = None,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        sampler_type: str = "single",
+        data_sharding: bool = False,
+        data_rearrange_map=None,
+        drop_last: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        multiprocessing_context=None,
+    ) -> None:
+        online = _is_online(dataset)
+        if collate_fn is None:
+            collate_fn = build_online_text_collate_fn() if online else build_indexed_collate_fn()
+        self.collate_fn = collate_fn
+        super().__init__(
+            dataset,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            sampler_type=sampler_type,
+            data_sharding=data_sharding,
+            data_rearrange_map=data_rearrange_map,
+            drop_last=drop_last,
+            seed=seed,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
+            worker_collate_fn=_CollateRecords(collate_fn) if online else collate_fn,
+            one_sample_per_record=online,
+        )
+
+    def __iter__(self) -> Iterator:
+        for _, batch in self._tracked.batches():
+            if batch is not None:
+                yield batch
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch (mapping sources)."""
+        return len(self._tracked)
+
+    def state_dict(self) -> dict:
+        """The position after the last batch delivered (plain Python containers, safe for ``torch.save``)."""
+        return self._state()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue after the batches ``state`` describes.
+
+        With a mapping source the DP size may differ from the saved one when the global batch size is the same
+        and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses).
+        """
+        self._check_state(state)
+        self._tracked.load_state_dict(state["source"])
+
+    def __repr__(self) -> str:
+        return (
+            f"FixedBatchDataLoader({self.dataset!r}, micro_batch_size={self.micro_batch_size}, "
+            f"dp {self.dp_rank}/{self.dp_world_size})"
+        )
+
+
+class TextTokenBatcher:
+    """Choose micro-batches from a buffer of samples under a token budget.
+
+    ``pop_micro_batch`` makes one pass over the buffer in arrival order and takes every sample that still fits
+    (the first one always: a sample longer than the budget forms its own batch and is never cut). Samples left
+    behind keep their order for the next batch.
+
+    Args:
+        token_budget: most tokens per micro-batch (``micro_batch_size * max_seq_len``).
+        min_buffered_samples: samples to hold before a batch is chosen, so that small samples can fill gaps.
+    """
+
+    def __init__(self, token_budget: int, min_buffered_samples: int) -> None:
+        for name, value in (("token_budget", token_budget), ("min_buffered_samples", min_buffered_samples)):
+            if not isinstance(value, int) or value <= 0:
+                raise DataConfigError(f"{name} is {value!r}; use a positive integer")
+        self.token_budget = token_budget
+        self.min_buffered_samples = min_buffered_samples
+        self._entries: list[tuple[object, dict, int]] = []
+        self.buffered_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[tuple[object, dict, int]]:
+        """The buffered ``(key, sample, length)`` triples in arrival order."""
+        return list(self._entries)
+
+    def put(self, key, sample: Mapping) -> None:
+        length = len(sample["input_ids"])
+        if length == 0:
+            raise DataFileError(f"sample {key!r} has no tokens; a transform must not return empty samples")
+        self._entries.append((key, sample, length))
+        self.buffered_tokens += length
+
+    def is_ready(self) -> bool:
+        return len(self._entries) >= self.min_buffered_samples and self.buffered_tokens >= self.token_budget
+
+    def pop_micro_batch(self) -> list[tuple[object, dict, int]]:
+        taken, kept, used = [], [], 0
+        for position, entry in enumerate(self._entries):
+            if not taken or used + entry[2] <= self.token_budget:
+                taken.append(entry)
+                used += entry[2]
+                if used == self.token_budget:
+                    kept.extend(self._entries[position + 1 :])
+                    break
+            else:
+                kept.append(entry)
+        self._entries = kept
+        self.buffered_tokens -= used
+        return taken
+
+    def clear(self) -> None:
+        self._entries = []
+        self.buffered_tokens = 0
+
+
+class DynamicBatchDataLoader(_Loader):
+    """Micro-batches of as many samples as fit ``token_budget = micro_batch_size * max_seq_len`` tokens.
+
+    Records are read ``micro_batch_size`` at a time (the DP batch sampler's micro-batches for mapping sources),
+    their ModelSamples buffered, and a micro-batch chosen by ``TextTokenBatcher`` whenever the buffer holds at
+    least ``min_buffered_samples`` samples and a budget's worth of tokens; at the end of the epoch the buffer is
+    flushed. Each DP rank packs its own share, so ranks may deliver different numbers of micro-batches per epoch.
+
+    Args:
+        max_seq_len: tokens per sequence slot; default: the dataset transform's ``max_seq_len``.
+        min_buffered_samples: buffer size that triggers a choice (more gives fuller batches).
+        Other arguments: as for ``FixedBatchDataLoader`` (``drop_last`` applies to the sampler; the token buffer
+        is always flushed).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        collate_fn: Callable | None = None,
+        *,
+        micro_batch_size: int = 1,
+        max_seq_len: int | None = None,
+        min_buffered_samples: int = 200,
+        global_batch_size: int | None = None,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        sampler_type: str = "single",
+        data_sharding: bool = False,
+        data_rearrange_map=None,
+        drop_last: bool = True,
+        seed: int = 1234,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        multiprocessing_context=None,
+    ) -> None:
+        if not _is_online(dataset):
+            raise DataConfigError(
+                f"DynamicBatchDataLoader reads Online datasets (from build_online_text_dataset), not "
+                f"{type(dataset).__name__}; use FixedBatchDataLoader for fixed-length Indexed samples"
+            )
+        max_seq_len = max_seq_len if max_seq_len is not None else dataset.max_seq_len
+        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise DataConfigError(
+                f"DynamicBatchDataLoader needs max_seq_len (got {max_seq_len!r}): set it on the loader or on the "
+                "data transform; the token budget is micro_batch_size * max_seq_len"
+            )
+        self.max_seq_len = max_seq_len
+        self.collate_fn = collate_fn if collate_fn is not None else build_online_text_collate_fn()
+        self.batcher = TextTokenBatcher(micro_batch_size * max_seq_len, min_buffered_samples)
+        super().__init__(
+            dataset,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            sampler_type=sampler_type,
+            data_sharding=data_sharding,
+            data_rearrange_map=data_rearrange_map,
+            drop_last=drop_last,
+            seed=seed,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
+            worker_collate_fn=_as_lists,
+        )
+
+    @property
+    def token_budget(self) -> int:
+        return self.batcher.token_budget
+
+    def _collate(self, entries: list) -> object:
+        return self.collate_fn([sample for _, sample, _ in entries])
+
+    def __iter__(self) -> Iterator:
+        batcher, mapping = self.batcher, self.source_type == "mapping"
+        while batcher.is_ready():  # a restored buffer may already hold whole batches
+            yield self._collate(batcher.pop_micro_batch())
+        for pulled, per_record in self._tracked.batches():
+            for key, samples in zip(pulled.keys, per_record, strict=True):
+                for window, sample in enumerate(samples):
+                    batcher.put((key, window) if mapping else None, sample)
+            while batcher.is_ready():
+                yield self._collate(batcher.pop_micro_batch())
+        while len(batcher):
+            yield self._collate(batcher.pop_micro_batch())
+
+    def state_dict(self) -> dict:
+        """The source position plus the unconsumed token buffer (plain Python containers)."""
+        if self.source_type == "mapping":
+            buffer = [[int(key[0]), int(key[1])] for key, _, _ in self.batcher.entries()]
+        else:
+            buffer = [
+                {"input_ids": np.asarray(s["input_ids"]).tolist(), "labels": np.asarray(s["labels"]).tolist()}
+                for _, s, _ in self.batcher.entries()
+            ]
+        return self._state(
+            token_budget=self.token_budget,
+            min_buffered_samples=self.batcher.min_buffered_samples,
+            buffer=buffer,
+            buffer_tokens=self.batcher.buffered_tokens,
+        )
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue exactly where ``state`` was saved, buffer included.
+
+        The DP size may change only at an epoch boundary with an empty buffer: each rank packs its own share of
+        the data, so the packs of a different DP size are different batches.
+        """
+        self._check_state(state)
+        for key in ("token_budget", "min_buffered_samples"):
+            if state[key] != getattr(self.batcher, key):
+                raise ResumeStateError(
+                    f"the state was saved with {key}={state[key]} but this loader has {getattr(self.batcher, key)}; "
+                    "the choice of samples per micro-batch depends on it, so resume with the same micro_batch_size, "
+                    "max_seq_len and min_buffered_samples"
+                )
+        if state["dp_world_size"] != self.dp_world_size and (
+            state["buffer"] or not self._tracked.source.at_epoch_start(state["source"])
+        ):
+            raise ResumeStateError(
+                f"cannot resume a DynamicBatchDataLoader saved with dp_world_size={state['dp_world_size']} on "
+                f"dp_world_size={self.dp_world_size} mid-epoch: each DP rank packs its own share of the data into "
+                "token-budget batches, so a different DP size gives different batches. Resume with the saved DP "
+                "size, or from a state saved at an epoch boundary"
+            )
+        if state["dp_world_size"] == self.dp_world_size and state["dp_rank"] != self.dp_rank:
+            raise ResumeStateError(
+                f"the state belongs to DP rank {state['dp_rank']} but this loader is rank {self.dp_rank}; each "
+                "rank must load its own state"
+            )
+        self._tracked.load_state_dict(state["source"])
+        self.batcher.clear()
+        for entry in self._restore_buffer(state["buffer"]):
+            self.batcher.put(*entry)
+        if self.batcher.buffered_tokens != state["buffer_tokens"]:
+            raise ResumeStateError(
+                f"the restored token buffer holds {self.batcher.buffered_tokens} tokens but the state recorded "
+                f"{state['buffer_tokens']}: the data files or the transform changed since the state was saved"
+            )
+
+    def _restore_buffer(self, buffer: list) -> Iterator[tuple]:
+        if self.source_type != "mapping":
+            for sample in buffer:
+                yield None, {key: np.asarray(values, dtype=np.int64) for key, values in sample.items()}
+            return
+        records: dict[int, list] = {}
+        for index, window in buffer:
+            if index not in records:
+                records[index] = self._tracked.source.dataset[index]
+            yield (index, window), records[index][window]
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicBatchDataLoader({self.dataset!r}, token_budget={self.token_budget}, "
+            f"min_buffered_samples={self.batcher.min_buffered_samples}, dp {self.dp_rank}/{self.dp_world_size})"
+        )

@@ -1,0 +1,437 @@
+"""Build pipeline objects from YAML: ``_target_`` nodes called with their keys, runtime facts offered by name.
+
+Owns: reading a YAML config into plain containers (``load_config``, ``load_config_text``) and turning a config
+tree into objects (``instantiate``). A mapping with ``_target_: dotted.path`` is called with its other keys as
+keyword arguments, after its own values are built (depth-first); ``_args_`` gives positional arguments and
+``_partial_: true`` returns a ``functools.partial`` instead of calling. Targets are imported only from
+``allowed_prefixes``. ``context`` holds what the trainer knows at run time (tokenizer, ranks, batch sizes, seed):
+each entry is passed to every target whose signature names it and whose node does not set it. The whole tree is
+checked (targets, keys, required arguments) before anything is built, so a typo deep in the config fails at once
+rather than after minutes of tokenizer or dataset construction. Not responsible for: what the targets do, nor
+config schemas (each target validates its own arguments).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import os
+import pkgutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hyper_parallel.data.errors import DataConfigError
+
+__all__ = [
+    "ARGS_KEY",
+    "DEFAULT_ALLOWED_PREFIXES",
+    "PARTIAL_KEY",
+    "TARGET_KEY",
+    "instantiate",
+    "load_config",
+    "load_config_text",
+]
+
+TARGET_KEY = "_target_"
+ARGS_KEY = "_args_"
+PARTIAL_KEY = "_partial_"
+_RESERVED_KEYS = (TARGET_KEY, ARGS_KEY, PARTIAL_KEY)
+DEFAULT_ALLOWED_PREFIXES = ("hyper_parallel.",)
+
+# Parameter kinds that can be given by keyword, hence by a config key or a context entry.
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_VARIADIC_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    """Read a YAML config file and return it as plain dicts, lists and scalars, interpolations resolved.
+
+    ``${other.key}`` and ``${oc.env:VAR}`` are resolved by omegaconf; a ``???`` (mandatory) value left unset is an
+    error. Parse YAML held in a string with ``load_config_text``.
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        The top-level mapping as a ``dict``.
+
+    Raises:
+        DataConfigError: the file is missing or unreadable, is not valid YAML, its top level is not a mapping, or
+            an interpolation cannot be resolved. The message names the file.
+    """
+    path = Path(path).expanduser()
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError:
+        hint = "; to parse YAML text, call load_config_text" if "\n" in str(path) else ""
+        raise DataConfigError(f"config file {path} does not exist; check the path{hint}") from None
+    except OSError as error:
+        raise DataConfigError(f"config file {path} cannot be read ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        raise DataConfigError(f"config file {path} is not valid YAML: {error}") from None
+    return _plain_mapping(loaded, f"config file {path}")
+
+
+def load_config_text(text: str, *, source: str = "<string>") -> dict:
+    """Parse YAML text (e.g. a config embedded in a script or test) exactly as ``load_config`` reads a file.
+
+    Args:
+        text: the YAML document.
+        source: how error messages name the text.
+
+    Raises:
+        DataConfigError: invalid YAML, a top level that is not a mapping, or an unresolvable interpolation.
+    """
+    try:
+        loaded = OmegaConf.create(text)
+    except yaml.YAMLError as error:
+        raise DataConfigError(f"config {source} is not valid YAML: {error}") from None
+    return _plain_mapping(loaded, f"config {source}")
+
+
+def _plain_mapping(loaded: DictConfig | ListConfig, where: str) -> dict:
+    if not isinstance(loaded, DictConfig):
+        raise DataConfigError(
+            f"{where} must hold a mapping at the top level (keys such as dataset: and dataloader:), "
+            f"got a {type(loaded).__name__}"
+        )
+    return _to_container(loaded, where)
+
+
+def _to_container(config: DictConfig | ListConfig, where: str) -> Any:
+    try:
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as error:
+        # omegaconf's own message names the key ("full_key: ..."); keep it whole.
+        raise DataConfigError(
+            f"{where}: {type(error).__name__}: {error}\nFix the interpolation or set the value."
+        ) from None
+
+
+# -- instantiation ---------------------------------------------------------------------------------------------------
+
+
+def instantiate(
+    config: Any,
+    /,
+    *,
+    context: Mapping[str, Any] | None = None,
+    allowed_prefixes: Sequence[str] | str = DEFAULT_ALLOWED_PREFIXES,
+    path: str = "",
+) -> Any:
+    """Build the objects a config describes.
+
+    Mappings with ``_target_`` are called (see the module docstring), other mappings become dicts and lists stay
+    lists, their values built recursively; other values are returned as they are. The whole tree is checked
+    before any target is called.
+
+    Args:
+        config: a dict/list/scalar tree, or an omegaconf ``DictConfig``/``ListConfig`` (resolved first).
+        context: runtime values, e.g. ``{"tokenizer": tok, "dp_rank": 0, "micro_batch_size": 4}``. An entry is
+            passed to a target only when its signature (``__init__`` for a class) has a parameter of that name
+            that can be given by keyword (``**kwargs`` does not count), the node does not set it, and ``_args_``
+            does not fill it. ``_partial_`` nodes receive it too.
+        allowed_prefixes: module paths targets may come from, matched on whole dotted components
+            (``"hyper_parallel."`` allows ``hyper_parallel.data.x`` but not ``hyper_parallel_x``). The object a
+            target resolves to must also be defined in one of them, so re-exports cannot reach other modules.
+        path: where ``config`` sits in a larger file (e.g. ``"dataset"``), to prefix the paths in messages.
+
+    Returns:
+        The built tree.
+
+    Raises:
+        DataConfigError: a bad node: disallowed, missing or non-callable target, unknown or reserved key, missing
+            required argument, malformed ``_args_``/``_partial_``. The message names the YAML path.
+        Exception: whatever a target raises, unchanged, with a note naming the YAML path and the target.
+    """
+    prefixes = _normalise_prefixes(allowed_prefixes)
+    if context is not None and not isinstance(context, Mapping):
+        raise DataConfigError(f"context must be a mapping of name to value, got {type(context).__name__}")
+    planner = _Planner(dict(context or {}), prefixes)
+    return _execute(planner.plan(config, path))
+
+
+def _normalise_prefixes(allowed_prefixes: Sequence[str] | str) -> tuple[str, ...]:
+    # A lone string would otherwise be iterated character by character.
+    if isinstance(allowed_prefixes, str):
+        allowed_prefixes = (allowed_prefixes,)
+    prefixes = tuple(str(prefix).rstrip(".") for prefix in allowed_prefixes)
+    if not prefixes or not all(prefixes):
+        raise DataConfigError(
+            f"allowed_prefixes must be non-empty module paths such as 'hyper_parallel.', got {allowed_prefixes!r}"
+        )
+    return prefixes
+
+
+def _is_allowed(module_path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module_path == prefix or module_path.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _where(path: str) -> str:
+    return path or "<root>"
+
+
+@dataclass
+class _Call:
+    """A checked ``_target_`` node: what to call and the plans of its arguments."""
+
+    path: str
+    target_name: str
+    target: Callable
+    args: list
+    kwargs: dict[str, Any]
+    injected: dict[str, Any]
+    partial: bool
+
+
+class _Planner:
+    """First pass: resolve every target and check every node's keys, building nothing."""
+
+    def __init__(self, context: dict[str, Any], prefixes: tuple[str, ...]) -> None:
+        self.context = context
+        self.prefixes = prefixes
+
+    def plan(self, node: Any, path: str) -> Any:
+        if isinstance(node, DictConfig | ListConfig):
+            node = _to_container(node, _where(path))
+        if isinstance(node, Mapping):
+            self._check_reserved_keys(node, path)
+            if TARGET_KEY in node:
+                return self._plan_call(node, path)
+            return {key: self.plan(value, _join(path, key)) for key, value in node.items()}
+        # Exact types only: a named tuple or other sequence is a value, not a config list.
+        if type(node) in (list, tuple):
+            return type(node)(self.plan(value, f"{path}[{index}]") for index, value in enumerate(node))
+        return node
+
+    def _check_reserved_keys(self, node: Mapping, path: str) -> None:
+        for key in node:
+            if not isinstance(key, str) or not key.startswith("_"):
+                continue
+            if key not in _RESERVED_KEYS:
+                close = difflib.get_close_matches(key, _RESERVED_KEYS, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise DataConfigError(
+                    f"{_join(path, key)}: keys starting with '_' are reserved for instantiation and '{key}' is not "
+                    f"one of {list(_RESERVED_KEYS)}{hint}; rename or remove it"
+                )
+            if key != TARGET_KEY and TARGET_KEY not in node:
+                raise DataConfigError(
+                    f"{_join(path, key)}: '{key}' only applies beside '{TARGET_KEY}', which this node lacks; add "
+                    f"'{TARGET_KEY}: <dotted.path>' or remove '{key}'"
+                )
+
+    def _plan_call(self, node: Mapping, path: str) -> _Call:
+        target_name = node[TARGET_KEY]
+        target = _resolve_target(target_name, _join(path, TARGET_KEY), self.prefixes)
+        partial = node.get(PARTIAL_KEY, False)
+        if not isinstance(partial, bool):
+            raise DataConfigError(
+                f"{_join(path, PARTIAL_KEY)}: must be true or false, got {partial!r} ({type(partial).__name__})"
+            )
+        args = node.get(ARGS_KEY, [])
+        if not isinstance(args, list | tuple):
+            raise DataConfigError(
+                f"{_join(path, ARGS_KEY)}: must be a list of positional arguments, got {args!r}; write e.g. "
+                f"'{ARGS_KEY}: [value]'"
+            )
+        kwargs = {key: value for key, value in node.items() if key not in _RESERVED_KEYS}
+        for key in kwargs:
+            if not isinstance(key, str):
+                raise DataConfigError(
+                    f"{_join(path, key)}: keyword argument names of {target_name} must be strings, got {key!r} "
+                    f"({type(key).__name__}); quote the key in the YAML"
+                )
+        injected = self._check_arguments(target, target_name, path, len(args), set(kwargs), partial)
+        return _Call(
+            path=path,
+            target_name=target_name,
+            target=target,
+            args=[self.plan(value, _join(path, f"{ARGS_KEY}[{index}]")) for index, value in enumerate(args)],
+            kwargs={key: self.plan(value, _join(path, key)) for key, value in kwargs.items()},
+            injected=injected,
+            partial=partial,
+        )
+
+    def _check_arguments(
+        self, target: Callable, target_name: str, path: str, num_args: int, keys: set[str], partial: bool
+    ) -> dict[str, Any]:
+        """Check the node's arguments against the target's signature; return the context entries to pass."""
+        try:
+            # For a class this is its __init__ (or __new__) without ``self``.
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            # Some builtins have no introspectable signature: call them as written, without context.
+            return {}
+        parameters = signature.parameters
+        takes_var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        keyword_names = [name for name, p in parameters.items() if p.kind in _KEYWORD_KINDS]
+        for key in sorted(keys):
+            if key in keyword_names or takes_var_keyword:
+                continue
+            if key in parameters and parameters[key].kind is inspect.Parameter.POSITIONAL_ONLY:
+                raise DataConfigError(
+                    f"{_join(path, key)}: parameter '{key}' of {target_name} is positional-only; give it in "
+                    f"'{ARGS_KEY}' instead"
+                )
+            close = difflib.get_close_matches(key, keyword_names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise DataConfigError(
+                f"{_join(path, key)}: {target_name} has no parameter '{key}'{hint}; accepted parameters: "
+                f"{', '.join(keyword_names) or '(none)'}. Fix or remove the key"
+            )
+        placeholders = [None] * num_args
+        try:
+            by_position = set(signature.bind_partial(*placeholders).arguments)
+        except TypeError as error:
+            raise DataConfigError(
+                f"{_join(path, ARGS_KEY)}: {target_name}{signature} does not take {num_args} positional "
+                f"argument(s) ({error}); shorten '{ARGS_KEY}' or give values by keyword"
+            ) from None
+        twice = sorted(keys & by_position)
+        if twice:
+            raise DataConfigError(
+                f"{_join(path, twice[0])}: '{twice[0]}' of {target_name} is given twice, by '{ARGS_KEY}' and by "
+                "this key; keep one"
+            )
+        # Explicit config (a key or a positional argument) wins over context.
+        injected = {
+            name: value
+            for name, value in self.context.items()
+            if name in keyword_names and name not in keys and name not in by_position
+        }
+        if not partial:
+            given = keys | by_position | set(injected)
+            missing = [
+                name
+                for name, p in parameters.items()
+                if p.default is inspect.Parameter.empty and p.kind not in _VARIADIC_KINDS and name not in given
+            ]
+            if missing:
+                raise DataConfigError(
+                    f"{_where(path)}: {target_name} is missing required argument(s) {', '.join(missing)}; set "
+                    f"them under {_where(path)}, pass them in context, or add '{PARTIAL_KEY}: true' to supply "
+                    "them when calling"
+                )
+        # The checks above give the clearer messages; ``bind`` is the final word on what the call accepts.
+        bind = signature.bind_partial if partial else signature.bind
+        try:
+            bind(*placeholders, **dict.fromkeys(keys | set(injected)))
+        except TypeError as error:
+            raise DataConfigError(
+                f"{_where(path)}: the arguments do not fit {target_name}{signature} ({error}); fix the node's keys "
+                f"or '{ARGS_KEY}'"
+            ) from None
+        return injected
+
+
+def _resolve_target(target_name: Any, path: str, prefixes: tuple[str, ...]) -> Callable:
+    """Import the object ``target_name`` names, refusing anything outside ``prefixes`` before importing it."""
+    if not isinstance(target_name, str) or not target_name:
+        raise DataConfigError(
+            f"{path}: must be a dotted path such as 'hyper_parallel.data.text.build_tokenizer.build_tokenizer', "
+            f"got {target_name!r}"
+        )
+    parts = target_name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise DataConfigError(f"{path}: '{target_name}' is not a dotted path of Python names; check its spelling")
+    allow_hint = f"pass allowed_prefixes=({', '.join(repr(p + '.') for p in prefixes)}, '<your.module>.') to allow it"
+    # Checked before importing: importing a module runs its code.
+    if not _is_allowed(target_name, prefixes):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' is outside the allowed module prefixes "
+            f"{[p + '.' for p in prefixes]}; {allow_hint}"
+        )
+    if any(part.startswith("__") for part in parts):
+        raise DataConfigError(f"{path}: target '{target_name}' goes through a dunder attribute, which is refused")
+
+    obj, depth = _import_longest_module(target_name, parts, path)
+    for index in range(depth, len(parts)):
+        try:
+            obj = getattr(obj, parts[index])
+        except AttributeError:
+            owner = ".".join(parts[:index])
+            close = difflib.get_close_matches(parts[index], _public_names(obj), n=1)
+            hint = f" (did you mean '{owner}.{close[0]}'?)" if close else ""
+            raise DataConfigError(
+                f"{path}: target '{target_name}' cannot be found: '{owner}' has no attribute or submodule "
+                f"'{parts[index]}'{hint}; check the spelling"
+            ) from None
+    if not callable(obj):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' is a {type(obj).__name__}, not a function or class; point "
+            f"{TARGET_KEY} at a callable"
+        )
+    # A name under an allowed module may be a re-export (``allowed.module.os.system``); follow it home.
+    defined_in = getattr(obj, "__module__", None)
+    if not isinstance(defined_in, str) or not _is_allowed(defined_in, prefixes):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' resolves to an object defined in module {defined_in!r}, outside the "
+            f"allowed module prefixes {[p + '.' for p in prefixes]}; {allow_hint}"
+        )
+    return obj
+
+
+def _public_names(obj: Any) -> list[str]:
+    names = [name for name in dir(obj) if not name.startswith("_")]
+    # A package's submodules are attributes only once imported; offer them as suggestions all the same.
+    if hasattr(obj, "__path__"):
+        names += [info.name for info in pkgutil.iter_modules(obj.__path__)]
+    return names
+
+
+def _import_longest_module(target_name: str, parts: list[str], path: str) -> tuple[Any, int]:
+    """Import ``parts[:depth]`` for the largest ``depth`` that is a module; return it and ``depth``."""
+    module, depth = None, 0
+    for index in range(1, len(parts) + 1):
+        name = ".".join(parts[:index])
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name and (name == error.name or name.startswith(error.name + ".")):
+                break  # ``name`` itself does not exist: the rest are attributes
+            raise DataConfigError(
+                f"{path}: importing '{name}' for target '{target_name}' failed because a module it imports is "
+                f"missing ({error}); install it or fix that import"
+            ) from error
+        except Exception as error:
+            error.add_note(f"while importing '{name}' for {TARGET_KEY} '{target_name}' at {path}")
+            raise
+        depth = index
+    if module is None:
+        raise DataConfigError(f"{path}: target '{target_name}' cannot be found: no module named '{parts[0]}'")
+    return module, depth
+
+
+def _execute(plan: Any) -> Any:
+    """Second pass: build depth-first, each target after its arguments."""
+    if isinstance(plan, _Call):
+        args = [_execute(value) for value in plan.args]
+        kwargs = {**plan.injected, **{key: _execute(value) for key, value in plan.kwargs.items()}}
+        if plan.partial:
+            return functools.partial(plan.target, *args, **kwargs)
+        try:
+            return plan.target(*args, **kwargs)
+        except Exception as error:
+            error.add_note(f"while building {_where(plan.path)} ({TARGET_KEY}: {plan.target_name})")
+            raise
+    if isinstance(plan, dict):
+        return {key: _execute(value) for key, value in plan.items()}
+    if type(plan) in (list, tuple):
+        return type(plan)(_execute(value) for value in plan)
+    return plan

@@ -1,0 +1,513 @@
+"""Data-parallel batch sampler for map-style datasets: which dataset indices each rank reads, step by step.
+
+Owns: the per-epoch order of sample positions (``single``: in order; ``cyclic``: a fresh permutation each
+epoch), how one micro-step of ``micro_batch_size * dp_world_size`` positions is split between data-parallel
+ranks, the optional per-rank data sharding, the optional rearrange map to physical dataset indices, and the
+resumable position (epoch, consumed samples) with its checks. Plans are pure numpy functions; the sampler is a
+thin stateful iterator over them that ``torch.utils.data.DataLoader(batch_sampler=...)`` consumes. Ranks are plain
+integers. Not responsible for: ``torch.distributed``, reading samples (the datasets), collation (``batching``),
+or accounting for batches a ``DataLoader`` has prefetched but the trainer has not consumed yet.
+
+Layout without data sharding, ``M = micro_batch_size * dp_world_size``: micro-step ``b`` covers epoch positions
+``[b*M, (b+1)*M)`` and rank ``r`` reads the contiguous slice ``[b*M + r*mbs, b*M + (r+1)*mbs)``. An optimizer step
+of ``global_batch_size`` samples is ``global_batch_size / M`` consecutive micro-steps, so global batch ``g`` is
+exactly the positions ``[g*gbs, (g+1)*gbs)`` whatever the DP size and micro batch size. This is why a checkpoint
+taken at a step boundary resumes exactly with another DP size.
+
+Example, 10 samples, mbs 2, dp 2, gbs 4, ``single``, ``drop_last``: the epoch holds positions 0..7 (two complete
+steps); rank 0 reads ``[0, 1]``, ``[4, 5]``, rank 1 reads ``[2, 3]``, ``[6, 7]``.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+
+__all__ = [
+    "SAMPLER_TYPES",
+    "STATE_VERSION",
+    "DatasetBatchSampler",
+    "build_dataset_batch_sampler",
+    "cyclic_order",
+    "epoch_length",
+    "load_rearrange_map",
+    "num_micro_steps",
+    "rank_batch_positions",
+    "rank_num_batches",
+    "sharded_bucket",
+]
+
+SAMPLER_TYPES = ("single", "cyclic")
+STATE_VERSION = 1
+
+_INT32_LIMIT = 2**31
+_STATE_KEYS = (
+    "version",
+    "sampler_type",
+    "epoch",
+    "consumed_samples",
+    "total_samples",
+    "global_batch_size",
+    "micro_batch_size",
+    "dp_world_size",
+    "seed",
+    "data_sharding",
+    "drop_last",
+)
+
+
+def _check_int(name: str, value: Any, minimum: int, error: type[ValueError] = DataConfigError) -> int:
+    """``value`` as a Python int, or ``error`` when it is not an integer ``>= minimum``."""
+    if isinstance(value, bool | np.bool_):  # an int subclass, but always a mistake as a count
+        raise error(f"{name} must be an integer >= {minimum}, got the bool {value}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise error(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise error(f"{name} must be an integer >= {minimum}, got {number}")
+    return number
+
+
+def _index_dtype(total: int) -> type[np.integer]:
+    return np.int32 if total < _INT32_LIMIT else np.int64
+
+
+# -- pure plans ---------------------------------------------------------------------------------------------------
+
+
+def epoch_length(total_samples: int, global_batch_size: int, drop_last: bool) -> int:
+    """Positions one epoch covers: whole global batches only with ``drop_last``, else every sample.
+
+    Dropping ``total % global_batch_size`` (rather than a remainder of the micro-step) keeps every optimizer
+    step complete and makes the epoch independent of the DP size.
+    """
+    return total_samples - total_samples % global_batch_size if drop_last else total_samples
+
+
+def num_micro_steps(epoch_len: int, micro_batch_size: int, dp_world_size: int) -> int:
+    """Micro-steps in an epoch of ``epoch_len`` positions (the last one may be partial without ``drop_last``)."""
+    return -(-epoch_len // (micro_batch_size * dp_world_size))
+
+
+def rank_batch_positions(
+    micro_step: int, *, micro_batch_size: int, dp_rank: int, dp_world_size: int, epoch_len: int
+) -> range:
+    """Epoch positions that rank ``dp_rank`` reads at ``micro_step`` (no data sharding); O(1).
+
+    Returns:
+        ``range(b*M + r*mbs, b*M + (r+1)*mbs)`` clipped at ``epoch_len``; empty when the rank has nothing left in
+        the epoch's final, partial micro-step.
+    """
+    start = min(micro_step * micro_batch_size * dp_world_size + dp_rank * micro_batch_size, epoch_len)
+    return range(start, min(start + micro_batch_size, epoch_len))
+
+
+def _bucket_bounds(epoch_len: int, dp_rank: int, dp_world_size: int) -> tuple[int, int]:
+    """``[begin, end)`` of rank ``dp_rank``'s bucket: equal sizes, the first ``epoch_len % dp`` one larger."""
+    size, extra = divmod(epoch_len, dp_world_size)
+    begin = dp_rank * size + min(dp_rank, extra)
+    return begin, begin + size + (dp_rank < extra)
+
+
+def rank_num_batches(
+    *, epoch_len: int, micro_batch_size: int, dp_rank: int, dp_world_size: int, data_sharding: bool
+) -> int:
+    """Batches rank ``dp_rank`` reads in a whole epoch; they are the epoch's first micro-steps."""
+    if data_sharding:
+        begin, end = _bucket_bounds(epoch_len, dp_rank, dp_world_size)
+        return -(-(end - begin) // micro_batch_size)
+    remaining = epoch_len - dp_rank * micro_batch_size
+    return max(0, -(-remaining // (micro_batch_size * dp_world_size)))
+
+
+def cyclic_order(total_samples: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The ``cyclic`` order of an epoch: ``np.random.default_rng([seed, epoch]).permutation(total_samples)``.
+
+    Built by shuffling an ``arange`` in place, which draws the same numbers as ``permutation`` and so gives the
+    same order, in int32 when the indices fit (half the memory of int64 for large datasets).
+    """
+    order = np.arange(total_samples, dtype=_index_dtype(total_samples))
+    np.random.default_rng([seed, epoch]).shuffle(order)
+    return order
+
+
+def sharded_bucket(epoch_len: int, *, dp_rank: int, dp_world_size: int, seed: int, epoch: int) -> np.ndarray:
+    """Rank ``dp_rank``'s positions in the order it reads them, with data sharding.
+
+    The epoch's positions ``0..epoch_len-1`` are split into ``dp_world_size`` contiguous buckets (equal with
+    ``drop_last``; otherwise the first ``epoch_len % dp`` are one larger), so each rank reads one contiguous
+    stretch of the dataset; each rank permutes its bucket with ``default_rng([seed, epoch, dp_rank])``.
+    """
+    begin, end = _bucket_bounds(epoch_len, dp_rank, dp_world_size)
+    bucket = np.arange(begin, end, dtype=_index_dtype(epoch_len))
+    np.random.default_rng([seed, epoch, dp_rank]).shuffle(bucket)
+    return bucket
+
+
+def load_rearrange_map(data_rearrange_map: Any, total_samples: int) -> np.ndarray | None:
+    """Validate a rearrange map (logical index -> physical dataset index) given as an array, list or ``.npy`` path.
+
+    A ``.npy`` file is memory-mapped, so a large map costs no memory until batches read it.
+
+    Raises:
+        DataFileError: the file is missing or unreadable, or the array it holds is not a 1-D integer array at
+            least ``total_samples`` long.
+        DataConfigError: the same problems with an in-memory map.
+    """
+    if data_rearrange_map is None:
+        return None
+    if isinstance(data_rearrange_map, str | os.PathLike):
+        path = Path(data_rearrange_map)
+        where, error = f"data_rearrange_map file {path}", DataFileError
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as failure:
+            raise DataFileError(
+                f"{where} cannot be read as a .npy array ({failure}); save it with numpy.save"
+            ) from None
+        if not isinstance(array, np.ndarray):  # e.g. an .npz archive, which holds several arrays
+            raise DataFileError(f"{where} holds {type(array).__name__}, not one array; save it with numpy.save")
+    else:
+        where, error = "data_rearrange_map", DataConfigError
+        array = np.asarray(data_rearrange_map)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise error(f"{where} must be a 1-D integer array, got shape {array.shape} and dtype {array.dtype}")
+    if len(array) < total_samples:
+        raise error(
+            f"{where} holds {len(array)} entries but total_samples is {total_samples}; it needs one physical "
+            "index per logical sample"
+        )
+    return array
+
+
+# -- the sampler --------------------------------------------------------------------------------------------------
+
+
+class DatasetBatchSampler:
+    """Yields this rank's micro-batches (``list[int]`` of dataset indices) for a map-style dataset.
+
+    Build it with ``build_dataset_batch_sampler``, which documents the arguments. Iterating yields the batches
+    from the current position to the end of the current epoch, then moves to the next epoch and stops; the next
+    ``iter()`` yields that epoch. The position advances before each batch is yielded, so right after ``next()``
+    returns, ``state_dict()`` describes the position after that batch. Only the most recent iterator is live:
+    starting a new one, ``set_epoch`` or ``load_state_dict`` ends the earlier ones.
+    """
+
+    def __init__(
+        self,
+        *,
+        total_samples: int,
+        micro_batch_size: int,
+        global_batch_size: int | None = None,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        consumed_samples: int = 0,
+        epoch: int = 0,
+        drop_last: bool = True,
+        data_rearrange_map: Any = None,
+        sampler_type: str = "single",
+        data_sharding: bool = False,
+        seed: int = 1234,
+    ) -> None:
+        self.total_samples = _check_int("total_samples", total_samples, 1)
+        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
+        self.dp_world_size = _check_int("dp_world_size", dp_world_size, 1)
+        self.dp_rank = _check_int("dp_rank", dp_rank, 0)
+        if self.dp_rank >= self.dp_world_size:
+            raise DataConfigError(
+                f"dp_rank {self.dp_rank} is out of range for dp_world_size {self.dp_world_size}; ranks are "
+                f"0..{self.dp_world_size - 1}"
+            )
+        micro_step = self.micro_batch_size * self.dp_world_size
+        if global_batch_size is None:
+            global_batch_size = micro_step
+        self.global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+        if self.global_batch_size % micro_step:
+            raise DataConfigError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                f"{self.micro_batch_size} x dp_world_size {self.dp_world_size} = {micro_step}; set it to a multiple "
+                f"of {micro_step} (gradient accumulation steps = global_batch_size / {micro_step})"
+            )
+        if sampler_type not in SAMPLER_TYPES:
+            raise DataConfigError(f"unknown sampler_type {sampler_type!r}; choose one of {list(SAMPLER_TYPES)}")
+        self.sampler_type = sampler_type
+        for name, flag in (("drop_last", drop_last), ("data_sharding", data_sharding)):
+            if not isinstance(flag, bool | np.bool_):
+                raise DataConfigError(f"{name} must be a bool, got {flag!r}")
+        self.drop_last, self.data_sharding = bool(drop_last), bool(data_sharding)
+        if self.data_sharding and sampler_type != "cyclic":
+            raise DataConfigError(
+                f"data_sharding needs sampler_type 'cyclic' (got {sampler_type!r}); the 'single' order is already "
+                "sequential, so set data_sharding to false or use the cyclic sampler"
+            )
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch_len = epoch_length(self.total_samples, self.global_batch_size, self.drop_last)
+        if self.epoch_len == 0:
+            raise DataConfigError(
+                f"total_samples {self.total_samples} is smaller than global_batch_size {self.global_batch_size} "
+                "with drop_last, so an epoch would hold no complete step; lower global_batch_size or set "
+                "drop_last to false"
+            )
+        self.rearrange_map = load_rearrange_map(data_rearrange_map, self.total_samples)
+        self.num_micro_steps = num_micro_steps(self.epoch_len, self.micro_batch_size, self.dp_world_size)
+        self._rank_batches = rank_num_batches(
+            epoch_len=self.epoch_len,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            data_sharding=self.data_sharding,
+        )
+        self._order_cache: tuple[int, np.ndarray] | None = None  # (epoch, cyclic order or sharded bucket)
+        self._generation = 0  # bumped by every new iterator and state change; older iterators then stop
+        epoch = _check_int("epoch", epoch, 0)
+        consumed = _check_int("consumed_samples", consumed_samples, 0)
+        problem = self._position_problem(consumed, self.micro_batch_size * self.dp_world_size)
+        if problem:
+            raise DataConfigError(f"consumed_samples {consumed}: {problem}")
+        self._set_position(epoch, consumed)
+
+    # -- position -------------------------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global positions of the current epoch already handed out (all ranks together)."""
+        return self._consumed
+
+    def _position_problem(self, consumed: int, micro_step: int) -> str | None:
+        """Why ``consumed`` is not a micro-step boundary of an epoch cut in micro-steps of ``micro_step``."""
+        if consumed > self.epoch_len:
+            return f"beyond the epoch, which holds {self.epoch_len} positions"
+        if consumed % micro_step and consumed != self.epoch_len:
+            return f"not a multiple of micro_batch_size x dp_world_size = {micro_step} (nor the epoch end)"
+        return None
+
+    def _set_position(self, epoch: int, consumed: int) -> None:
+        # The epoch's end is the next epoch's start: store it that way so no empty epoch is ever iterated.
+        if consumed >= self.epoch_len:
+            epoch, consumed = epoch + 1, 0
+        self._epoch, self._consumed = epoch, consumed
+        self._generation += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``, unless it is already the current epoch (then keep the position)."""
+        epoch = _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._set_position(epoch, 0)
+
+    def _micro_step(self) -> int:
+        return self._consumed // (self.micro_batch_size * self.dp_world_size)
+
+    def __len__(self) -> int:
+        """Batches this rank still gets in the current epoch."""
+        return max(0, self._rank_batches - self._micro_step())
+
+    # -- batches --------------------------------------------------------------------------------------------------
+
+    def _order(self) -> np.ndarray:
+        """The current epoch's cyclic order, or this rank's sharded bucket; built once per epoch."""
+        if self._order_cache is None or self._order_cache[0] != self._epoch:
+            if self.data_sharding:
+                order = sharded_bucket(
+                    self.epoch_len,
+                    dp_rank=self.dp_rank,
+                    dp_world_size=self.dp_world_size,
+                    seed=self.seed,
+                    epoch=self._epoch,
+                )
+            else:
+                order = cyclic_order(self.total_samples, seed=self.seed, epoch=self._epoch)
+            self._order_cache = (self._epoch, order)
+        return self._order_cache[1]
+
+    def batch_indices(self, micro_step: int) -> list[int]:
+        """Dataset indices this rank reads at ``micro_step`` of the current epoch; O(micro_batch_size)."""
+        mbs = self.micro_batch_size
+        if self.data_sharding:
+            values = self._order()[micro_step * mbs : (micro_step + 1) * mbs]
+        else:
+            positions = rank_batch_positions(
+                micro_step,
+                micro_batch_size=mbs,
+                dp_rank=self.dp_rank,
+                dp_world_size=self.dp_world_size,
+                epoch_len=self.epoch_len,
+            )
+            if self.sampler_type == "single":  # identity order: a slice of positions, never a full array
+                if self.rearrange_map is None:
+                    return list(positions)
+                return self.rearrange_map[positions.start : positions.stop].tolist()
+            values = self._order()[positions.start : positions.stop]
+        if self.rearrange_map is not None:
+            values = self.rearrange_map[values]
+        return values.tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """This rank's remaining batches of the current epoch; afterwards the position is the next epoch's start."""
+        self._generation += 1
+        generation = self._generation
+        micro_step_size = self.micro_batch_size * self.dp_world_size
+        first, last = self._micro_step(), self._rank_batches
+        if first >= last:  # nothing left for this rank in this epoch (only in a partial final micro-step)
+            self._set_position(self._epoch + 1, 0)
+            return
+        for step in range(first, last):
+            batch = self.batch_indices(step)
+            if step + 1 == last:  # this rank's last batch of the epoch: the position after it is the next epoch
+                self._set_position(self._epoch + 1, 0)
+                generation = self._generation
+            else:
+                self._consumed = (step + 1) * micro_step_size
+            yield batch
+            if self._generation != generation:  # a newer iterator, set_epoch or load_state_dict took over
+                return
+
+    # -- checkpointing --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and the settings it depends on, as a small plain dict."""
+        return {
+            "version": STATE_VERSION,
+            "sampler_type": self.sampler_type,
+            "epoch": self._epoch,
+            "consumed_samples": self._consumed,
+            "total_samples": self.total_samples,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "dp_world_size": self.dp_world_size,
+            "seed": self.seed,
+            "data_sharding": self.data_sharding,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the position of ``state``, after checking it describes the same data order.
+
+        The DP size and micro batch size may differ from the saved ones (same global batch size) when the state
+        is at an optimizer-step boundary: global batch ``g`` is the same positions for every layout. With data
+        sharding the DP size must match, since each rank's bucket depends on it.
+
+        Raises:
+            ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
+        """
+        if not isinstance(state, Mapping):
+            raise ResumeStateError(f"a batch sampler state must be a dict, got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ResumeStateError(
+                f"unknown batch sampler state version {state.get('version')!r} (this code reads version "
+                f"{STATE_VERSION}); resume with the code that wrote the checkpoint"
+            )
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ResumeStateError(f"the batch sampler state lacks {missing}; the checkpoint is incomplete")
+        # Settings that change the data order itself: resuming with any of them changed would not continue it.
+        checks = [
+            ("sampler_type", self.sampler_type),
+            ("total_samples", self.total_samples),
+            ("drop_last", self.drop_last),
+            ("data_sharding", self.data_sharding),
+            ("global_batch_size", self.global_batch_size),
+        ]
+        if self.sampler_type == "cyclic":  # the single order does not use the seed
+            checks.append(("seed", self.seed))
+        for key, current in checks:
+            if state[key] != current:
+                raise ResumeStateError(
+                    f"cannot resume the batch sampler: the checkpoint has {key}={state[key]!r} but this run has "
+                    f"{key}={current!r}, which gives a different sample order; restore the checkpoint's {key} or "
+                    "start the data from scratch"
+                )
+        epoch = _check_int("the saved epoch", state["epoch"], 0, ResumeStateError)
+        consumed = _check_int("the saved consumed_samples", state["consumed_samples"], 0, ResumeStateError)
+        saved_mbs = _check_int("the saved micro_batch_size", state["micro_batch_size"], 1, ResumeStateError)
+        saved_dp = _check_int("the saved dp_world_size", state["dp_world_size"], 1, ResumeStateError)
+        problem = self._position_problem(consumed, saved_mbs * saved_dp)
+        if problem:
+            raise ResumeStateError(f"the saved consumed_samples {consumed} is invalid: {problem}")
+        if saved_dp != self.dp_world_size and self.data_sharding:
+            raise ResumeStateError(
+                f"cannot resume with dp_world_size {self.dp_world_size}: the checkpoint used {saved_dp} with "
+                "data_sharding, where each rank walks its own bucket of the data and the buckets depend on the DP "
+                f"size; resume with dp_world_size {saved_dp}, or turn data_sharding off for elastic resumption"
+            )
+        layout_changed = saved_dp != self.dp_world_size or saved_mbs != self.micro_batch_size
+        if layout_changed and consumed % self.global_batch_size and consumed != self.epoch_len:
+            raise ResumeStateError(
+                f"cannot resume with dp_world_size {self.dp_world_size} and micro_batch_size "
+                f"{self.micro_batch_size}: the checkpoint (dp_world_size {saved_dp}, micro_batch_size {saved_mbs}) "
+                f"was taken in the middle of an optimizer step (consumed_samples {consumed} is not a multiple of "
+                f"global_batch_size {self.global_batch_size}), and the rest of that step is split differently "
+                "between ranks; resume with the saved layout, or from a checkpoint taken at a step boundary"
+            )
+        self._set_position(epoch, consumed)
+
+
+def build_dataset_batch_sampler(
+    *,
+    total_samples: int,
+    micro_batch_size: int,
+    global_batch_size: int | None = None,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    consumed_samples: int = 0,
+    epoch: int = 0,
+    drop_last: bool = True,
+    data_rearrange_map: Any = None,
+    sampler_type: str = "single",
+    data_sharding: bool = False,
+    seed: int = 1234,
+) -> DatasetBatchSampler:
+    """Build the DP-aware batch sampler of one rank.
+
+    Args:
+        total_samples: length of the map-style dataset (logical samples).
+        micro_batch_size: samples per batch on each rank.
+        global_batch_size: samples per optimizer step over all ranks; defaults to
+            ``micro_batch_size * dp_world_size`` and must be a multiple of it.
+        dp_rank, dp_world_size: this rank and the data-parallel size.
+        consumed_samples: global positions of ``epoch`` already consumed (all ranks together); a multiple of
+            ``micro_batch_size * dp_world_size``, or the epoch's length (then the next epoch starts).
+        epoch: the epoch to start in; ``cyclic`` draws a new order per epoch.
+        drop_last: keep only complete global batches (``total % global_batch_size`` positions are left out each
+            epoch); otherwise the final global batch and micro-step may be partial and some ranks may get
+            one batch fewer.
+        data_rearrange_map: None, a 1-D integer array or list, or a ``.npy`` path mapping each logical sample to
+            a physical dataset index; applied to the indices last.
+        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
+        data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
+            per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
+        seed: seed of the ``cyclic`` orders.
+
+    Returns:
+        A ``DatasetBatchSampler`` to pass as ``DataLoader(batch_sampler=...)``.
+
+    Raises:
+        DataConfigError: an argument is invalid or two contradict each other.
+        DataFileError: the rearrange map file cannot be read or is malformed.
+    """
+    return DatasetBatchSampler(
+        total_samples=total_samples,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        consumed_samples=consumed_samples,
+        epoch=epoch,
+        drop_last=drop_last,
+        data_rearrange_map=data_rearrange_map,
+        sampler_type=sampler_type,
+        data_sharding=data_sharding,
+        seed=seed,
+    )

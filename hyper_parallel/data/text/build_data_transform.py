@@ -1,0 +1,450 @@
+"""Record transforms of the Online path: one raw record in, a list of ModelSamples out.
+
+Owns: picking the text or conversation out of a record (with fallback keys and ``str.format_map``
+templates), tokenizing it, cutting plain text into windows, applying chat templates, shifting labels into
+next-token targets, rejecting records that would carry no loss, and ``build_llm_data_transform`` (the
+``data_transform._target_`` of YAML configs). A ModelSample is ``{"input_ids", "labels"}``: two int64 arrays
+of the same length (at least 1) where ``labels[i]`` is the target for ``input_ids[i]`` and ``IGNORE_INDEX``
+means no loss (see ``constants``).
+Not responsible for: reading files (``text.online.online_utils``), chat formats (``chat_template``),
+shuffling, packing, padding or batching.
+
+Every transform is a picklable callable ``transform(record, where="record") -> list[ModelSample]`` with a
+``max_seq_len`` attribute; ``where`` (e.g. ``"record 17 of /data/train.jsonl"``) is named in every error
+and warning. ``on_invalid_record="skip"`` turns a per-record ``DataFileError`` into a warning and ``[]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import string
+from collections.abc import Mapping, Sequence
+from numbers import Integral
+from typing import TypeAlias
+
+import numpy as np
+
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.text.chat_template import (
+    ROLE_ALIASES,
+    ChatTemplate,
+    build_chat_template,
+    normalize_messages,
+)
+
+__all__ = [
+    "DATA_TRANSFORM_REGISTRY",
+    "IdentityDataTransform",
+    "ModelSample",
+    "PlaintextTransform",
+    "TextConversationTransform",
+    "build_llm_data_transform",
+]
+
+logger = get_logger("hyper_parallel.data.text.build_data_transform")
+
+ModelSample: TypeAlias = dict[str, np.ndarray]
+
+_ON_INVALID = ("error", "skip")
+
+
+def _positive_int(value, name: str, *, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise DataConfigError(
+            f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}; "
+            "set it to the model's context length in tokens, e.g. 4096"
+        )
+    return int(value)
+
+
+def _key_list(value, name: str) -> tuple[str, ...]:
+    keys = (value,) if isinstance(value, str) else value
+    if (
+        not isinstance(keys, Sequence)
+        or isinstance(keys, bytes)
+        or not keys
+        or not all(isinstance(k, str) and k for k in keys)
+    ):
+        raise DataConfigError(
+            f"{name} must be a field name or a non-empty list of field names (tried in order), got {value!r}"
+        )
+    return tuple(keys)
+
+
+def _as_tokenizer(tokenizer, data_type: str):
+    if tokenizer is None:
+        raise DataConfigError(
+            f"data_type '{data_type}' needs a tokenizer; pass tokenizer=<path of a Hugging Face tokenizer "
+            "directory> or a loaded TextTokenizer"
+        )
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return build_tokenizer(tokenizer)
+    if not hasattr(tokenizer, "backend"):
+        raise DataConfigError(
+            f"tokenizer must be a TextTokenizer (from build_tokenizer) or a path, got {type(tokenizer).__name__}"
+        )
+    return tokenizer
+
+
+def _without_caches(tokenizer):
+    """A copy of a ``TextTokenizer`` without its lazily loaded ``transformers`` tokenizer (heavy to pickle)."""
+    if dataclasses.is_dataclass(tokenizer) and "hf" in vars(tokenizer):
+        return dataclasses.replace(tokenizer)
+    return tokenizer
+
+
+def _record_keys(record: Mapping) -> list[str]:
+    return sorted(map(str, record))
+
+
+class _RecordTransform:
+    """What every transform shares: ``max_seq_len``, ``on_invalid_record`` and the skip-or-raise decision."""
+
+    def __init__(self, max_seq_len: int | None, on_invalid_record: str, *, max_seq_len_required: bool = False):
+        self.max_seq_len = _positive_int(max_seq_len, "max_seq_len", optional=not max_seq_len_required)
+        if on_invalid_record not in _ON_INVALID:
+            raise DataConfigError(
+                f"on_invalid_record must be 'error' or 'skip', got {on_invalid_record!r}; 'skip' logs a warning "
+                "naming each invalid record and drops it"
+            )
+        self.on_invalid_record = on_invalid_record
+
+    def __call__(self, record: Mapping, where: str = "record") -> list[ModelSample]:
+        try:
+            if not isinstance(record, Mapping):
+                raise DataFileError(
+                    f"{where}: expected a record with named fields (a JSON object), got {type(record).__name__}; "
+                    "fix the data file"
+                )
+            return self._transform(record, where)
+        except DataFileError as error:
+            if self.on_invalid_record == "error":
+                raise
+            logger.warning("skipped invalid record: %s", error)
+            return []
+
+    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+        raise NotImplementedError
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if "tokenizer" in state:
+            state["tokenizer"] = _without_caches(state["tokenizer"])
+        return state
+
+
+def _pick(record: Mapping, keys: tuple[str, ...], where: str, what: str):
+    """The value of the first of ``keys`` that the record has with a non-null value."""
+    for key in keys:
+        value = record.get(key)
+        if value is not None:
+            return key, value
+    raise DataFileError(
+        f"{where}: no {what} field: tried text_keys {list(keys)} (absent or null); the record has fields "
+        f"{_record_keys(record)}. Set text_keys to the field that holds the {what}, or a list of fallbacks"
+    )
+
+
+class PlaintextTransform(_RecordTransform):
+    """Plain text (pretraining): tokenize, append EOS, cut into next-token windows of ``max_seq_len``.
+
+    A document of ``n`` tokens ``t`` gives ``n - 1`` pairs ``(t[i], t[i + 1])``, cut into consecutive windows
+    of ``max_seq_len`` pairs (the last may be shorter): ``input_ids = t[s : s + L]``,
+    ``labels = t[s + 1 : s + 1 + L]``. No token is lost: the windows' ``input_ids`` followed by the last label
+    are the document.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_seq_len: int,
+        text_keys: str | Sequence[str] = "text",
+        text_template: str | None = None,
+        append_eos: bool = True,
+        on_invalid_record: str = "error",
+    ):
+        """
+        Args:
+            tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+            max_seq_len: tokens per window.
+            text_keys: the field with the text, or fields tried in order (the first non-null one is used).
+            text_template: a ``str.format_map`` template over the record that replaces ``text_keys``, e.g.
+                ``"### Instruction:\\n{instruction}\\n\\n### Response:\\n{output}"``.
+            append_eos: end every document with the EOS token (when the tokenizer has one).
+            on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+        """
+        super().__init__(max_seq_len, on_invalid_record, max_seq_len_required=True)
+        self.tokenizer = _as_tokenizer(tokenizer, "plaintext")
+        self.text_keys = _key_list(text_keys, "text_keys")
+        if text_template is not None:
+            if not isinstance(text_template, str):
+                raise DataConfigError(f"text_template must be a string, got {type(text_template).__name__}")
+            try:
+                fields = [name for _, name, _, _ in string.Formatter().parse(text_template) if name is not None]
+            except ValueError as error:
+                raise DataConfigError(
+                    f"text_template {text_template!r} is not a valid str.format template ({error}); "
+                    "write literal braces as {{ and }}"
+                ) from None
+            if not fields or any(not name or name[0].isdigit() for name in fields):
+                raise DataConfigError(
+                    f"text_template {text_template!r} must read record fields by name, like {{text}}; "
+                    "positional fields such as {} or {0} are not supported"
+                )
+        self.text_template = text_template
+        self.append_eos = bool(append_eos)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.append_eos else None
+        if self.append_eos and self.eos_token_id is None:
+            logger.warning(
+                "append_eos is set but tokenizer %s has no EOS token; documents are not terminated",
+                getattr(self.tokenizer, "name_or_path", ""),
+            )
+
+    def _text(self, record: Mapping, where: str) -> str:
+        if self.text_template is not None:
+            try:
+                return self.text_template.format_map(record)
+            except (KeyError, IndexError, AttributeError) as error:
+                raise DataFileError(
+                    f"{where}: text_template reads the field {error}, which the record lacks; the record has fields "
+                    f"{_record_keys(record)}. Fix the record or the template"
+                ) from None
+        key, value = _pick(record, self.text_keys, where, "text")
+        if not isinstance(value, str):
+            raise DataFileError(
+                f"{where}: field '{key}' holds {type(value).__name__}, expected a string; point text_keys at a "
+                "text field (use data_type 'conversation' for lists of messages)"
+            )
+        return value
+
+    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+        ids = self.tokenizer.backend.encode(self._text(record, where), add_special_tokens=False).ids
+        if self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        if len(ids) < 2:
+            raise DataFileError(
+                f"{where}: the text has {len(ids)} token(s) with EOS, fewer than the 2 a next-token pair needs; "
+                "remove empty records or set on_invalid_record='skip'"
+            )
+        tokens = np.asarray(ids, dtype=np.int64)
+        inputs = tokens[:-1]
+        targets = tokens[1:].copy()  # separate memory, so editing labels in place cannot change input_ids
+        length = self.max_seq_len
+        return [
+            {"input_ids": inputs[start : start + length], "labels": targets[start : start + length]}
+            for start in range(0, len(inputs), length)
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"PlaintextTransform(max_seq_len={self.max_seq_len}, text_keys={list(self.text_keys)}, "
+            f"text_template={self.text_template!r}, append_eos={self.append_eos}, "
+            f"on_invalid_record={self.on_invalid_record!r})"
+        )
+
+
+class TextConversationTransform(_RecordTransform):
+    """A conversation (SFT): normalize the messages, apply a chat template, shift; one ModelSample per record.
+
+    Only supervised messages carry loss (assistant messages, or per-message ``loss_mask``). No truncation: a
+    conversation longer than ``max_seq_len`` is returned whole. A conversation without any supervised target
+    is an invalid record, never returned.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_seq_len: int | None = None,
+        chat_template: str | ChatTemplate = "tokenizer",
+        text_keys: str | Sequence[str] = "conversation",
+        role_key: str = "role",
+        content_key: str = "content",
+        role_map: Mapping[str, str] | None = None,
+        on_invalid_record: str = "error",
+    ):
+        """
+        Args:
+            tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+            max_seq_len: the model's context length, for the loader; conversations are not truncated.
+            chat_template: ``tokenizer``, ``chatml``, ``llama2``, ``default`` or a ``ChatTemplate``.
+            text_keys: the field with the list of messages, or fields tried in order.
+            role_key, content_key: the message fields that hold the speaker and the text.
+            role_map: raw role -> role, applied before the built-in aliases (e.g. ``{"narrator": "system"}``).
+            on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+        """
+        super().__init__(max_seq_len, on_invalid_record)
+        self.tokenizer = _as_tokenizer(tokenizer, "conversation")
+        self.text_keys = _key_list(text_keys, "text_keys")
+        for name, value in (("role_key", role_key), ("content_key", content_key)):
+            if not isinstance(value, str) or not value:
+                raise DataConfigError(f"{name} must be a non-empty field name, got {value!r}")
+        self.role_key, self.content_key = role_key, content_key
+        self.role_map = _check_role_map(role_map)
+        self.chat_template = build_chat_template(chat_template, self.tokenizer)
+
+    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+        key, raw_messages = _pick(record, self.text_keys, where, "conversation")
+        messages = normalize_messages(
+            raw_messages,
+            role_key=self.role_key,
+            content_key=self.content_key,
+            role_map=self.role_map,
+            where=f"{where}, field '{key}'",
+        )
+        ids, labels = self.chat_template.encode_messages(messages, where=f"{where}, field '{key}'")
+        input_ids, targets = ids[:-1], labels[1:]
+        if not (targets != IGNORE_INDEX).any():
+            raise DataFileError(
+                f"{where}: no message of the conversation in field '{key}' is supervised, so it carries no loss "
+                f'(roles: {[m["role"] for m in messages]}); add an assistant turn, or set "loss_mask": true on '
+                "the messages to learn, or set on_invalid_record='skip'"
+            )
+        return [{"input_ids": input_ids, "labels": targets}]
+
+    def __repr__(self) -> str:
+        return (
+            f"TextConversationTransform(max_seq_len={self.max_seq_len}, chat_template={self.chat_template!r}, "
+            f"text_keys={list(self.text_keys)}, on_invalid_record={self.on_invalid_record!r})"
+        )
+
+
+def _check_role_map(role_map) -> dict[str, str] | None:
+    if role_map is None:
+        return None
+    if not isinstance(role_map, Mapping):
+        raise DataConfigError(f"role_map must be a mapping of raw role -> role, got {type(role_map).__name__}")
+    for raw, role in role_map.items():
+        if not isinstance(raw, str) or not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+            raise DataConfigError(
+                f"role_map entry {raw!r}: {role!r} is invalid; map role names to one of system, user, assistant, "
+                "tool (or an alias such as human, gpt)"
+            )
+    return dict(role_map)
+
+
+def _token_array(value, where: str, key: str) -> np.ndarray:
+    array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        described = type(value).__name__ if array is None else f"{array.dtype} array of shape {array.shape}"
+        raise DataFileError(
+            f"{where}: field '{key}' must be a flat list of integer token ids, got {described}; re-tokenize the record"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+class IdentityDataTransform(_RecordTransform):
+    """Pre-tokenized records: ``input_ids`` and optional ``labels`` (default: the ``input_ids``).
+
+    Unless ``labels_are_shifted``, labels are shifted like a tokenized document: ``input_ids = ids[:-1]``,
+    ``labels = labels[1:]``. No truncation.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_seq_len: int | None = None,
+        input_ids_key: str = "input_ids",
+        labels_key: str = "labels",
+        labels_are_shifted: bool = False,
+        on_invalid_record: str = "error",
+    ):
+        """
+        Args:
+            max_seq_len: the model's context length, for the loader; records are not truncated.
+            input_ids_key, labels_key: the record fields with the token ids and the labels.
+            labels_are_shifted: the labels are already next-token targets, as long as the ``input_ids``.
+            on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+        """
+        super().__init__(max_seq_len, on_invalid_record)
+        self.input_ids_key, self.labels_key = input_ids_key, labels_key
+        self.labels_are_shifted = bool(labels_are_shifted)
+
+    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+        if record.get(self.input_ids_key) is None:
+            raise DataFileError(
+                f"{where}: no '{self.input_ids_key}' field; the record has fields {_record_keys(record)}. "
+                "Set input_ids_key to the field with the token ids"
+            )
+        ids = _token_array(record[self.input_ids_key], where, self.input_ids_key)
+        if ids.size and ids.min() < 0:
+            raise DataFileError(
+                f"{where}: field '{self.input_ids_key}' holds the negative id {int(ids.min())}; token ids are >= 0"
+            )
+        raw_labels = record.get(self.labels_key)
+        labels = ids if raw_labels is None else _token_array(raw_labels, where, self.labels_key)
+        if len(labels) != len(ids):
+            raise DataFileError(
+                f"{where}: '{self.labels_key}' has {len(labels)} entries but '{self.input_ids_key}' has {len(ids)}; "
+                "they must be equally long"
+            )
+        bad = labels[(labels < 0) & (labels != IGNORE_INDEX)]
+        if bad.size:
+            raise DataFileError(
+                f"{where}: field '{self.labels_key}' holds {int(bad[0])}; labels are token ids or {IGNORE_INDEX} "
+                "(no loss)"
+            )
+        if not self.labels_are_shifted:
+            ids, labels = ids[:-1], labels[1:]
+        if len(ids) == 0:
+            raise DataFileError(
+                f"{where}: field '{self.input_ids_key}' is too short for a training pair "
+                f"({'1 token needed' if self.labels_are_shifted else '2 tokens needed before the shift'})"
+            )
+        if not (labels != IGNORE_INDEX).any():
+            raise DataFileError(
+                f"{where}: every label is {IGNORE_INDEX}, so the record carries no loss; fix its "
+                f"'{self.labels_key}' or set on_invalid_record='skip'"
+            )
+        return [{"input_ids": ids.copy(), "labels": labels.copy()}]
+
+    def __repr__(self) -> str:
+        return (
+            f"IdentityDataTransform(max_seq_len={self.max_seq_len}, input_ids_key={self.input_ids_key!r}, "
+            f"labels_key={self.labels_key!r}, labels_are_shifted={self.labels_are_shifted})"
+        )
+
+
+DATA_TRANSFORM_REGISTRY: dict[str, type[_RecordTransform]] = {
+    "plaintext": PlaintextTransform,
+    "conversation": TextConversationTransform,
+    "identity": IdentityDataTransform,
+}
+
+_NEEDS_TOKENIZER = ("plaintext", "conversation")
+
+
+def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwargs) -> _RecordTransform:
+    """Build a record transform by name: the ``data_transform._target_`` of YAML configs.
+
+    Args:
+        data_type: ``plaintext`` (``PlaintextTransform``), ``conversation`` (``TextConversationTransform``) or
+            ``identity`` (``IdentityDataTransform``; the tokenizer is not used).
+        tokenizer: a ``TextTokenizer`` or the path of a local Hugging Face tokenizer.
+        **kwargs: the options of that transform, e.g. ``text_keys``, ``max_seq_len``, ``chat_template``.
+
+    Raises:
+        DataConfigError: an unknown ``data_type`` or option, a missing tokenizer, an invalid option value.
+    """
+    transform_class = DATA_TRANSFORM_REGISTRY.get(data_type) if isinstance(data_type, str) else None
+    if transform_class is None:
+        raise DataConfigError(f"unknown data_type {data_type!r}; use one of {', '.join(DATA_TRANSFORM_REGISTRY)}")
+    parameters = inspect.signature(transform_class.__init__).parameters
+    options = [name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown:
+        raise DataConfigError(f"unknown option(s) {unknown} for data_type '{data_type}'; its options are {options}")
+    missing = [name for name in options if name not in kwargs and parameters[name].default is inspect.Parameter.empty]
+    if missing:
+        raise DataConfigError(f"data_type '{data_type}' requires the option(s) {missing}, e.g. max_seq_len: 4096")
+    if data_type in _NEEDS_TOKENIZER:
+        return transform_class(_as_tokenizer(tokenizer, data_type), **kwargs)
+    return transform_class(**kwargs)

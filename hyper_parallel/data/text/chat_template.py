@@ -1,0 +1,584 @@
+"""Chat templates: turn a conversation into token ids and per-token labels that supervise chosen messages.
+
+Owns: normalizing raw messages (role aliases, ``role_map``, field checks), the ``ChatTemplate`` interface, the
+named templates (``tokenizer``, ``chatml``, ``llama2``, ``default``) and their registry. Labels returned here
+are **unshifted**: ``labels[i]`` is ``input_ids[i]`` where the token is supervised and ``IGNORE_INDEX``
+elsewhere; shifting into next-token targets is the transform's job (``build_data_transform``).
+Not responsible for: picking the conversation out of a record, shifting, truncation or batching.
+
+Supervision: a message with a truthy ``loss_mask`` is supervised, one with a falsy ``loss_mask`` is not, and
+without ``loss_mask`` only ``assistant`` messages are. Within a supervised message the role header (e.g.
+``<|im_start|>assistant\\n``) is never supervised; the content and the end-of-turn tokens are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from numbers import Integral
+
+import numpy as np
+
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+
+__all__ = [
+    "CANONICAL_ROLES",
+    "CHAT_TEMPLATE_REGISTRY",
+    "ROLE_ALIASES",
+    "ChatMLTemplate",
+    "ChatTemplate",
+    "DefaultChatTemplate",
+    "Llama2ChatTemplate",
+    "TokenizerChatTemplate",
+    "build_chat_template",
+    "is_supervised",
+    "normalize_messages",
+]
+
+logger = get_logger("hyper_parallel.data.text.chat_template")
+
+CANONICAL_ROLES = ("system", "user", "assistant", "tool")
+
+# Lower-cased role name -> canonical role. Covers ShareGPT (human/gpt), Gemini (model) and tool-call formats.
+ROLE_ALIASES: dict[str, str] = {
+    **{role: role for role in CANONICAL_ROLES},
+    "human": "user",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "function": "tool",
+    "observation": "tool",
+}
+
+_KNOWN_ROLES_TEXT = (
+    f"known roles: {', '.join(CANONICAL_ROLES)} "
+    f"(aliases: {', '.join(f'{alias}->{role}' for alias, role in ROLE_ALIASES.items() if alias != role)})"
+)
+
+
+def _preview(value, limit: int = 60) -> str:
+    """A short repr for error messages, so that a long value cannot flood a log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _resolve_role(role: str, role_map: Mapping | None) -> str | None:
+    """The canonical role of ``role``: ``role_map`` first (exact, then lower-cased key), then the aliases."""
+    if role_map:
+        mapped = role_map.get(role)
+        if mapped is None:
+            mapped = role_map.get(role.lower())
+        if mapped is not None:
+            canonical = ROLE_ALIASES.get(mapped.lower()) if isinstance(mapped, str) else None
+            if canonical is None:
+                raise DataConfigError(
+                    f"role_map maps {role!r} to {_preview(mapped)}, which is not a role; map it to one of "
+                    f"{', '.join(CANONICAL_ROLES)}"
+                )
+            return canonical
+    return ROLE_ALIASES.get(role.lower())
+
+
+def _check_loss_mask(value, where: str, position: int) -> bool | int:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, Integral) and int(value) in (0, 1):
+        return int(value)
+    raise DataFileError(
+        f"{where}: message {position}: field 'loss_mask' must be true/false or 0/1, got {_preview(value)}; "
+        "fix the value or drop the field (then only assistant messages are supervised)"
+    )
+
+
+def normalize_messages(
+    messages,
+    *,
+    role_key: str = "role",
+    content_key: str = "content",
+    role_map: Mapping[str, str] | None = None,
+    where: str = "record",
+) -> list[dict]:
+    """Check raw messages and return new ``{"role", "content"[, "loss_mask"]}`` dicts with canonical roles.
+
+    Args:
+        messages: a non-empty list of mappings (a tuple or an object array, as read from Parquet, also works).
+        role_key, content_key: the fields that hold the speaker and the text (``from``/``value`` for ShareGPT).
+        role_map: raw role -> role; tried before the built-in aliases (exact key, then lower-cased key), so it
+            can also override an alias. Values may be canonical roles or aliases.
+        where: the record, for error messages (e.g. ``"record 17 of /data/train.jsonl"``).
+
+    Returns:
+        New dicts; ``loss_mask`` is kept (as bool or 0/1) only when the message has a non-null one.
+
+    Raises:
+        DataFileError: the conversation, a message, a role, a content or a ``loss_mask`` is malformed.
+        DataConfigError: ``role_map`` maps a role to something that is not a role.
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (Sequence, np.ndarray)):
+        raise DataFileError(
+            f"{where}: the conversation must be a list of messages, got {type(messages).__name__}; store it as a "
+            f"list of {{'{role_key}': ..., '{content_key}': ...}} objects, or point text_keys at such a field"
+        )
+    if len(messages) == 0:
+        raise DataFileError(f"{where}: the conversation has no messages; remove the record or add messages")
+    normalized = []
+    for position, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise DataFileError(
+                f"{where}: message {position} is a {type(message).__name__}, expected an object with "
+                f"'{role_key}' and '{content_key}' fields; fix the record"
+            )
+        role = message.get(role_key)
+        if role is None:
+            raise DataFileError(
+                f"{where}: message {position} has no '{role_key}' field (its fields: {sorted(map(str, message))}); "
+                "add it, or set role_key to the field that names the speaker"
+            )
+        if not isinstance(role, str) or not role:
+            raise DataFileError(
+                f"{where}: message {position}: field '{role_key}' must be a non-empty string, got {_preview(role)}; "
+                "fix the record"
+            )
+        canonical = _resolve_role(role, role_map)
+        if canonical is None:
+            raise DataFileError(
+                f"{where}: message {position}: unknown role {_preview(role)} in field '{role_key}'; "
+                f"{_KNOWN_ROLES_TEXT}. Map it with role_map, e.g. role_map={{{role!r}: 'user'}}"
+            )
+        if content_key not in message:
+            raise DataFileError(
+                f"{where}: message {position} has no '{content_key}' field (its fields: "
+                f"{sorted(map(str, message))}); add it, or set content_key to the field that holds the text"
+            )
+        content = message[content_key]
+        if not isinstance(content, str):
+            raise DataFileError(
+                f"{where}: message {position}: field '{content_key}' must be a string, got "
+                f'{"null" if content is None else type(content).__name__}; use "" for an empty message and '
+                "flatten multi-part content into one string"
+            )
+        entry = {"role": canonical, "content": content}
+        loss_mask = message.get("loss_mask")
+        if loss_mask is not None:
+            entry["loss_mask"] = _check_loss_mask(loss_mask, where, position)
+        normalized.append(entry)
+    return normalized
+
+
+def is_supervised(message: Mapping) -> bool:
+    """Whether a normalized message carries loss: its ``loss_mask`` when present, else ``role == "assistant"``."""
+    loss_mask = message.get("loss_mask")
+    if loss_mask is None:
+        return message["role"] == "assistant"
+    return bool(loss_mask)
+
+
+def _as_arrays(ids: list[int], labels: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+
+
+def _without_caches(tokenizer):
+    """A copy of a ``TextTokenizer`` without its lazily loaded ``transformers`` tokenizer (heavy to pickle)."""
+    if dataclasses.is_dataclass(tokenizer) and "hf" in vars(tokenizer):
+        return dataclasses.replace(tokenizer)
+    return tokenizer
+
+
+class ChatTemplate(ABC):
+    """Encodes normalized messages (see ``normalize_messages``) into ``input_ids`` and unshifted ``labels``.
+
+    Subclasses are picklable so that they can travel to data-loader workers.
+    """
+
+    name: str = ""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def encode_messages(self, messages: Sequence[Mapping], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and labels of the same length, both int64.
+
+        Args:
+            messages: normalized messages (canonical roles, string contents, optional ``loss_mask``).
+            where: the record, for error messages.
+
+        Returns:
+            ``(input_ids, labels)`` with ``labels[i] == input_ids[i]`` where supervised, else ``IGNORE_INDEX``.
+        """
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["tokenizer"] = _without_caches(self.tokenizer)
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tokenizer={getattr(self.tokenizer, 'name_or_path', self.tokenizer)!r})"
+
+
+def _special_id(tokenizer, token: str, template: str) -> int:
+    token_id = tokenizer.backend.token_to_id(token)
+    if token_id is None:
+        raise DataConfigError(
+            f"chat_template '{template}' needs the token {token} but tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')} has none; use chat_template='tokenizer' (the tokenizer's own "
+            "template) or 'default'"
+        )
+    return token_id
+
+
+def _required_eos(tokenizer, template: str) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataConfigError(
+            f"chat_template '{template}' ends turns with the EOS token but tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')} has none; set eos_token in its tokenizer_config.json or use "
+            "chat_template='chatml' or 'tokenizer'"
+        )
+    return tokenizer.eos_token_id
+
+
+class _PiecewiseTemplate(ChatTemplate):
+    """A template written in Python: each message is a header (never supervised) and a body, encoded separately.
+
+    Pieces are tokenized on their own and concatenated, so no token spans a piece boundary and the label
+    boundary always falls between tokens. Constant pieces (role headers, separators) are encoded once.
+    """
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self._encode_text = tokenizer.backend.encode
+        self._constants: dict[str, list[int]] = {}
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        del state["_encode_text"]  # a bound method of the Rust tokenizer: rebuilt after unpickling
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._encode_text = self.tokenizer.backend.encode
+
+    def _encode(self, text: str) -> list[int]:
+        return self._encode_text(text, add_special_tokens=False).ids if text else []
+
+    def _constant(self, text: str) -> list[int]:
+        ids = self._constants.get(text)
+        if ids is None:
+            ids = self._constants[text] = self._encode(text)
+        return ids
+
+    @abstractmethod
+    def _pieces(self, messages: Sequence[Mapping]) -> Iterator[tuple[list[int], list[int], bool]]:
+        """``(header_ids, body_ids, body_supervised)`` for each message, in order."""
+
+    def encode_messages(self, messages: Sequence[Mapping], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
+        ids: list[int] = []
+        labels: list[int] = []
+        for header, body, supervised in self._pieces(messages):
+            ids += header
+            labels += [IGNORE_INDEX] * len(header)
+            ids += body
+            labels += body if supervised else [IGNORE_INDEX] * len(body)
+        return _as_arrays(ids, labels)
+
+
+class ChatMLTemplate(_PiecewiseTemplate):
+    """``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
+
+    The header ``<|im_start|>{role}\\n`` is never supervised; a supervised message contributes its content,
+    ``<|im_end|>`` and the newline. The markers are the tokenizer's own special tokens, never text.
+    """
+
+    name = "chatml"
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.im_start_id = _special_id(tokenizer, "<|im_start|>", self.name)
+        self.im_end_id = _special_id(tokenizer, "<|im_end|>", self.name)
+
+    def _pieces(self, messages):
+        newline = self._constant("\n")
+        for message in messages:
+            header = [self.im_start_id, *self._constant(f"{message['role']}\n")]
+            body = [*self._encode(message["content"]), self.im_end_id, *newline]
+            yield header, body, is_supervised(message)
+
+
+class Llama2ChatTemplate(_PiecewiseTemplate):
+    """Llama 2 chat format, tokenized turn by turn as in Meta's reference code.
+
+    - user: BOS (when the tokenizer has one) + ``[INST] {content} [/INST]``; system messages right before a
+      user message go inside it as ``<<SYS>>\\n{content}\\n<</SYS>>\\n\\n`` and share its supervision (a system
+      message with no user message after it gets an ``[INST]`` turn of its own);
+    - assistant: `` {content} `` + EOS, all of it supervised when the message is;
+    - tool: BOS + ``[TOOL] {content} [/TOOL]``.
+
+    Each turn is one encoded string (no separate header), so a supervised user or tool turn is supervised whole.
+    """
+
+    name = "llama2"
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.eos_id = _required_eos(tokenizer, self.name)
+        self.bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+    def _pieces(self, messages):
+        system = ""
+        for position, message in enumerate(messages):
+            role, content, supervised = message["role"], message["content"], is_supervised(message)
+            if role == "system":
+                system += f"<<SYS>>\n{content}\n<</SYS>>\n\n"
+                following = messages[position + 1]["role"] if position + 1 < len(messages) else None
+                if following in ("system", "user"):
+                    continue
+                content = ""  # no user turn follows: the system text gets an instruction turn of its own
+            if role in ("system", "user"):
+                yield [], [*self.bos, *self._encode(f"[INST] {system}{content} [/INST]")], supervised
+                system = ""
+            elif role == "assistant":
+                yield [], [*self._encode(f" {content} "), self.eos_id], supervised
+            else:
+                yield [], [*self.bos, *self._encode(f"[TOOL] {content} [/TOOL]")], supervised
+
+
+class DefaultChatTemplate(_PiecewiseTemplate):
+    """A plain format for tokenizers without a chat template: ``{Role}: {content}`` + EOS + ``\\n`` per message.
+
+    The header ``{Role}: `` is never supervised; a supervised message contributes its stripped content, the
+    EOS token and the newline.
+    """
+
+    name = "default"
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.eos_id = _required_eos(tokenizer, self.name)
+
+    def _pieces(self, messages):
+        newline = self._constant("\n")
+        for message in messages:
+            header = self._constant(f"{message['role'].title()}: ")
+            body = [*self._encode(message["content"].strip()), self.eos_id, *newline]
+            yield header, body, is_supervised(message)
+
+
+# Stands in for a message's content to find where the template puts it (and so where the role header ends).
+_CONTENT_PROBE = "\u2063hp-data-content-probe\u2063"
+
+# Checked once when the template is built, so a template that cannot be rendered incrementally fails at start-up.
+_PROBE_CONVERSATION = (
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi! How can I help?"},
+    {"role": "user", "content": "Tell me a story."},
+    {"role": "assistant", "content": "Once upon a time."},
+)
+
+_NOT_INCREMENTAL_FIX = (
+    "this chat template is not incrementally renderable, so per-message labels cannot be derived from it; "
+    "use a named template such as chat_template='chatml' (or 'llama2', 'default')"
+)
+
+
+class TokenizerChatTemplate(ChatTemplate):
+    """The tokenizer's own Jinja chat template, rendered incrementally to find each message's tokens.
+
+    Messages ``[:1]``, ``[:2]``, ... are rendered with ``apply_chat_template(..., tokenize=False)``; the text
+    of message ``k`` is what the render of ``[:k+1]`` adds to the render of ``[:k]``. Every render must extend
+    the previous one, as text and as tokens (each render is tokenized in full), otherwise the template rewrites
+    earlier messages and a ``DataConfigError`` says so. For a supervised message the prefix is also rendered
+    with ``add_generation_prompt=True``: that header (e.g. ``<|im_start|>assistant\\n``) is not supervised,
+    only the content and the end-of-turn text after it. When the generation prompt does not match the message
+    (a supervised non-assistant message, or a template without one), the header is found by rendering the
+    message with a placeholder content; failing that, the whole message is supervised.
+
+    The compiled Jinja template is cached by ``transformers``; this class keeps the template text, so a
+    pickled copy renders the same way after the tokenizer is reloaded in a worker. The template is checked
+    once on a short conversation when built, so a template that rewrites earlier messages fails at start-up.
+    Cost: all prefixes are rendered in one batched call and tokenized in one batch, so the work grows with the
+    square of the number of messages (about 1 ms for a 4-message exchange, tens of ms for 40 long turns); the
+    named templates are linear.
+    """
+
+    name = "tokenizer"
+
+    def __init__(self, tokenizer, template: str | None = None):
+        """
+        Args:
+            tokenizer: a ``TextTokenizer``; its ``hf`` tokenizer renders the template.
+            template: a Jinja template to use instead of the tokenizer's own.
+        """
+        super().__init__(tokenizer)
+        if template is None:
+            template = getattr(tokenizer.hf, "chat_template", None)
+            if isinstance(template, dict):
+                template = template.get("default")
+        if not isinstance(template, str) or not template.strip():
+            raise DataConfigError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')} has no chat template; add a "
+                "chat_template.jinja (or chat_template in tokenizer_config.json) to the tokenizer directory, or use "
+                "a named template: chat_template='chatml', 'llama2' or 'default'"
+            )
+        self.template = template
+        self._encode_batch = tokenizer.backend.encode_batch
+        self._check_with_probe()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        del state["_encode_batch"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._encode_batch = self.tokenizer.backend.encode_batch
+
+    def _check_with_probe(self) -> None:
+        try:
+            self.encode_messages(_PROBE_CONVERSATION, where="the check conversation of chat_template='tokenizer'")
+        except DataConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a template may reject the probe; real records decide then
+            logger.debug("chat template check skipped: %s: %s", type(error).__name__, error)
+
+    def _render(self, conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str]:
+        return self.tokenizer.hf.apply_chat_template(
+            conversations, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _render_prefixes(self, plain: list[dict], where: str) -> list[str]:
+        try:
+            return self._render([plain[: k + 1] for k in range(len(plain))])
+        except Exception as error:  # noqa: BLE001 - Jinja templates raise anything; find the message
+            failure, k = error, len(plain) - 1
+            for position in range(len(plain)):
+                try:
+                    self._render([plain[: position + 1]])
+                except Exception as first_error:  # noqa: BLE001
+                    failure, k = first_error, position
+                    break
+            raise DataFileError(
+                f"{where}: the chat template failed on message {k} (role '{plain[k]['role']}'): "
+                f"{type(failure).__name__}: {failure}; fix the conversation (e.g. the order of roles the "
+                "template expects) or use another chat_template such as 'chatml'"
+            ) from None
+
+    def _try_render(self, conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str] | None:
+        if not conversations:
+            return []
+        try:
+            return self._render(conversations, add_generation_prompt)
+        except Exception:  # noqa: BLE001 - a failed header search only means the header is supervised
+            return None
+
+    def _header_ends(self, plain: list[dict], supervised: list[bool], renders: list[str]) -> dict[int, str]:
+        """For each supervised message ``k``: the render up to the end of its role header (within ``renders[k]``)."""
+        ends: dict[int, str] = {}
+        with_prompt = [k for k in range(1, len(plain)) if supervised[k] and plain[k]["role"] == "assistant"]
+        prompted = self._try_render([plain[:k] for k in with_prompt], add_generation_prompt=True) or []
+        for k, text in zip(with_prompt, prompted, strict=False):
+            if len(text) > len(renders[k - 1]) and text.startswith(renders[k - 1]) and renders[k].startswith(text):
+                ends[k] = text
+        searched = [k for k in range(len(plain)) if supervised[k] and k not in ends]
+        probed = self._try_render(
+            [[*plain[:k], {"role": plain[k]["role"], "content": _CONTENT_PROBE}] for k in searched]
+        )
+        for k, text in zip(searched, probed or [], strict=False):
+            previous = renders[k - 1] if k else ""
+            found = text.find(_CONTENT_PROBE, len(previous))
+            if found >= 0 and text.startswith(previous) and renders[k].startswith(text[:found]):
+                ends[k] = text[:found]
+        return ends
+
+    def _prefix_error(self, where: str, k: int, role: str, what: str) -> DataConfigError:
+        return DataConfigError(
+            f"{where}: adding message {k} (role '{role}') {what}: the render of messages[:{k}] is not a prefix of "
+            f"the render of messages[:{k + 1}]; {_NOT_INCREMENTAL_FIX}"
+        )
+
+    def encode_messages(self, messages: Sequence[Mapping], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
+        # Only role and content reach the template: other fields (loss_mask) are ours.
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        supervised = [is_supervised(m) for m in messages]
+        renders = self._render_prefixes(plain, where)
+        previous = ""
+        for k, text in enumerate(renders):
+            if not text.startswith(previous):
+                what = "shrinks the text" if len(text) < len(previous) else "rewrites the text of earlier messages"
+                raise self._prefix_error(where, k, plain[k]["role"], what)
+            previous = text
+        header_ends = self._header_ends(plain, supervised, renders) if any(supervised) else {}
+
+        # One batch encode of every boundary: [header end of k,] render of [:k+1], for each message k.
+        texts: list[str] = []
+        for k, text in enumerate(renders):
+            if k in header_ends:
+                texts.append(header_ends[k])
+            texts.append(text)
+        encodings = [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=False)]
+
+        ids = encodings[-1]
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+        final = np.asarray(ids, dtype=np.int64)
+        done: list[int] = []  # tokens of the render of the messages so far
+        index = 0
+        for k in range(len(renders)):
+            header = encodings[index] if k in header_ends else None
+            index += header is not None
+            tokens = encodings[index]
+            index += 1
+            if tokens[: len(done)] != done:
+                raise self._prefix_error(where, k, plain[k]["role"], "changes the tokens of earlier messages")
+            body_start = len(done)
+            if header is not None:
+                # A token may merge the end of the header with the start of the content; it then counts as content.
+                body_start = len(header)
+                if tokens[:body_start] != header:
+                    body_start = next(
+                        (i for i, (a, b) in enumerate(zip(header, tokens, strict=False)) if a != b),
+                        min(len(header), len(tokens)),
+                    )
+                body_start = max(body_start, len(done))
+            if supervised[k]:
+                labels[body_start : len(tokens)] = final[body_start : len(tokens)]
+            done = tokens
+        return final, labels
+
+
+CHAT_TEMPLATE_REGISTRY: dict[str, type[ChatTemplate]] = {
+    TokenizerChatTemplate.name: TokenizerChatTemplate,
+    ChatMLTemplate.name: ChatMLTemplate,
+    Llama2ChatTemplate.name: Llama2ChatTemplate,
+    DefaultChatTemplate.name: DefaultChatTemplate,
+}
+
+
+def build_chat_template(name_or_template: str | ChatTemplate, tokenizer) -> ChatTemplate:
+    """A chat template by registry name, or ``name_or_template`` itself when it already is one.
+
+    Args:
+        name_or_template: ``tokenizer`` (the tokenizer's own Jinja template), ``chatml``, ``llama2``,
+            ``default``, or a ``ChatTemplate`` instance (returned as is).
+        tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+
+    Raises:
+        DataConfigError: an unknown name, or a tokenizer that lacks what the template needs.
+    """
+    if isinstance(name_or_template, ChatTemplate):
+        return name_or_template
+    template_class = CHAT_TEMPLATE_REGISTRY.get(name_or_template) if isinstance(name_or_template, str) else None
+    if template_class is None:
+        raise DataConfigError(
+            f"unknown chat_template {_preview(name_or_template)}; use one of {', '.join(CHAT_TEMPLATE_REGISTRY)} "
+            "or pass a ChatTemplate instance"
+        )
+    if tokenizer is None:
+        raise DataConfigError(f"chat_template '{name_or_template}' needs a tokenizer; pass tokenizer=<path>")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(tokenizer)
+    return template_class(tokenizer)

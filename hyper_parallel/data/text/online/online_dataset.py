@@ -1,0 +1,96 @@
+"""Choose and open the Online source: mapping (``streaming=False``) or iterable (``streaming=True``).
+
+Owns: ``OnlineDataConfig`` (the ``data_config`` of ``build_online_text_dataset``) and opening the source it
+describes, with rank 0 writing the Hugging Face Arrow cache first when ranks share storage. Not responsible for:
+transforms, sampling or batching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.parallel.build_barrier import rank_zero_first
+from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
+from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
+from hyper_parallel.data.text.online.online_utils import load_hf_dataset
+
+__all__ = ["OnlineDataConfig", "open_online_source"]
+
+DATASET_TYPES = ("mapping", "iterable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineDataConfig:
+    """How to read an Online source.
+
+    Attributes:
+        dataset_type: ``mapping`` (random access; order and DP assignment by the batch sampler) or ``iterable``
+            (a stream; shuffled by a bounded buffer and split between DP ranks by the source).
+        shuffle_buffer_size: records buffered to shuffle a stream (iterable only); 0 keeps the file order.
+        cache_dir: where Hugging Face ``datasets`` writes the Arrow cache of a mapping source (default: its own).
+        split: the split to read from a saved ``DatasetDict``.
+        valid_data_path, test_data_path: optional separate sources; with either, the builder returns
+            ``(train, valid, test)``.
+    """
+
+    dataset_type: Literal["mapping", "iterable"] = "mapping"
+    shuffle_buffer_size: int = 10_000
+    cache_dir: str | None = None
+    split: str = "train"
+    valid_data_path: str | None = None
+    test_data_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset_type not in DATASET_TYPES:
+            raise DataConfigError(
+                f"data_config.dataset_type is {self.dataset_type!r}; use 'mapping' (random access, streaming=False) "
+                "or 'iterable' (streaming=True)"
+            )
+        if not isinstance(self.shuffle_buffer_size, int) or self.shuffle_buffer_size < 0:
+            raise DataConfigError(
+                f"data_config.shuffle_buffer_size is {self.shuffle_buffer_size!r}; use a record count >= 0 "
+                "(0 keeps the file order)"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping | None) -> OnlineDataConfig:
+        """Build from a YAML mapping; an unknown key is an error that lists the known ones."""
+        values = dict(values or {})
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise DataConfigError(f"unknown data_config keys {unknown} for an Online dataset; known: {sorted(known)}")
+        return cls(**values)
+
+
+def open_online_source(
+    data_path: str | os.PathLike,
+    config: OnlineDataConfig,
+    *,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    seed: int = 1234,
+) -> OnlineMappingDataset | OnlineIterableDataset:
+    """Open ``data_path`` as the source ``config.dataset_type`` asks for."""
+    streaming = config.dataset_type == "iterable"
+
+    def load():
+        return load_hf_dataset(data_path, streaming=streaming, cache_dir=config.cache_dir, split=config.split)
+
+    # A mapping source writes an Arrow cache: let rank 0 write it while the other ranks wait, then reuse it.
+    hf_dataset, description = load() if streaming else rank_zero_first(load)
+    if not streaming:
+        return OnlineMappingDataset(hf_dataset, description)
+    return OnlineIterableDataset(
+        hf_dataset,
+        description,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        shuffle_buffer_size=config.shuffle_buffer_size,
+        seed=seed,
+    )

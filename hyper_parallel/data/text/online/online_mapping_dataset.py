@@ -1,0 +1,44 @@
+"""The Online mapping source: a finite, random-access Hugging Face dataset read by index (``streaming=False``).
+
+Owns: ``dataset[index]`` over a ``datasets.Dataset`` and naming a record in messages. Order, DP assignment and
+resume belong to the batch sampler (``parallel.batch_sampler``); tokenization to the transform.
+"""
+
+from __future__ import annotations
+
+import torch.utils.data
+
+from hyper_parallel.data.errors import DataFileError
+
+__all__ = ["OnlineMappingDataset"]
+
+
+class OnlineMappingDataset(torch.utils.data.Dataset):
+    """Raw records by index: "give me record 100".
+
+    Args:
+        hf_dataset: a ``datasets.Dataset`` (memory-mapped Arrow, cheap to send to worker processes).
+        description: where the records come from, used in messages.
+    """
+
+    def __init__(self, hf_dataset, description: str) -> None:
+        self.hf_dataset = hf_dataset
+        self.description = description
+
+    def __len__(self) -> int:
+        return len(self.hf_dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self.hf_dataset):
+            raise DataFileError(
+                f"record {index} is out of range for {self.description}, which has {len(self.hf_dataset)} records; "
+                "a saved loader state or data_rearrange_map probably belongs to other data"
+            )
+        return self.hf_dataset[int(index)]
+
+    def where(self, index: int) -> str:
+        """``record N of <source>``, for messages."""
+        return f"record {index} of {self.description}"
+
+    def __repr__(self) -> str:
+        return f"OnlineMappingDataset({self.description}, {len(self)} records)"

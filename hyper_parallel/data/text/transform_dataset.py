@@ -1,0 +1,107 @@
+"""Apply a data transform lazily to an Online source: RawSample in, ModelSamples out, at read time.
+
+Owns: pairing a source with a transform so that records are tokenized only when read (in DataLoader workers when
+there are any), and naming the record in every transform error. Not responsible for: reading files (the sources),
+the transform itself (``build_data_transform``), order or batching (samplers and loaders).
+
+A transform maps one record to a list of ModelSamples (``{"input_ids", "labels"}``, labels already shifted): one
+for a conversation, several for a long document cut into windows, none for a rejected record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch.utils.data
+
+from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
+from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
+
+__all__ = ["IterableTransformDataset", "StreamRecordTransform", "TransformDataset"]
+
+Transform = Callable[..., list]
+
+
+class TransformDataset(torch.utils.data.Dataset):
+    """A mapping source with its transform: ``dataset[i]`` is the list of ModelSamples of record ``i``."""
+
+    def __init__(self, source: OnlineMappingDataset, transform: Transform) -> None:
+        self.source = source
+        self.transform = transform
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return getattr(self.transform, "max_seq_len", None)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return self.transform(self.source[index], where=self.where(index))
+
+    def where(self, index: int) -> str:
+        return self.source.where(index)
+
+    def __repr__(self) -> str:
+        return f"TransformDataset({self.source!r}, {type(self.transform).__name__})"
+
+
+class StreamRecordTransform(torch.utils.data.Dataset):
+    """The worker-side half of an iterable source: turns a ``(position, record)`` key into ModelSamples.
+
+    The stream is read in the loader's main process (so its cursor can be saved exactly); the records travel to
+    the workers as the "indices" of this dataset and are tokenized there.
+    """
+
+    def __init__(self, transform: Transform, stream_description: str) -> None:
+        self.transform = transform
+        self.stream_description = stream_description
+
+    def __getitem__(self, key: tuple[int, Mapping]) -> list[dict]:
+        return self.transform(key[1], where=self.where(key))
+
+    def where(self, key: tuple[int, Mapping]) -> str:
+        return f"record {key[0]} of {self.stream_description}"
+
+
+class IterableTransformDataset(torch.utils.data.IterableDataset):
+    """An iterable source with its transform. Iterating yields this epoch's remaining ModelSamples in order.
+
+    The loaders read ``stream`` themselves and tokenize in workers; iterating this object directly runs in the
+    calling process only.
+    """
+
+    def __init__(self, stream: OnlineIterableDataset, transform: Transform) -> None:
+        self.stream = stream
+        self.transform = transform
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return getattr(self.transform, "max_seq_len", None)
+
+    def record_transform(self) -> StreamRecordTransform:
+        return StreamRecordTransform(
+            self.transform, f"DP rank {self.stream.dp_rank}'s stream of {self.stream.description}"
+        )
+
+    def __iter__(self) -> Iterator[dict]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:
+            raise RuntimeError(
+                "an IterableTransformDataset read by a plain torch DataLoader with several workers would repeat "
+                "every record in each worker; use FixedBatchDataLoader or DynamicBatchDataLoader from "
+                "hyper_parallel.data.batching, which read the stream once and tokenize in workers"
+            )
+        records = self.record_transform()
+        while batch := self.stream.read(1):  # one at a time, so state_dict() is never ahead
+            for key in batch:
+                yield from records[key]
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"IterableTransformDataset({self.stream!r}, {type(self.transform).__name__})"

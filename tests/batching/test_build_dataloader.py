@@ -1,0 +1,324 @@
+"""FixedBatchDataLoader and DynamicBatchDataLoader over real Online sources: batches, workers and exact resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, TextTokenBatcher
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+
+from .resume_check import check_exact_resume, plain, roundtrip, take
+
+LOADERS = {"fixed": FixedBatchDataLoader, "dynamic": DynamicBatchDataLoader}
+
+
+def plaintext_dataset(path, tokenizer, cache_dir, *, dataset_type, max_seq_len, dp_rank=0, dp_world_size=1, **config):
+    return build_online_text_dataset(
+        path,
+        {"data_type": "plaintext", "max_seq_len": max_seq_len},
+        {"dataset_type": dataset_type, "cache_dir": str(cache_dir), "shuffle_buffer_size": 16, **config},
+        tokenizer=tokenizer,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+    )
+
+
+def make_factory(loader, dataset_type, workers, plaintext_path, tokenizer, hf_cache_dir, **options):
+    # Fixed batches need one sample per record: a max_seq_len longer than any paragraph. The dynamic loader gets
+    # short windows so that long paragraphs give several samples.
+    max_seq_len = 4096 if loader == "fixed" else 48
+
+    def make():
+        dataset = plaintext_dataset(
+            plaintext_path, tokenizer, hf_cache_dir, dataset_type=dataset_type, max_seq_len=max_seq_len
+        )
+        extra = {"min_buffered_samples": 6} if loader == "dynamic" else {}
+        return LOADERS[loader](dataset, micro_batch_size=3, num_workers=workers, **extra, **options)
+
+    return make
+
+
+def document_tokens(batch) -> list[tuple[int, ...]]:
+    """The (input_ids) of each real sequence in a packed batch."""
+    ids, bounds = batch["input_ids"][0].tolist(), batch["cu_seq_lens"].tolist()
+    return [tuple(ids[start:end]) for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+@pytest.mark.parametrize("loader", ["fixed", "dynamic"])
+def test_resume_is_exact_for_every_source_loader_and_worker_count(
+    loader, dataset_type, workers, plaintext_path, tokenizer, hf_cache_dir
+):
+    make = make_factory(loader, dataset_type, workers, plaintext_path, tokenizer, hf_cache_dir)
+    reference = check_exact_resume(make, stop_points=[1, 4, 9])
+    assert len(reference) > 9
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+@pytest.mark.parametrize("loader", ["fixed", "dynamic"])
+def test_batches_do_not_depend_on_the_worker_count(loader, dataset_type, plaintext_path, tokenizer, hf_cache_dir):
+    runs = [
+        [plain(b) for b in make_factory(loader, dataset_type, w, plaintext_path, tokenizer, hf_cache_dir)()]
+        for w in (0, 1, 2)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_dynamic_batches_hold_every_window_once_within_the_budget(
+    dataset_type, plaintext_path, tokenizer, hf_cache_dir
+):
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=48)
+    expected = Counter(
+        tuple(sample["input_ids"].tolist()) for index in range(len(dataset)) for sample in dataset[index]
+    )
+    loader = make_factory("dynamic", dataset_type, 0, plaintext_path, tokenizer, hf_cache_dir, drop_last=False)()
+    delivered = Counter()
+    for batch in loader:
+        sequences = document_tokens(batch)
+        real = batch["cu_seq_lens"][-1].item()
+        assert real == batch["input_ids"].shape[1]  # alignment 1: no padding sequence
+        assert real <= loader.token_budget or len(sequences) == 1
+        delivered.update(sequences)
+    assert delivered == expected
+
+
+def test_an_over_long_sample_is_alone_and_never_cut(tmp_path, tokenizer, hf_cache_dir):
+    long_text = " ".join(["plenty of words"] * 200)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["short one", long_text, "another short"]) + "\n")
+    dataset = build_online_text_dataset(
+        path,
+        {"data_type": "plaintext", "max_seq_len": 1000},
+        {"dataset_type": "mapping", "cache_dir": str(hf_cache_dir)},
+        tokenizer=tokenizer,
+    )
+    lengths = [len(dataset[i][0]["input_ids"]) for i in range(3)]
+    loader = DynamicBatchDataLoader(dataset, micro_batch_size=1, max_seq_len=32, min_buffered_samples=1)
+    batches = [document_tokens(b) for b in loader]
+    assert sorted(len(seq) for batch in batches for seq in batch) == sorted(lengths)
+    (alone,) = [batch for batch in batches if any(len(seq) > 32 for seq in batch)]
+    assert len(alone) == 1 and len(alone[0]) == max(lengths)
+
+
+def test_text_token_batcher_takes_what_fits_in_arrival_order():
+    batcher = TextTokenBatcher(token_budget=10, min_buffered_samples=3)
+    for key, length in enumerate([6, 5, 3, 1, 9]):
+        batcher.put(key, {"input_ids": np.zeros(length)})
+    assert batcher.is_ready()
+    assert [key for key, _, _ in batcher.pop_micro_batch()] == [0, 2, 3]  # 6 + 3 + 1 = 10; 5 waits
+    assert [key for key, _, _ in batcher.entries()] == [1, 4]
+    assert batcher.buffered_tokens == 14 and not batcher.is_ready()  # fewer than 3 samples
+    assert [key for key, _, _ in batcher.pop_micro_batch()] == [1]
+    batcher.put(5, {"input_ids": np.zeros(25)})
+    assert [key for key, _, _ in batcher.pop_micro_batch()] == [4]
+    assert [key for key, _, _ in batcher.pop_micro_batch()] == [5]  # longer than the budget: alone
+    with pytest.raises(DataFileError, match="no tokens"):
+        batcher.put(6, {"input_ids": np.zeros(0)})
+    with pytest.raises(DataConfigError, match="token_budget"):
+        TextTokenBatcher(token_budget=0, min_buffered_samples=1)
+
+
+def test_packing_masks_nothing_but_the_first_label_of_each_window(plaintext_path, tokenizer, hf_cache_dir):
+    loader = make_factory("fixed", "mapping", 0, plaintext_path, tokenizer, hf_cache_dir)()
+    batch = next(iter(loader))
+    ids, labels, bounds = batch["input_ids"][0], batch["labels"][0], batch["cu_seq_lens"]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        # shifted in the transform: labels[i] == input_ids[i + 1] inside a document, EOS at its end
+        assert torch.equal(labels[start : end - 1], ids[start + 1 : end])
+        assert labels[end - 1].item() == tokenizer.eos_token_id
+    assert (labels != IGNORE_INDEX).all()
+
+
+def test_the_fixed_loader_refuses_records_that_give_several_samples(plaintext_path, tokenizer, hf_cache_dir):
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=8)
+    with pytest.raises(DataFileError, match=r"record \d+ of .*train.jsonl.*DynamicBatchDataLoader"):
+        list(FixedBatchDataLoader(dataset, micro_batch_size=2))
+
+
+@pytest.mark.parametrize("dp_world_size", [2, 3])
+def test_iterable_dp_shards_are_disjoint_and_cover_the_data(dp_world_size, plaintext_path, tokenizer, hf_cache_dir):
+    def records(rank):
+        dataset = plaintext_dataset(
+            plaintext_path,
+            tokenizer,
+            hf_cache_dir,
+            dataset_type="iterable",
+            max_seq_len=4096,
+            dp_rank=rank,
+            dp_world_size=dp_world_size,
+        )
+        return [tuple(sample["input_ids"].tolist()) for sample in dataset]
+
+    shards = [records(rank) for rank in range(dp_world_size)]
+    everything = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=4096)
+    expected = Counter(tuple(everything[i][0]["input_ids"].tolist()) for i in range(len(everything)))
+    assert Counter(s for shard in shards for s in shard) == expected
+    assert all(abs(len(shard) - len(shards[0])) <= 1 for shard in shards)
+
+
+def test_the_shuffle_buffer_is_seeded_and_changes_with_the_epoch(plaintext_path, tokenizer, hf_cache_dir):
+    def epochs(seed):
+        dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="iterable", max_seq_len=4096)
+        dataset.stream.seed = seed
+        dataset.stream.set_epoch(1)
+        dataset.stream.set_epoch(0)  # restart so the new seed takes effect
+        return [[tuple(s["input_ids"][:4].tolist()) for s in dataset] for _ in range(2)]
+
+    first, again, other = epochs(1), epochs(1), epochs(2)
+    assert first == again
+    assert first[0] != first[1] and sorted(first[0]) == sorted(first[1])
+    assert first[0] != other[0]
+
+
+def test_fixed_mapping_resume_with_another_dp_size_gives_the_same_global_batches(
+    plaintext_path, tokenizer, hf_cache_dir
+):
+    global_batch_size = 8
+
+    def loaders(dp_world_size, micro_batch_size):
+        dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=4096)
+        return [
+            FixedBatchDataLoader(
+                dataset,
+                micro_batch_size=micro_batch_size,
+                global_batch_size=global_batch_size,
+                dp_rank=rank,
+                dp_world_size=dp_world_size,
+                sampler_type="cyclic",
+            )
+            for rank in range(dp_world_size)
+        ]
+
+    def steps(ranks, count=None):
+        """Each optimizer step as the multiset of its sequences over all ranks and micro-batches."""
+        micro = global_batch_size // (ranks[0].micro_batch_size * len(ranks))
+        iterators = [iter(loader) for loader in ranks]
+        found = []
+        while count is None or len(found) < count:
+            step = Counter()
+            try:
+                for _ in range(micro):
+                    for iterator in iterators:
+                        step.update(document_tokens(next(iterator)))
+            except StopIteration:
+                return found
+            found.append(step)
+        return found
+
+    reference = steps(loaders(2, 2))
+    assert len(reference) == 60 // global_batch_size
+    before = loaders(2, 2)
+    head = steps(before, count=3)
+    state = roundtrip(before[1].state_dict())
+    for dp_world_size, micro_batch_size in [(4, 2), (1, 4), (8, 1)]:
+        after = loaders(dp_world_size, micro_batch_size)
+        for loader in after:
+            loader.load_state_dict(state)
+        assert head + steps(after) == reference
+
+
+def test_mid_step_dp_change_is_refused_with_the_reason(plaintext_path, tokenizer, hf_cache_dir):
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=4096)
+    loader = FixedBatchDataLoader(dataset, micro_batch_size=2, global_batch_size=8, dp_world_size=2)
+    take(loader, 1)  # half of an optimizer step
+    state = loader.state_dict()
+    other = FixedBatchDataLoader(dataset, micro_batch_size=2, global_batch_size=8, dp_world_size=4)
+    with pytest.raises(ResumeStateError, match="global batch|step"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_dynamic_resume_with_another_dp_size_is_refused_mid_epoch(
+    dataset_type, plaintext_path, tokenizer, hf_cache_dir
+):
+    def loader(dp_world_size):
+        dataset = plaintext_dataset(
+            plaintext_path,
+            tokenizer,
+            hf_cache_dir,
+            dataset_type=dataset_type,
+            max_seq_len=48,
+            dp_world_size=dp_world_size,
+        )
+        return DynamicBatchDataLoader(dataset, micro_batch_size=2, dp_world_size=dp_world_size, min_buffered_samples=4)
+
+    source = loader(2)
+    take(source, 3)
+    with pytest.raises(ResumeStateError, match="DP|dp_world_size"):
+        loader(1).load_state_dict(source.state_dict())
+
+
+def test_an_abandoned_iteration_continues_where_the_caller_stopped(plaintext_path, tokenizer, hf_cache_dir):
+    for dataset_type in ("mapping", "iterable"):
+        make = make_factory("dynamic", dataset_type, 2, plaintext_path, tokenizer, hf_cache_dir)
+        reference = [plain(b) for b in make()]
+        loader = make()
+        head = take(loader, 3)  # the workers have prefetched more than this
+        assert head + [plain(b) for b in loader] == reference
+
+
+def test_epochs_continue_and_cyclic_order_changes(plaintext_path, tokenizer, hf_cache_dir):
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=4096)
+    loader = FixedBatchDataLoader(dataset, micro_batch_size=4, sampler_type="cyclic", seed=7)
+    first, second = [plain(b) for b in loader], [plain(b) for b in loader]
+    assert len(first) == len(second) == 15 and first != second
+    state = loader.state_dict()
+    assert state["source"]["epoch"] == 2 and state["source"]["consumed_samples"] == 0
+
+
+def test_a_state_of_another_loader_or_source_is_refused(plaintext_path, tokenizer, hf_cache_dir):
+    fixed = make_factory("fixed", "mapping", 0, plaintext_path, tokenizer, hf_cache_dir)()
+    dynamic = make_factory("dynamic", "mapping", 0, plaintext_path, tokenizer, hf_cache_dir)()
+    stream = make_factory("fixed", "iterable", 0, plaintext_path, tokenizer, hf_cache_dir)()
+    with pytest.raises(ResumeStateError, match="FixedBatchDataLoader"):
+        dynamic.load_state_dict(fixed.state_dict())
+    with pytest.raises(ResumeStateError, match="source type|iterable|mapping"):
+        fixed.load_state_dict(stream.state_dict())
+    with pytest.raises(ResumeStateError, match="version"):
+        fixed.load_state_dict({"version": 99})
+    changed = DynamicBatchDataLoader(dynamic.dataset, micro_batch_size=3, min_buffered_samples=7)
+    with pytest.raises(ResumeStateError, match="min_buffered_samples"):
+        changed.load_state_dict(dynamic.state_dict())
+
+
+_RESUME_SCRIPT = """
+import json, sys, torch
+from hyper_parallel.data.batching import DynamicBatchDataLoader
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+path, tokenizer, cache, state_file, dataset_type = sys.argv[1:]
+dataset = build_online_text_dataset(path, {"data_type": "plaintext", "max_seq_len": 48},
+    {"dataset_type": dataset_type, "cache_dir": cache, "shuffle_buffer_size": 16}, tokenizer=tokenizer)
+loader = DynamicBatchDataLoader(dataset, micro_batch_size=3, min_buffered_samples=6, num_workers=2)
+loader.load_state_dict(torch.load(state_file, weights_only=True))
+print(json.dumps([{k: v.tolist() for k, v in b.items()} for b in loader]))
+"""
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_a_new_process_continues_with_the_uninterrupted_batches(
+    dataset_type, tmp_path, plaintext_path, tokenizer_path, tokenizer, hf_cache_dir
+):
+    make = make_factory("dynamic", dataset_type, 2, plaintext_path, tokenizer, hf_cache_dir)
+    reference = [plain(b) for b in make()]
+    loader = make()
+    head = take(loader, 5)
+    torch.save(loader.state_dict(), tmp_path / "state.pt")
+    completed = subprocess.run(
+        [sys.executable, "-c", _RESUME_SCRIPT, str(plaintext_path), str(tokenizer_path), str(hf_cache_dir)]
+        + [str(tmp_path / "state.pt"), dataset_type],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert head + json.loads(completed.stdout) == reference

@@ -1,0 +1,47 @@
+"""Online mapping sources across real gloo ranks: rank 0 writes the Arrow cache, DP ranks split each global batch."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from parallel.test_build_barrier import launch
+
+from hyper_parallel.data.batching import FixedBatchDataLoader
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+
+WORLD_SIZE = 2
+
+
+def rank_batches(rank: int, data_path: str, cache: str, dp_world_size: int = WORLD_SIZE, micro_batch_size: int = 2):
+    """Every rank builds the same mapping dataset and its own DP loader; returns its batches as token lists."""
+    dataset = build_online_text_dataset(
+        data_path,
+        {"data_type": "plaintext", "max_seq_len": 256},
+        {"dataset_type": "mapping", "cache_dir": cache},
+        tokenizer=str(BUNDLED_TOKENIZER_PATH),
+    )
+    loader = FixedBatchDataLoader(
+        dataset,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=4,
+        dp_rank=rank,
+        dp_world_size=dp_world_size,
+        sampler_type="cyclic",
+    )
+    return [batch["input_ids"][0].tolist() for batch in loader]
+
+
+def test_dp_ranks_share_one_cache_and_split_every_global_batch(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": f"sentence {i} " * (1 + i % 7)}) + "\n" for i in range(30)))
+    cache = str(tmp_path / "hf_cache")
+    reports = launch(functools.partial(rank_batches, data_path=str(path), cache=cache), tmp_path, WORLD_SIZE)
+    assert [r.get("error") for r in reports] == [None] * WORLD_SIZE
+    single = rank_batches(0, str(path), str(tmp_path / "single_cache"), dp_world_size=1, micro_batch_size=4)
+    # with one rank and micro batch 4, each batch is a whole global batch: rank 0's half followed by rank 1's
+    per_rank = [r["value"] for r in reports]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(single) == 30 // 4
+    for step, whole in enumerate(single):
+        assert per_rank[0][step] + per_rank[1][step] == whole

@@ -1,0 +1,164 @@
+"""Online sources over real files read by Hugging Face ``datasets``: formats, streaming cursor, config checks."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
+from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
+from hyper_parallel.data.text.online.online_utils import load_hf_dataset
+
+RECORDS = [{"id": index, "text": f"record number {index}"} for index in range(23)]
+
+
+def write_format(folder, fmt: str, records=RECORDS, name: str = "data"):
+    folder.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(records)
+    path = folder / f"{name}.{ {'json': 'jsonl'}.get(fmt, fmt) }"
+    if fmt == "json":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif fmt == "parquet":
+        pq.write_table(table, path)
+    elif fmt == "csv":
+        path.write_text("id,text\n" + "".join(f"{r['id']},{r['text']}\n" for r in records))
+    elif fmt == "arrow":
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    return path
+
+
+def ids(records) -> list[int]:
+    return [int(record["id"]) for record in records]
+
+
+@pytest.mark.parametrize("fmt", ["json", "parquet", "csv", "arrow"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_every_local_format_reads_the_same_records(fmt, streaming, tmp_path):
+    path = write_format(tmp_path / fmt, fmt)
+    dataset, description = load_hf_dataset(path, streaming=streaming, cache_dir=tmp_path / "cache")
+    assert str(path) in description
+    assert ids(dataset) == list(range(23))
+    assert [r["text"] for r in dataset][:2] == ["record number 0", "record number 1"]
+
+
+def test_globs_and_directories_read_files_in_path_order(tmp_path):
+    write_format(tmp_path / "parts", "json", RECORDS[10:], name="b")
+    write_format(tmp_path / "parts", "json", RECORDS[:10], name="a")
+    for spec in (tmp_path / "parts", str(tmp_path / "parts" / "*.jsonl")):
+        dataset, description = load_hf_dataset(spec, streaming=False, cache_dir=tmp_path / "cache")
+        assert ids(dataset) == list(range(23))
+        assert "2 json files" in description
+
+
+def test_save_to_disk_directories_and_their_splits(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "saved"))
+    DatasetDict({"train": Dataset.from_list(RECORDS[:5]), "test": Dataset.from_list(RECORDS[5:])}).save_to_disk(
+        str(tmp_path / "saved_dict")
+    )
+    for streaming in (False, True):
+        dataset, _ = load_hf_dataset(tmp_path / "saved", streaming=streaming)
+        assert ids(dataset) == list(range(23))
+        dataset, _ = load_hf_dataset(tmp_path / "saved_dict", streaming=streaming, split="test")
+        assert ids(dataset) == list(range(5, 23))
+    with pytest.raises(DataFileError, match=r"splits \['test', 'train'\], not 'valid'"):
+        load_hf_dataset(tmp_path / "saved_dict", streaming=False, split="valid")
+
+
+def test_unreadable_files_are_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(DataFileError, match=r"bad\.jsonl"):
+        load_hf_dataset(bad, streaming=False, cache_dir=tmp_path / "cache")
+    source = stream(bad)
+    with pytest.raises(DataFileError, match=r"bad\.jsonl: reading the stream failed"):
+        read_all(source)
+    with pytest.raises(DataFileError, match="no such file"):
+        load_hf_dataset(tmp_path / "missing.jsonl", streaming=True)
+
+
+def stream(path, **options) -> OnlineIterableDataset:
+    source = open_online_source(path, OnlineDataConfig(dataset_type="iterable", **options.pop("config", {})), **options)
+    assert isinstance(source, OnlineIterableDataset)
+    return source
+
+
+def read_all(source) -> list[int]:
+    found = []
+    while batch := source.read(4):
+        found += [record["id"] for _, record in batch]
+    return found
+
+
+@pytest.mark.parametrize("buffer_size", [0, 5, 100])
+def test_a_stream_restored_anywhere_continues_exactly(buffer_size, tmp_path):
+    path = write_format(tmp_path, "json")
+    config = {"shuffle_buffer_size": buffer_size}
+    reference = read_all(stream(path, config=config, seed=3))
+    assert sorted(reference) == list(range(23))
+    assert (reference == list(range(23))) == (buffer_size == 0)
+    for stop in (1, 7, 20, 23):
+        source = stream(path, config=config, seed=3)
+        head = [record["id"] for _, record in source.read(stop)]
+        state = json.loads(json.dumps(source.state_dict()))  # plain containers only
+        restored = stream(path, config=config, seed=3)
+        restored.load_state_dict(state)
+        assert head + read_all(restored) == reference
+    assert restored.epoch == 1 and restored.position == 0
+
+
+def test_stream_positions_count_records_and_epochs_reshuffle(tmp_path):
+    source = stream(write_format(tmp_path, "json"), config={"shuffle_buffer_size": 8})
+    first = source.read(30)
+    assert [position for position, _ in first] == list(range(23))
+    assert source.read(1) == [] and source.epoch == 1
+    second = [record["id"] for _, record in source.read(30)]
+    assert sorted(second) == list(range(23)) and second != [record["id"] for _, record in first]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"dp_world_size": 2}, "dp_world_size"), ({"seed": 9}, "seed"), ({"config": {"shuffle_buffer_size": 3}}, "shuffle")],
+)
+def test_a_stream_refuses_a_state_it_cannot_continue(change, message, tmp_path):
+    path = write_format(tmp_path, "json")
+    source = stream(path)
+    source.read(3)
+    with pytest.raises(ResumeStateError, match=message):
+        stream(path, **change).load_state_dict(source.state_dict())
+
+
+def test_online_data_config_is_checked():
+    with pytest.raises(DataConfigError, match="dataset_type is 'streaming'"):
+        OnlineDataConfig(dataset_type="streaming")
+    with pytest.raises(DataConfigError, match=r"unknown data_config keys \['shuffle'\]"):
+        OnlineDataConfig.from_mapping({"shuffle": True})
+    with pytest.raises(DataConfigError, match="shuffle_buffer_size"):
+        OnlineDataConfig(shuffle_buffer_size=-1)
+
+
+def test_separate_valid_and_test_files_give_three_datasets(tmp_path, tokenizer):
+    train, valid = write_format(tmp_path, "json", name="train"), write_format(tmp_path, "json", RECORDS[:4], "valid")
+    splits = build_online_text_dataset(
+        train,
+        {"data_type": "plaintext", "max_seq_len": 64},
+        {"valid_data_path": str(valid), "cache_dir": str(tmp_path / "cache")},
+        tokenizer=tokenizer,
+    )
+    assert [None if s is None else len(s) for s in splits] == [23, 4, None]
+    (sample,) = splits[1][2]
+    assert tokenizer.decode(sample["input_ids"]) == "record number 2"
+
+
+def test_the_online_builder_names_what_is_missing(tmp_path, tokenizer):
+    with pytest.raises(DataConfigError, match="data_path"):
+        build_online_text_dataset(None, {"data_type": "plaintext", "max_seq_len": 8}, tokenizer=tokenizer)
+    with pytest.raises(DataConfigError, match="data_transform"):
+        build_online_text_dataset(write_format(tmp_path, "json"), None, tokenizer=tokenizer)
