@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import json
 
-from parallel.test_build_barrier import launch
-
 from hyper_parallel.data.batching import FixedBatchDataLoader
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+from parallel.test_build_barrier import launch
 
 WORLD_SIZE = 2
 

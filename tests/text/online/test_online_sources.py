@@ -125,7 +125,11 @@ def test_stream_positions_count_records_and_epochs_reshuffle(tmp_path):
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"dp_world_size": 2}, "dp_world_size"), ({"seed": 9}, "seed"), ({"config": {"shuffle_buffer_size": 3}}, "shuffle")],
+    [
+        ({"dp_world_size": 2}, "dp_world_size"),
+        ({"seed": 9}, "seed"),
+        ({"config": {"shuffle_buffer_size": 3}}, "shuffle"),
+    ],
 )
 def test_a_stream_refuses_a_state_it_cannot_continue(change, message, tmp_path):
     path = write_format(tmp_path, "json")
