@@ -322,3 +322,53 @@ def test_a_new_process_continues_with_the_uninterrupted_batches(
         check=True,
     )
     assert head + json.loads(completed.stdout) == reference
+
+
+def supervised_spans(labels: list[int]) -> list[list[int]]:
+    spans, current = [], []
+    for label in labels:
+        if label == IGNORE_INDEX:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            current.append(label)
+    return spans + ([current] if current else [])
+
+
+@pytest.mark.parametrize("chat_template", ["tokenizer", "chatml"])
+def test_packed_conversations_supervise_exactly_the_assistant_turns(
+    chat_template, conversation_path, tokenizer, hf_cache_dir
+):
+    from .conftest import conversations
+
+    records = conversations(40)
+    dataset = build_online_text_dataset(
+        conversation_path,
+        {"data_type": "conversation", "chat_template": chat_template},
+        {"dataset_type": "mapping", "cache_dir": str(hf_cache_dir)},
+        tokenizer=tokenizer,
+    )
+    loader = FixedBatchDataLoader(dataset, micro_batch_size=4, num_workers=2)
+    sequences = []
+    for batch in loader:
+        labels, bounds = batch["labels"][0].tolist(), batch["cu_seq_lens"].tolist()
+        sequences += [labels[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert len(sequences) == len(records)
+    for record, labels in zip(records, sequences, strict=True):
+        answers = [turn["content"] for turn in record["conversation"] if turn["role"] == "gpt"]
+        spans = [tokenizer.decode(span) for span in supervised_spans(labels)]
+        assert spans == [answer + "<|im_end|>\n" for answer in answers]
+
+
+def test_conversation_loaders_resume_exactly(conversation_path, tokenizer, hf_cache_dir):
+    def make():
+        dataset = build_online_text_dataset(
+            conversation_path,
+            {"data_type": "conversation", "max_seq_len": 256},
+            {"dataset_type": "iterable", "shuffle_buffer_size": 8},
+            tokenizer=tokenizer,
+        )
+        return DynamicBatchDataLoader(dataset, micro_batch_size=2, min_buffered_samples=5, num_workers=2)
+
+    check_exact_resume(make, stop_points=[2, 5])
