@@ -64,24 +64,36 @@ def build_once(
     if not (synchronize and process_group_ready()):
         build_under_lock()
         return
+    if _rank_zero_then_others(build_under_lock, "build a shared cache") is _OTHER_RANK and not is_complete():
+        raise DataFileError(
+            f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must be "
+            "on a file system shared by all ranks (set data_cache_path to one)"
+        )
+
+
+_OTHER_RANK = object()
+
+
+def _rank_zero_then_others(action: Callable[[], T], what: str):
+    """Run ``action`` on rank 0 while the other ranks wait; a failure on rank 0 raises everywhere.
+
+    Returns ``action``'s result on rank 0 and ``_OTHER_RANK`` elsewhere.
+    """
     import torch.distributed as dist
 
     failure: list[str | None] = [None]
+    result = _OTHER_RANK
     if dist.get_rank() == 0:
         try:
-            build_under_lock()
+            result = action()
         except Exception as error:  # noqa: BLE001 - relayed to every rank below, then re-raised here
             failure[0] = f"{type(error).__name__}: {error}"
             dist.broadcast_object_list(failure, src=0)
             raise
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
-        raise DataFileError(f"rank 0 failed to build a shared cache ({failure[0]}); see rank 0's log")
-    if not is_complete():
-        raise DataFileError(
-            f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must be "
-            "on a file system shared by all ranks (set data_cache_path to one)"
-        )
+        raise DataFileError(f"rank 0 failed to {what} ({failure[0]}); see rank 0's log")
+    return result
 
 
 def rank_zero_first(load: Callable[[], T]) -> T:
@@ -91,18 +103,5 @@ def rank_zero_first(load: Callable[[], T]) -> T:
     """
     if not process_group_ready():
         return load()
-    import torch.distributed as dist
-
-    failure: list[str | None] = [None]
-    result = None
-    if dist.get_rank() == 0:
-        try:
-            result = load()
-        except Exception as error:  # noqa: BLE001 - relayed to every rank below, then re-raised here
-            failure[0] = f"{type(error).__name__}: {error}"
-            dist.broadcast_object_list(failure, src=0)
-            raise
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise DataFileError(f"rank 0 failed to load the data ({failure[0]}); see rank 0's log")
-    return result if dist.get_rank() == 0 else load()
+    result = _rank_zero_then_others(load, "load the data")
+    return load() if result is _OTHER_RANK else result
