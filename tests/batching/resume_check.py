@@ -23,6 +23,8 @@ def roundtrip(state: dict) -> dict:
 
 def take(loader, count: int) -> list[dict]:
     batches = []
+    if count == 0:
+        return batches
     for batch in loader:
         batches.append(plain(batch))
         if len(batches) == count:
@@ -33,11 +35,13 @@ def take(loader, count: int) -> list[dict]:
 def check_exact_resume(make_loader: Callable, stop_points: Iterable[int]) -> list[dict]:
     """Assert that stopping after k batches and restoring in a new loader gives the uninterrupted batches.
 
-    Returns the uninterrupted batches.
+    A negative stop point counts from the end (e.g. -1 stops before the last batch). Returns the uninterrupted
+    batches.
     """
     reference = [plain(batch) for batch in make_loader()]
     assert reference, "the loader yielded nothing"
     for stop in stop_points:
+        stop = stop % len(reference)
         loader = make_loader()
         head = take(loader, stop)
         state = roundtrip(loader.state_dict())

@@ -60,7 +60,7 @@ def test_resume_is_exact_for_every_source_loader_and_worker_count(
     loader, dataset_type, workers, plaintext_path, tokenizer, hf_cache_dir
 ):
     make = make_factory(loader, dataset_type, workers, plaintext_path, tokenizer, hf_cache_dir)
-    reference = check_exact_resume(make, stop_points=[1, 4, 9])
+    reference = check_exact_resume(make, stop_points=[1, 4, 9, -2, -1])
     assert len(reference) > 9
 
 
@@ -274,7 +274,7 @@ def test_epochs_continue_and_cyclic_order_changes(plaintext_path, tokenizer, hf_
     first, second = [plain(b) for b in loader], [plain(b) for b in loader]
     assert len(first) == len(second) == 15 and first != second
     state = loader.state_dict()
-    assert state["source"]["epoch"] == 2 and state["source"]["consumed_samples"] == 0
+    assert state["source"]["position"]["epoch"] == 2 and state["source"]["position"]["consumed_samples"] == 0
 
 
 def test_a_state_of_another_loader_or_source_is_refused(plaintext_path, tokenizer, hf_cache_dir):
@@ -372,3 +372,10 @@ def test_conversation_loaders_resume_exactly(conversation_path, tokenizer, hf_ca
         return DynamicBatchDataLoader(dataset, micro_batch_size=2, min_buffered_samples=5, num_workers=2)
 
     check_exact_resume(make, stop_points=[2, 5])
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_dynamic_resume_is_exact_after_every_batch(dataset_type, plaintext_path, tokenizer, hf_cache_dir):
+    make = make_factory("dynamic", dataset_type, 0, plaintext_path, tokenizer, hf_cache_dir)
+    count = len(list(make()))
+    check_exact_resume(make, stop_points=range(count))

@@ -22,6 +22,7 @@ exactly the batches an uninterrupted run would yield.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "TextTokenBatcher",
 logger = get_logger(__name__)
 
 _STATE_VERSION = 1
+# The dynamic loader reads about this many records per DataLoader fetch (amortising per-fetch costs).
+_RECORDS_PER_READ = 32
 
 
 def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
@@ -59,14 +62,19 @@ def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, d
 
 @dataclass
 class _Pulled:
-    """A key batch the torch DataLoader has taken from the source."""
+    """A key batch the torch DataLoader has taken from the source (or from the replay list)."""
 
     keys: list
+    epoch: int
     sampler_state: dict | None = None  # mapping sources: the sampler's state before this batch
+    replayed: bool = False
 
 
 class _MappingSource:
-    """Index batches from the DP batch sampler, a pure function of ``(epoch, consumed_samples)``."""
+    """Index batches from the DP batch sampler, a pure function of ``(epoch, consumed_samples)``.
+
+    Unconsumed batches are described by rewinding the sampler to the state before the oldest of them.
+    """
 
     kind = "mapping"
 
@@ -74,37 +82,45 @@ class _MappingSource:
         self.dataset = dataset
         self.sampler = sampler
 
-    def pull(self) -> Iterator[_Pulled]:
+    def pull(self, batches_per_read: int) -> Iterator[_Pulled]:
         batches = iter(self.sampler)
         while True:
             before = self.sampler.state_dict()
-            keys = next(batches, None)
-            if keys is None:
+            keys = []
+            for batch in itertools.islice(batches, batches_per_read):
+                keys += batch
+            if not keys:
                 return
-            yield _Pulled(keys, before)
+            yield _Pulled(keys, before["epoch"], before)
 
-    def state_dict(self, unconsumed: deque) -> dict:
-        return unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()
+    def position(self, unconsumed: list[_Pulled]) -> tuple[dict, list[list]]:
+        """The state to restore and the key batches to read again first."""
+        return (unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()), []
 
-    def load_state_dict(self, state: dict) -> None:
+    def restore(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
-    def rewind(self, unconsumed: deque) -> None:
-        """Continue from the oldest batch an abandoned iteration took but never delivered."""
-        self.sampler.load_state_dict(unconsumed[0].sampler_state)
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def at_epoch_start(self, state: dict) -> bool:
         return state["consumed_samples"] == 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int) -> bool:
+        changed = epoch != self.sampler.epoch
         self.sampler.set_epoch(epoch)
+        return changed
 
     def __len__(self) -> int:
         return len(self.sampler)
 
 
 class _StreamSource:
-    """Record batches read from an iterable source in this process; the workers only tokenize them."""
+    """Record batches read from an iterable source in this process; the workers only tokenize them.
+
+    The stream's cursor is always ahead of the caller, so unconsumed records are kept and read again first.
+    """
 
     kind = "iterable"
 
@@ -113,72 +129,69 @@ class _StreamSource:
         self.dataset = dataset.record_transform()
         self.records_per_batch = records_per_batch
         self.drop_last = drop_last
-        self.replay: deque[list] = deque()  # key batches taken before a restore, delivered again first
-        self.end_after_replay = False  # the epoch ended right after the replayed batches
-        self.epoch_ended = False  # this iteration has read the stream to the end of the epoch
 
-    def pull(self) -> Iterator[_Pulled]:
-        while self.replay:
-            yield _Pulled(self.replay.popleft())
-        if self.end_after_replay:
-            self.end_after_replay = False
-            return
-        while True:
-            keys = self.stream.read(self.records_per_batch)
-            if not keys:
-                self.epoch_ended = True
-                return
+    def pull(self, batches_per_read: int) -> Iterator[_Pulled]:
+        size = self.records_per_batch * batches_per_read
+        while keys := self.stream.read(size):
             if self.drop_last and len(keys) < self.records_per_batch:
                 continue  # the incomplete last batch; the next read ends the epoch
-            yield _Pulled(keys)
+            yield _Pulled(keys, self.stream.epoch)
 
-    def state_dict(self, unconsumed: deque) -> dict:
-        pending = [pulled.keys for pulled in unconsumed] + list(self.replay)
-        return {
-            "stream": self.stream.state_dict(),
-            "pending": pending,
-            "end_after_pending": bool(pending) and (self.epoch_ended or self.end_after_replay),
-        }
+    def position(self, unconsumed: list[_Pulled]) -> tuple[dict, list[list]]:
+        return self.stream.state_dict(), [pulled.keys for pulled in unconsumed]
 
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["stream"])
-        self.replay = deque(state["pending"])
-        self.end_after_replay = bool(state["end_after_pending"])
-        self.epoch_ended = False
+    def restore(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
 
-    def rewind(self, unconsumed: deque) -> None:
-        self.load_state_dict(self.state_dict(unconsumed))
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
 
     def at_epoch_start(self, state: dict) -> bool:
         return False  # a stream is split by the DP size, so its state never moves to another DP size
 
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.stream.epoch:
-            self.replay.clear()
-            self.end_after_replay = self.epoch_ended = False
+    def set_epoch(self, epoch: int) -> bool:
+        changed = epoch != self.stream.epoch
         self.stream.set_epoch(epoch)
+        return changed
 
     def __len__(self) -> int:
         raise TypeError("a loader over a streaming (iterable) source has no length; iterate until it stops")
 
 
 class _TrackedLoader:
-    """A torch DataLoader over source keys that knows which taken batches the caller has not consumed yet.
+    """A torch DataLoader over source keys that knows which taken keys the caller has not consumed yet.
 
-    It is also the DataLoader's ``batch_sampler``: the DataLoader iterates it in this process to get keys.
+    It is also the DataLoader's ``batch_sampler``: the DataLoader iterates it in this process to get keys. Key
+    batches to read again (after a restore) come first, then the source's; if the source has meanwhile moved to
+    the next epoch, the replayed batches end the current one.
+
+    Args:
+        batches_per_read: source batches fetched together; the dynamic loader reads several at once, since its
+            output does not depend on how records are grouped into reads.
     """
 
-    def __init__(self, source, worker_dataset, collate_fn: Callable, loader_options: dict) -> None:
+    def __init__(self, source, worker_dataset, collate_fn: Callable, loader_options: dict, batches_per_read: int):
         self.source = source
+        self.batches_per_read = batches_per_read
         self.unconsumed: deque[_Pulled] = deque()
+        self.replay: deque[list] = deque()  # key batches to read again before the source's
+        self.replay_epoch: int | None = None  # the epoch the replayed keys belong to
         self._generation = 0
         self.loader = torch.utils.data.DataLoader(
             worker_dataset, batch_sampler=self, collate_fn=collate_fn, **loader_options
         )
 
+    def _pulls(self) -> Iterator[_Pulled]:
+        while self.replay:
+            yield _Pulled(self.replay.popleft(), self.replay_epoch, replayed=True)
+        replay_epoch, self.replay_epoch = self.replay_epoch, None
+        if replay_epoch is None or replay_epoch == self.source.epoch:
+            yield from self.source.pull(self.batches_per_read)
+
     def __iter__(self) -> Iterator[list]:
         generation = self._generation
-        pulls = self.source.pull()
+        pulls = self._pulls()
         # An iteration superseded by a newer one stops taking keys, so no key is lost between the two.
         while generation == self._generation:
             pulled = next(pulls, None)
@@ -190,24 +203,47 @@ class _TrackedLoader:
     def __len__(self) -> int:
         return len(self.source)
 
+    def rewind(self, partly_consumed: _Pulled | None = None) -> None:
+        """After an abandoned iteration: continue after what the caller consumed."""
+        if self.unconsumed or partly_consumed:
+            self.load_state_dict(self.state_dict(partly_consumed))
+
     def batches(self) -> Iterator[tuple[_Pulled, object]]:
         """``(key batch, DataLoader output)`` pairs from the current position to the end of the epoch."""
-        if self.unconsumed:
-            self.source.rewind(self.unconsumed)
-            self.unconsumed.clear()
-        if isinstance(self.source, _StreamSource):
-            self.source.epoch_ended = False
+        self.rewind()
         self._generation += 1
         for output in self.loader:
             yield self.unconsumed.popleft(), output
 
-    def state_dict(self) -> dict:
-        return self.source.state_dict(self.unconsumed)
+    def state_dict(self, partly_consumed: _Pulled | None = None) -> dict:
+        """The position after what the caller consumed.
+
+        Args:
+            partly_consumed: the unused rest of a delivered batch (read again first).
+        """
+        pending = ([partly_consumed] if partly_consumed else []) + list(self.unconsumed)
+        replayed = [pulled.keys for pulled in pending if pulled.replayed or pulled is partly_consumed]
+        fresh = [pulled for pulled in pending if not (pulled.replayed or pulled is partly_consumed)]
+        position, fresh_replay = self.source.position(fresh)
+        replay = replayed + fresh_replay + list(self.replay)
+        replay_epoch = pending[0].epoch if pending else self.replay_epoch
+        return {"position": position, "replay": replay, "replay_epoch": replay_epoch if replay else None}
 
     def load_state_dict(self, state: dict) -> None:
         self._generation += 1
         self.unconsumed.clear()
-        self.source.load_state_dict(state)
+        self.source.restore(state["position"])
+        self.replay = deque(state["replay"])
+        self.replay_epoch = state["replay_epoch"]
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return not state["replay"] and self.source.at_epoch_start(state["position"])
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.source.set_epoch(epoch):
+            self.unconsumed.clear()
+            self.replay.clear()
+            self.replay_epoch = None
 
 
 # Worker-side helpers (module level so that worker processes can unpickle them) -----------------------------------
@@ -224,8 +260,7 @@ class _OneSamplePerRecord(torch.utils.data.Dataset):
     def __init__(self, dataset) -> None:
         self.dataset = dataset
 
-    def __getitem__(self, key) -> list:
-        samples = self.dataset[key]
+    def _checked(self, key, samples: list) -> list:
         if len(samples) > 1:
             raise DataFileError(
                 f"{self.dataset.where(key)} gave {len(samples)} samples (a document longer than max_seq_len is cut "
@@ -233,6 +268,17 @@ class _OneSamplePerRecord(torch.utils.data.Dataset):
                 "DynamicBatchDataLoader, which packs every window, or raise data_transform.max_seq_len"
             )
         return samples
+
+    def __getitem__(self, key) -> list:
+        return self._checked(key, self.dataset[key])
+
+    def __getitems__(self, keys: list) -> list[list]:
+        fetched = (
+            self.dataset.__getitems__(keys)
+            if hasattr(self.dataset, "__getitems__")
+            else map(self.dataset.__getitem__, keys)
+        )
+        return [self._checked(key, samples) for key, samples in zip(keys, fetched, strict=True)]
 
 
 class _CollateRecords:
@@ -276,6 +322,7 @@ class _Loader:
         multiprocessing_context,
         worker_collate_fn: Callable,
         one_sample_per_record: bool = False,
+        batches_per_read: int = 1,
     ) -> None:
         if not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
             raise DataConfigError(f"micro_batch_size is {micro_batch_size!r}; use a positive integer")
@@ -315,7 +362,7 @@ class _Loader:
             if prefetch_factor is not None:
                 options["prefetch_factor"] = prefetch_factor
         worker_dataset = _OneSamplePerRecord(source.dataset) if one_sample_per_record else source.dataset
-        self._tracked = _TrackedLoader(source, worker_dataset, worker_collate_fn, options)
+        self._tracked = _TrackedLoader(source, worker_dataset, worker_collate_fn, options, batches_per_read)
 
     @property
     def source_type(self) -> str:
@@ -323,9 +370,9 @@ class _Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (no-op when already in it)."""
-        self._tracked.source.set_epoch(epoch)
+        self._tracked.set_epoch(epoch)
 
-    def _state(self, **extra) -> dict:
+    def _state(self, source_state: dict, **extra) -> dict:
         return {
             "version": _STATE_VERSION,
             "loader": type(self).__name__,
@@ -333,7 +380,7 @@ class _Loader:
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "micro_batch_size": self.micro_batch_size,
-            "source": self._tracked.state_dict(),
+            "source": source_state,
             **extra,
         }
 
@@ -424,7 +471,7 @@ class FixedBatchDataLoader(_Loader):
 
     def state_dict(self) -> dict:
         """The position after the last batch delivered (plain Python containers, safe for ``torch.save``)."""
-        return self._state()
+        return self._state(self._tracked.state_dict())
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue after the batches ``state`` describes.
@@ -568,7 +615,12 @@ class DynamicBatchDataLoader(_Loader):
             persistent_workers=persistent_workers,
             multiprocessing_context=multiprocessing_context,
             worker_collate_fn=_as_lists,
+            batches_per_read=max(1, _RECORDS_PER_READ // micro_batch_size),
         )
+        self._reading: _Pulled | None = None  # the read being absorbed into the buffer
+        self._absorbed = 0  # how many of them are in the buffer
+        self._flushing = False  # the source's epoch is over; the buffer is being emptied
+        self._epoch: int | None = None  # the epoch being iterated
 
     @property
     def token_budget(self) -> int:
@@ -577,18 +629,34 @@ class DynamicBatchDataLoader(_Loader):
     def _collate(self, entries: list) -> object:
         return self.collate_fn([sample for _, sample, _ in entries])
 
+    def _unabsorbed(self) -> _Pulled | None:
+        if self._reading is None or self._absorbed == len(self._reading.keys):
+            return None
+        return _Pulled(self._reading.keys[self._absorbed :], self._reading.epoch, replayed=True)
+
     def __iter__(self) -> Iterator:
         batcher, mapping = self.batcher, self.source_type == "mapping"
-        while batcher.is_ready():  # a restored buffer may already hold whole batches
-            yield self._collate(batcher.pop_micro_batch())
-        for pulled, per_record in self._tracked.batches():
-            for key, samples in zip(pulled.keys, per_record, strict=True):
-                for window, sample in enumerate(samples):
-                    batcher.put((key, window) if mapping else None, sample)
-            while batcher.is_ready():
+        self._tracked.rewind(self._unabsorbed())
+        self._reading = None
+        tracked = self._tracked
+        self._epoch = tracked.replay_epoch if tracked.replay else tracked.source.epoch
+        if not self._flushing:
+            while batcher.is_ready():  # a restored buffer may already hold whole batches
                 yield self._collate(batcher.pop_micro_batch())
+            # Records enter the buffer one at a time, so the batches do not depend on how records are read.
+            for pulled, per_record in self._tracked.batches():
+                self._reading, self._absorbed = pulled, 0
+                for key, samples in zip(pulled.keys, per_record, strict=True):
+                    for window, sample in enumerate(samples):
+                        batcher.put((key, window) if mapping else None, sample)
+                    self._absorbed += 1
+                    while batcher.is_ready():
+                        yield self._collate(batcher.pop_micro_batch())
+                self._reading = None
+            self._flushing = True
         while len(batcher):
             yield self._collate(batcher.pop_micro_batch())
+        self._flushing, self._epoch = False, None
 
     def state_dict(self) -> dict:
         """The source position plus the unconsumed token buffer (plain Python containers)."""
@@ -599,7 +667,12 @@ class DynamicBatchDataLoader(_Loader):
                 {"input_ids": np.asarray(s["input_ids"]).tolist(), "labels": np.asarray(s["labels"]).tolist()}
                 for _, s, _ in self.batcher.entries()
             ]
+        source = self._tracked.state_dict(self._unabsorbed())
+        # A mapping source moves to the next epoch as it hands out its last batch: then only the buffer is left.
+        source_moved_on = not source["replay"] and self._epoch not in (None, source["position"]["epoch"])
         return self._state(
+            source,
+            flushing=self._flushing or source_moved_on,
             token_budget=self.token_budget,
             min_buffered_samples=self.batcher.min_buffered_samples,
             buffer=buffer,
@@ -621,7 +694,7 @@ class DynamicBatchDataLoader(_Loader):
                     "max_seq_len and min_buffered_samples"
                 )
         if state["dp_world_size"] != self.dp_world_size and (
-            state["buffer"] or not self._tracked.source.at_epoch_start(state["source"])
+            state["buffer"] or not self._tracked.at_epoch_start(state["source"])
         ):
             raise ResumeStateError(
                 f"cannot resume a DynamicBatchDataLoader saved with dp_world_size={state['dp_world_size']} on "
@@ -635,6 +708,7 @@ class DynamicBatchDataLoader(_Loader):
                 "rank must load its own state"
             )
         self._tracked.load_state_dict(state["source"])
+        self._reading, self._flushing, self._epoch = None, bool(state["flushing"]), None
         self.batcher.clear()
         for entry in self._restore_buffer(state["buffer"]):
             self.batcher.put(*entry)

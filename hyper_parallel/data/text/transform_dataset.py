@@ -39,6 +39,11 @@ class TransformDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> list[dict]:
         return self.transform(self.source[index], where=self.where(index))
 
+    def __getitems__(self, indices: list[int]) -> list[list[dict]]:
+        """Several records at once (one Arrow read), as ``torch.utils.data.DataLoader`` asks for a batch."""
+        records = self.source.records(indices)
+        return [self.transform(record, where=self.where(i)) for i, record in zip(indices, records, strict=True)]
+
     def where(self, index: int) -> str:
         return self.source.where(index)
 

@@ -28,13 +28,22 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.hf_dataset)
 
-    def __getitem__(self, index: int) -> dict:
+    def _check_range(self, index: int) -> None:
         if not 0 <= index < len(self.hf_dataset):
             raise DataFileError(
                 f"record {index} is out of range for {self.description}, which has {len(self.hf_dataset)} records; "
                 "a saved loader state or data_rearrange_map probably belongs to other data"
             )
+
+    def __getitem__(self, index: int) -> dict:
+        self._check_range(index)
         return self.hf_dataset[int(index)]
+
+    def records(self, indices: list[int]) -> list[dict]:
+        """The records at ``indices``, read in one batch."""
+        for index in indices:
+            self._check_range(index)
+        return self.hf_dataset.__getitems__([int(index) for index in indices])
 
     def where(self, index: int) -> str:
         """``record N of <source>``, for messages."""
