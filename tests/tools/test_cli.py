@@ -26,7 +26,7 @@ def test_help_lists_every_command(capsys, argv):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: hp-data COMMAND")
-    commands = ("quickstart", "prepare", "prepare-hf", "inspect", "prepare-cache", "sequences-per-dataset")
+    commands = ("quickstart", "prepare", "prepare-hf", "inspect", "preview", "prepare-cache", "sequences-per-dataset")
     for command in commands:
         assert f"  {command} " in out
     assert set(COMMANDS) == set(commands)

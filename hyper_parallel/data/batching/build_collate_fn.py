@@ -87,6 +87,9 @@ def sequence_alignment(
 
 def _field(sample: Any, key: str, index: int) -> np.ndarray:
     """Field ``key`` of sample ``index`` as a 1-D integer numpy array (no copy when it already is one)."""
+    value = sample.get(key) if type(sample) is dict else None
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" and len(value):
+        return value  # what the transforms produce; checked without the general conversions below
     if not isinstance(sample, Mapping):
         raise DataFileError(
             f"sample {index} of the batch is a {type(sample).__name__}, not a mapping with 'input_ids' and "

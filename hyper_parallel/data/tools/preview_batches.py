@@ -1,0 +1,122 @@
+"""Preview the batches a pipeline config produces: decoded text with the trained-on tokens marked.
+
+Usage::
+
+    hp-data preview pipeline.yaml --tokenizer path/to/tokenizer_dir --batches 2
+    python -m hyper_parallel.data.tools.preview_batches pipeline.yaml --tokenizer DIR --json
+
+For each batch it prints the shapes, the sequences (from ``cu_seq_lens`` for packed Online batches, one per row
+for Indexed batches), the real and padding tokens, and each sequence's text with the tokens that carry loss
+between ``[[`` and ``]]`` (or highlighted on a terminal). Nothing is trained; the loaders are built exactly as a
+trainer builds them (``batching.dataloader.build_dataloaders``).
+Not responsible for: building the pipeline (that is the config) or checking masks (the transforms do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+
+from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+
+__all__ = ["describe_batch", "main", "marked_text"]
+
+_PLAIN_MARKS = ("[[", "]]")
+_TERMINAL_MARKS = ("\033[1;32m", "\033[0m")
+
+
+def _sequences(batch: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(input_ids, labels)`` of every sequence: packed rows split by ``cu_seq_lens``, else one per row."""
+    ids = np.asarray(batch["input_ids"] if "input_ids" in batch else batch["tokens"])
+    labels = np.asarray(batch["labels"])
+    if "cu_seq_lens" in batch:
+        bounds = np.asarray(batch["cu_seq_lens"])
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            yield ids[0, start:end], labels[0, start:end]
+    else:
+        yield from zip(ids, labels, strict=True)
+
+
+def marked_text(input_ids: np.ndarray, labels: np.ndarray, decode, marks: tuple[str, str] = _PLAIN_MARKS) -> str:
+    """The sequence as text, with the tokens that are loss targets between ``marks``.
+
+    Labels are shifted (``labels[i]`` is the target after ``input_ids[i]``), so the text shown is the first input
+    token followed by each position's target: the label where there is one, else the next input token.
+    """
+    tokens, trained = [int(input_ids[0])], [False]
+    for position, label in enumerate(labels):
+        if label != IGNORE_INDEX:
+            tokens.append(int(label))
+            trained.append(True)
+        elif position + 1 < len(input_ids):
+            tokens.append(int(input_ids[position + 1]))
+            trained.append(False)
+    pieces, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or trained[end] != trained[start]:
+            text = decode(tokens[start:end])
+            pieces.append(f"{marks[0]}{text}{marks[1]}" if trained[start] else text)
+            start = end
+    return "".join(pieces)
+
+
+def describe_batch(batch: dict, decode, *, max_sequences: int = 4, marks: tuple[str, str] = _PLAIN_MARKS) -> dict:
+    """Shapes, token counts and the marked text of the first ``max_sequences`` sequences of ``batch``."""
+    sequences = list(_sequences(batch))
+    labels = np.asarray(batch["labels"])
+    return {
+        "shapes": {key: list(np.asarray(value).shape) for key, value in batch.items()},
+        "sequences": len(sequences),
+        "tokens": int(labels.size),
+        "trained_tokens": int((labels != IGNORE_INDEX).sum()),
+        "texts": [marked_text(ids, targets, decode, marks) for ids, targets in sequences[:max_sequences]],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="hp-data preview", description="Show the batches a pipeline config produces, with trained tokens marked."
+    )
+    parser.add_argument("config", help="the pipeline YAML (dataset, dataloader and collate_fn nodes)")
+    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory or tokenizer.json")
+    parser.add_argument("--split", choices=SPLITS, default="train", help="which loader to preview (default: train)")
+    parser.add_argument("--batches", type=int, default=2, help="batches to show (default: 2)")
+    parser.add_argument("--sequences", type=int, default=4, help="sequences shown per batch (default: 4)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="micro batch size (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per batch instead of text")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = build_tokenizer(args.tokenizer)
+    loaders = build_dataloaders(args.config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size)
+    loader = getattr(loaders, args.split)
+    if loader is None:
+        raise DataConfigError(f"the config builds no {args.split} split; choose another with --split")
+    marks = _TERMINAL_MARKS if sys.stdout.isatty() and not args.json else _PLAIN_MARKS
+    for number, batch in enumerate(loader):
+        if number == args.batches:
+            break
+        summary = describe_batch(batch, tokenizer.decode, max_sequences=args.sequences, marks=marks)
+        if args.json:
+            print(json.dumps({"batch": number, **summary}, ensure_ascii=False))
+            continue
+        print(
+            f"batch {number}: {summary['sequences']} sequences, {summary['tokens']} tokens, "
+            f"{summary['trained_tokens']} trained; shapes {summary['shapes']}"
+        )
+        for index, text in enumerate(summary["texts"]):
+            print(f"  sequence {index}: {text!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
