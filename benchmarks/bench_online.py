@@ -42,6 +42,7 @@ SHUFFLE_BUFFER = 1_000  # records of the iterable source's shuffle buffer (a ten
 WORKERS = 2
 SOURCES = ("mapping", "iterable")
 THROUGHPUT_GOAL = 0.8
+RECORDS_PER_READ = 32  # the dynamic loader's records per read (build_dataloader._RECORDS_PER_READ)
 
 PACK_MAX_SEQ_LEN = 4096
 PACK_MICRO_BATCH = 1
@@ -58,17 +59,24 @@ RESUME_REPEATS_FACTOR = 3  # the first batch takes tens of milliseconds: more re
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """No project progress logging and no Hugging Face progress bars (restored afterwards)."""
+    """No project progress logging, no Hugging Face progress bars, one tokenizer thread (restored afterwards)."""
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    # One tokenizer thread on both sides, so the ratios compare work, not thread pools.
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         with _quiet_project_logging():
             yield
     finally:
         if bars:
             datasets.enable_progress_bars()
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
 
 
 def build_source(jsonl: Path, kind: str, data_transform, cache_dir: Path, shuffle_buffer_size: int = SHUFFLE_BUFFER):
@@ -139,15 +147,25 @@ def throughput_rows(
     def encode_bare() -> int:
         return sum(len(tokenizer.encode(text, add_special_tokens=False).ids) for text in texts)
 
+    def encode_batches_bare() -> int:
+        # the call the plaintext transform makes, on reads of the same size, without the pipeline around it
+        return sum(
+            len(encoding.ids)
+            for start in range(0, len(texts), RECORDS_PER_READ)
+            for encoding in tokenizer.encode_batch_fast(
+                texts[start : start + RECORDS_PER_READ], add_special_tokens=False
+            )
+        )
+
     sources: dict[str, Any] = {}
 
     def drain(kind: str, workers: int) -> Callable[[], list]:
-        def run() -> list:
+        def to_the_end() -> list:
             return list(dynamic_loader(sources[kind], num_workers=workers))
 
-        return run
+        return to_the_end
 
-    cases: dict[str, Callable[[], Any]] = {"bare": encode_bare}
+    cases: dict[str, Callable[[], Any]] = {"bare": encode_bare, "bare batches": encode_batches_bare}
     cases.update({kind: drain(kind, 0) for kind in SOURCES})
     cases[f"mapping x{WORKERS}"] = drain("mapping", WORKERS)
     tokens: dict[str, int] = {}
@@ -159,7 +177,7 @@ def throughput_rows(
                 sources[kind] = open_source(kind)
 
     def after(name: str, result: Any) -> None:
-        count = result if name == "bare" else sum(real_tokens(batch) for batch in result)
+        count = result if name.startswith("bare") else sum(real_tokens(batch) for batch in result)
         if name not in tokens:
             tokens[name] = count
             if name in SOURCES:
@@ -173,6 +191,7 @@ def throughput_rows(
 
     total = tokens["bare"]
     bare = total / timings["bare"].best
+    bare_batches = total / timings["bare batches"].best
     setup = (
         f"max_seq_len {MAX_SEQ_LEN}, micro_batch_size {MICRO_BATCH}, min_buffered_samples {MIN_BUFFERED}, a fresh "
         f"loader per round, Arrow cache built before timing"
@@ -194,6 +213,23 @@ def throughput_rows(
             "tokens/s",
             THROUGHPUT_GOAL,
             f"streaming source, shuffle buffer of {SHUFFLE_BUFFER:,} records; otherwise as the mapping row",
+        ),
+        Row.compare(
+            "online mapping: tokens/s vs batched encode",
+            total / timings["mapping"].best,
+            bare_batches,
+            "tokens/s",
+            THROUGHPUT_GOAL,
+            f"ref: Tokenizer.encode_batch_fast over reads of {RECORDS_PER_READ} texts in memory, one thread (the "
+            "call the transform makes, so the ratio is the pipeline's own overhead)",
+        ),
+        Row.compare(
+            "online iterable: tokens/s vs batched encode",
+            total / timings["iterable"].best,
+            bare_batches,
+            "tokens/s",
+            THROUGHPUT_GOAL,
+            "as the row above, streaming source",
         ),
         Row.compare(
             f"online mapping, {WORKERS} workers: tokens/s",
@@ -297,7 +333,8 @@ def resume_row(context: BenchContext, kind: str, open_source: Callable[[str], An
 
         def before(name: str) -> None:
             loaders[name] = dynamic_loader(open_source(kind))
-            loaders["state"] = copy.deepcopy(state)  # as if read back from a checkpoint
+            if name == "resumed":
+                loaders["state"] = copy.deepcopy(state)  # a new copy, as if read back from a checkpoint
 
         def fresh() -> dict:
             return next(iter(loaders["fresh"]))
@@ -320,19 +357,26 @@ def resume_row(context: BenchContext, kind: str, open_source: Callable[[str], An
     assert len(rest) == len(uninterrupted) - stop and all(map(same_batch, rest, uninterrupted[stop:])), (
         f"{kind}: the resumed run differs from the uninterrupted one"
     )
-    buffered = len(state["buffer"])
+    saved = f"state saved after {stop} of {len(uninterrupted)} batches"
+    if kind == "mapping":
+        note = (
+            f"{saved} with state_dict() and deep-copied before each round; ours: load_state_dict + the first batch "
+            "of a fresh loader; ref: a fresh loader's first batch at the start of the epoch; loader construction "
+            "untimed on both sides; the resumed first batch and the whole rest of the epoch are asserted equal to "
+            "the uninterrupted run's"
+        )
+    else:
+        note = (
+            f"{saved}; streaming source: the fresh start first fills the {SHUFFLE_BUFFER:,}-record shuffle buffer, "
+            "which the state carries; otherwise as the mapping resume row"
+        )
     return Row.compare(
         f"resume {kind}: load_state_dict + 1st batch",
         timings["resumed"].best * 1e3,
         timings["fresh"].best * 1e3,
         "ms",
         RESUME_GOAL,
-        (
-            f"state saved after {stop} of {len(uninterrupted)} batches ({buffered} samples in the token buffer), "
-            "deep-copied before each round; ref: a fresh loader's first batch at the start of the epoch; loader "
-            "construction untimed on both sides; the resumed first batch and the whole rest of the epoch are "
-            "asserted equal to the uninterrupted run's"
-        ),
+        note,
         higher_is_better=False,
     )
 

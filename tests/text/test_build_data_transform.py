@@ -460,3 +460,26 @@ def test_transforms_pickle_round_trip(tokenizer, data_type, options, record):
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert np.array_equal(a["input_ids"], b["input_ids"]) and np.array_equal(a["labels"], b["labels"])
+
+
+@pytest.mark.parametrize("on_invalid_record", ["skip", "error"])
+def test_plaintext_batches_give_the_same_samples_as_one_record_at_a_time(tokenizer, on_invalid_record):
+    transform = PlaintextTransform(tokenizer, max_seq_len=7, on_invalid_record=on_invalid_record)
+    records = [
+        {"text": "It is a truth universally acknowledged."},
+        {"text": ""},
+        {"title": "no text"},
+        {"text": "Yes."},
+    ]
+    records += [{"text": " ".join(["word"] * n)} for n in (1, 9, 30)]
+    wheres = [f"record {i}" for i in range(len(records))]
+    if on_invalid_record == "error":
+        with pytest.raises(DataFileError, match="record 1"):
+            transform.batch(records, wheres)
+        records, wheres = records[:1] + records[3:], wheres[:1] + wheres[3:]
+    batched = transform.batch(records, wheres)
+    single = [transform(record, where) for record, where in zip(records, wheres, strict=True)]
+    assert [[{k: v.tolist() for k, v in s.items()} for s in samples] for samples in batched] == [
+        [{k: v.tolist() for k, v in s.items()} for s in samples] for samples in single
+    ]
+    assert any(len(samples) > 1 for samples in batched)

@@ -22,6 +22,13 @@ __all__ = ["IterableTransformDataset", "StreamRecordTransform", "TransformDatase
 Transform = Callable[..., list]
 
 
+def _transform_batch(transform: Transform, records: list, wheres: list[str]) -> list[list[dict]]:
+    """Several records through ``transform``: in one call when it has ``batch`` (e.g. one tokenizer call)."""
+    if hasattr(transform, "batch"):
+        return transform.batch(records, wheres)
+    return [transform(record, where=where) for record, where in zip(records, wheres, strict=True)]
+
+
 class TransformDataset(torch.utils.data.Dataset):
     """A mapping source with its transform: ``dataset[i]`` is the list of ModelSamples of record ``i``."""
 
@@ -41,8 +48,7 @@ class TransformDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[list[dict]]:
         """Several records at once (one Arrow read), as ``torch.utils.data.DataLoader`` asks for a batch."""
-        records = self.source.records(indices)
-        return [self.transform(record, where=self.where(i)) for i, record in zip(indices, records, strict=True)]
+        return _transform_batch(self.transform, self.source.records(indices), [self.where(i) for i in indices])
 
     def where(self, index: int) -> str:
         return self.source.where(index)
@@ -64,6 +70,9 @@ class StreamRecordTransform(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, Mapping]) -> list[dict]:
         return self.transform(key[1], where=self.where(key))
+
+    def __getitems__(self, keys: list[tuple[int, Mapping]]) -> list[list[dict]]:
+        return _transform_batch(self.transform, [key[1] for key in keys], [self.where(key) for key in keys])
 
     def where(self, key: tuple[int, Mapping]) -> str:
         return f"record {key[0]} of {self.stream_description}"
