@@ -12,26 +12,22 @@ How a loader reads, whatever the source::
                 stream (sharded by DP rank, buffer-shuffled)
     torch DataLoader returns the results in key order, so the batches never depend on ``num_workers``.
 
-Resume: the loader remembers the key batches the DataLoader has taken but the caller has not consumed yet (the
-prefetch). ``state_dict()`` describes the position *before* them: for a mapping source the sampler's
-``(epoch, consumed_samples)`` before the oldest unconsumed batch; for an iterable source the stream's cursor plus
-the unconsumed records, which are read again first. The dynamic loader adds its token buffer (as
-``(index, window)`` keys for mapping sources, as token lists for streams). A restored loader therefore yields
-exactly the batches an uninterrupted run would yield.
+Resume: ``read_tracking.TrackedDataLoader`` knows which fetched keys the caller has not consumed (the prefetch)
+and describes the position after what it consumed. The dynamic loader adds its token buffer (as ``(index,
+window)`` keys for mapping sources, as token lists for streams) and the unabsorbed rest of the read in progress. A
+restored loader therefore yields exactly the batches an uninterrupted run would yield.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn, build_online_text_collate_fn
+from hyper_parallel.data.batching.read_tracking import KeyBatch, MappingKeys, StreamKeys, TrackedDataLoader
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.parallel.batch_sampler import build_dataset_batch_sampler
@@ -55,195 +51,6 @@ def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, d
             f"dp_world_size = {micro_batch_size} * {dp_world_size}; change one of them"
         )
     return global_batch_size // per_step
-
-
-# Sources of keys ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Pulled:
-    """A key batch the torch DataLoader has taken from the source (or from the replay list)."""
-
-    keys: list
-    epoch: int
-    sampler_state: dict | None = None  # mapping sources: the sampler's state before this batch
-    replayed: bool = False
-
-
-class _MappingSource:
-    """Index batches from the DP batch sampler, a pure function of ``(epoch, consumed_samples)``.
-
-    Unconsumed batches are described by rewinding the sampler to the state before the oldest of them.
-    """
-
-    kind = "mapping"
-
-    def __init__(self, dataset, sampler) -> None:
-        self.dataset = dataset
-        self.sampler = sampler
-
-    def pull(self, batches_per_read: int) -> Iterator[_Pulled]:
-        batches = iter(self.sampler)
-        while True:
-            before = self.sampler.state_dict()
-            keys = []
-            for batch in itertools.islice(batches, batches_per_read):
-                keys += batch
-            if not keys:
-                return
-            yield _Pulled(keys, before["epoch"], before)
-
-    def position(self, unconsumed: list[_Pulled]) -> tuple[dict, list[list]]:
-        """The state to restore and the key batches to read again first."""
-        return (unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()), []
-
-    def restore(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
-
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
-
-    def at_epoch_start(self, state: dict) -> bool:
-        return state["consumed_samples"] == 0
-
-    def set_epoch(self, epoch: int) -> bool:
-        changed = epoch != self.sampler.epoch
-        self.sampler.set_epoch(epoch)
-        return changed
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-class _StreamSource:
-    """Record batches read from an iterable source in this process; the workers only tokenize them.
-
-    The stream's cursor is always ahead of the caller, so unconsumed records are kept and read again first.
-    """
-
-    kind = "iterable"
-
-    def __init__(self, dataset: IterableTransformDataset, records_per_batch: int, drop_last: bool) -> None:
-        self.stream = dataset.stream
-        self.dataset = dataset.record_transform()
-        self.records_per_batch = records_per_batch
-        self.drop_last = drop_last
-
-    def pull(self, batches_per_read: int) -> Iterator[_Pulled]:
-        size = self.records_per_batch * batches_per_read
-        while keys := self.stream.read(size):
-            if self.drop_last and len(keys) < self.records_per_batch:
-                continue  # the incomplete last batch; the next read ends the epoch
-            yield _Pulled(keys, self.stream.epoch)
-
-    def position(self, unconsumed: list[_Pulled]) -> tuple[dict, list[list]]:
-        return self.stream.state_dict(), [pulled.keys for pulled in unconsumed]
-
-    def restore(self, state: dict) -> None:
-        self.stream.load_state_dict(state)
-
-    @property
-    def epoch(self) -> int:
-        return self.stream.epoch
-
-    def at_epoch_start(self, state: dict) -> bool:
-        return False  # a stream is split by the DP size, so its state never moves to another DP size
-
-    def set_epoch(self, epoch: int) -> bool:
-        changed = epoch != self.stream.epoch
-        self.stream.set_epoch(epoch)
-        return changed
-
-    def __len__(self) -> int:
-        raise TypeError("a loader over a streaming (iterable) source has no length; iterate until it stops")
-
-
-class _TrackedLoader:
-    """A torch DataLoader over source keys that knows which taken keys the caller has not consumed yet.
-
-    It is also the DataLoader's ``batch_sampler``: the DataLoader iterates it in this process to get keys. Key
-    batches to read again (after a restore) come first, then the source's; if the source has meanwhile moved to
-    the next epoch, the replayed batches end the current one.
-
-    Args:
-        batches_per_read: source batches fetched together; the dynamic loader reads several at once, since its
-            output does not depend on how records are grouped into reads.
-    """
-
-    def __init__(self, source, worker_dataset, collate_fn: Callable, loader_options: dict, batches_per_read: int):
-        self.source = source
-        self.batches_per_read = batches_per_read
-        self.unconsumed: deque[_Pulled] = deque()
-        self.replay: deque[list] = deque()  # key batches to read again before the source's
-        self.replay_epoch: int | None = None  # the epoch the replayed keys belong to
-        self._generation = 0
-        self.loader = torch.utils.data.DataLoader(
-            worker_dataset, batch_sampler=self, collate_fn=collate_fn, **loader_options
-        )
-
-    def _pulls(self) -> Iterator[_Pulled]:
-        while self.replay:
-            yield _Pulled(self.replay.popleft(), self.replay_epoch, replayed=True)
-        replay_epoch, self.replay_epoch = self.replay_epoch, None
-        if replay_epoch is None or replay_epoch == self.source.epoch:
-            yield from self.source.pull(self.batches_per_read)
-
-    def __iter__(self) -> Iterator[list]:
-        generation = self._generation
-        pulls = self._pulls()
-        # An iteration superseded by a newer one stops taking keys, so no key is lost between the two.
-        while generation == self._generation:
-            pulled = next(pulls, None)
-            if pulled is None:
-                return
-            self.unconsumed.append(pulled)
-            yield pulled.keys
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def rewind(self, partly_consumed: _Pulled | None = None) -> None:
-        """After an abandoned iteration: continue after what the caller consumed."""
-        if self.unconsumed or partly_consumed:
-            self.load_state_dict(self.state_dict(partly_consumed))
-
-    def batches(self) -> Iterator[tuple[_Pulled, object]]:
-        """``(key batch, DataLoader output)`` pairs from the current position to the end of the epoch."""
-        self.rewind()
-        self._generation += 1
-        for output in self.loader:
-            yield self.unconsumed.popleft(), output
-
-    def state_dict(self, partly_consumed: _Pulled | None = None) -> dict:
-        """The position after what the caller consumed.
-
-        Args:
-            partly_consumed: the unused rest of a delivered batch (read again first).
-        """
-        pending = ([partly_consumed] if partly_consumed else []) + list(self.unconsumed)
-        replayed = [pulled.keys for pulled in pending if pulled.replayed or pulled is partly_consumed]
-        fresh = [pulled for pulled in pending if not (pulled.replayed or pulled is partly_consumed)]
-        position, fresh_replay = self.source.position(fresh)
-        replay = replayed + fresh_replay + list(self.replay)
-        replay_epoch = pending[0].epoch if pending else self.replay_epoch
-        return {"position": position, "replay": replay, "replay_epoch": replay_epoch if replay else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._generation += 1
-        self.unconsumed.clear()
-        self.source.restore(state["position"])
-        self.replay = deque(state["replay"])
-        self.replay_epoch = state["replay_epoch"]
-
-    def at_epoch_start(self, state: dict) -> bool:
-        return not state["replay"] and self.source.at_epoch_start(state["position"])
-
-    def set_epoch(self, epoch: int) -> None:
-        if self.source.set_epoch(epoch):
-            self.unconsumed.clear()
-            self.replay.clear()
-            self.replay_epoch = None
 
 
 # Worker-side helpers (module level so that worker processes can unpickle them) -----------------------------------
@@ -337,7 +144,7 @@ class _Loader:
                     f"{dataset.stream.dp_world_size}, but the loader is for rank {dp_rank} of {dp_world_size}; "
                     "build the dataset with the loader's dp_rank and dp_world_size"
                 )
-            source = _StreamSource(dataset, micro_batch_size, drop_last)
+            source = StreamKeys(dataset, micro_batch_size, drop_last)
         else:
             sampler = build_dataset_batch_sampler(
                 total_samples=len(dataset),
@@ -351,7 +158,7 @@ class _Loader:
                 data_sharding=data_sharding,
                 seed=seed,
             )
-            source = _MappingSource(dataset, sampler)
+            source = MappingKeys(dataset, sampler)
         options = {
             "num_workers": num_workers,
             "pin_memory": pin_memory,
@@ -362,7 +169,7 @@ class _Loader:
             if prefetch_factor is not None:
                 options["prefetch_factor"] = prefetch_factor
         worker_dataset = _OneSamplePerRecord(source.dataset) if one_sample_per_record else source.dataset
-        self._tracked = _TrackedLoader(source, worker_dataset, worker_collate_fn, options, batches_per_read)
+        self._tracked = TrackedDataLoader(source, worker_dataset, worker_collate_fn, options, batches_per_read)
 
     @property
     def source_type(self) -> str:
@@ -481,6 +288,7 @@ class FixedBatchDataLoader(_Loader):
         """
         self._check_state(state)
         self._tracked.load_state_dict(state["source"])
+        logger.info("%r restored: %d key batches to read again", self, len(state["source"]["replay"]))
 
     def __repr__(self) -> str:
         return (
@@ -617,7 +425,7 @@ class DynamicBatchDataLoader(_Loader):
             worker_collate_fn=_as_lists,
             batches_per_read=max(1, _RECORDS_PER_READ // micro_batch_size),
         )
-        self._reading: _Pulled | None = None  # the read being absorbed into the buffer
+        self._reading: KeyBatch | None = None  # the read being absorbed into the buffer
         self._absorbed = 0  # how many of them are in the buffer
         self._flushing = False  # the source's epoch is over; the buffer is being emptied
         self._epoch: int | None = None  # the epoch being iterated
@@ -629,10 +437,10 @@ class DynamicBatchDataLoader(_Loader):
     def _collate(self, entries: list) -> object:
         return self.collate_fn([sample for _, sample, _ in entries])
 
-    def _unabsorbed(self) -> _Pulled | None:
+    def _unabsorbed(self) -> KeyBatch | None:
         if self._reading is None or self._absorbed == len(self._reading.keys):
             return None
-        return _Pulled(self._reading.keys[self._absorbed :], self._reading.epoch, replayed=True)
+        return KeyBatch(self._reading.keys[self._absorbed :], self._reading.epoch, replayed=True)
 
     def __iter__(self) -> Iterator:
         batcher, mapping = self.batcher, self.source_type == "mapping"
@@ -717,6 +525,12 @@ class DynamicBatchDataLoader(_Loader):
                 f"the restored token buffer holds {self.batcher.buffered_tokens} tokens but the state recorded "
                 f"{state['buffer_tokens']}: the data files or the transform changed since the state was saved"
             )
+        logger.info(
+            "%r restored: %d buffered samples, %d key batches to read again",
+            self,
+            len(self.batcher),
+            len(state["source"]["replay"]),
+        )
 
     def _restore_buffer(self, buffer: list) -> Iterator[tuple]:
         if self.source_type != "mapping":

@@ -1,0 +1,216 @@
+"""The keys a loader reads, in order, and the position after the batches its caller has consumed.
+
+Owns: turning a mapping source's DP batch sampler or an iterable source's stream into batches of keys (indices, or
+``(position, record)`` pairs) that a ``torch.utils.data.DataLoader`` fetches, possibly ahead in workers; knowing
+which of them the caller has not consumed; and the state that restarts reading right after what it consumed.
+Not responsible for: what the loaders make of the fetched samples (``build_dataloader``), tokenizing, or packing.
+
+State of a ``TrackedDataLoader``::
+
+    {"position": sampler state (mapping) | stream cursor (iterable),
+     "replay": key batches taken but not consumed, read again first,
+     "replay_epoch": the epoch they belong to (if the source has moved past it, the replay ends the epoch)}
+
+A mapping source rewinds its sampler to the state before the oldest unconsumed batch (so the replay holds only
+keys of partly consumed reads); a stream cannot rewind, so every unconsumed record is replayed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.utils.data
+
+from hyper_parallel.data.text.transform_dataset import IterableTransformDataset
+
+__all__ = ["KeyBatch", "MappingKeys", "StreamKeys", "TrackedDataLoader"]
+
+
+@dataclass
+class KeyBatch:
+    """A key batch the torch DataLoader has taken from the source (or from the replay list)."""
+
+    keys: list
+    epoch: int
+    sampler_state: dict | None = None  # mapping sources: the sampler's state before this batch
+    replayed: bool = False
+
+
+class MappingKeys:
+    """Index batches from the DP batch sampler, a pure function of ``(epoch, consumed_samples)``.
+
+    Unconsumed batches are described by rewinding the sampler to the state before the oldest of them.
+    """
+
+    kind = "mapping"
+
+    def __init__(self, dataset, sampler) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+
+    def pull(self, batches_per_read: int) -> Iterator[KeyBatch]:
+        batches = iter(self.sampler)
+        while True:
+            before = self.sampler.state_dict()
+            keys = []
+            for batch in itertools.islice(batches, batches_per_read):
+                keys += batch
+            if not keys:
+                return
+            yield KeyBatch(keys, before["epoch"], before)
+
+    def position(self, unconsumed: list[KeyBatch]) -> tuple[dict, list[list]]:
+        """The state to restore and the key batches to read again first."""
+        return (unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()), []
+
+    def restore(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return state["consumed_samples"] == 0
+
+    def set_epoch(self, epoch: int) -> bool:
+        changed = epoch != self.sampler.epoch
+        self.sampler.set_epoch(epoch)
+        return changed
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class StreamKeys:
+    """Record batches read from an iterable source in this process; the workers only tokenize them.
+
+    The stream's cursor is always ahead of the caller, so unconsumed records are kept and read again first.
+    """
+
+    kind = "iterable"
+
+    def __init__(self, dataset: IterableTransformDataset, records_per_batch: int, drop_last: bool) -> None:
+        self.stream = dataset.stream
+        self.dataset = dataset.record_transform()
+        self.records_per_batch = records_per_batch
+        self.drop_last = drop_last
+
+    def pull(self, batches_per_read: int) -> Iterator[KeyBatch]:
+        size = self.records_per_batch * batches_per_read
+        while keys := self.stream.read(size):
+            if self.drop_last and len(keys) < self.records_per_batch:
+                continue  # the incomplete last batch; the next read ends the epoch
+            yield KeyBatch(keys, self.stream.epoch)
+
+    def position(self, unconsumed: list[KeyBatch]) -> tuple[dict, list[list]]:
+        return self.stream.state_dict(), [pulled.keys for pulled in unconsumed]
+
+    def restore(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return False  # a stream is split by the DP size, so its state never moves to another DP size
+
+    def set_epoch(self, epoch: int) -> bool:
+        changed = epoch != self.stream.epoch
+        self.stream.set_epoch(epoch)
+        return changed
+
+    def __len__(self) -> int:
+        raise TypeError("a loader over a streaming (iterable) source has no length; iterate until it stops")
+
+
+class TrackedDataLoader:
+    """A torch DataLoader over source keys that knows which taken keys the caller has not consumed yet.
+
+    It is also the DataLoader's ``batch_sampler``: the DataLoader iterates it in this process to get keys. Key
+    batches to read again (after a restore) come first, then the source's; if the source has meanwhile moved to
+    the next epoch, the replayed batches end the current one.
+
+    Args:
+        batches_per_read: source batches fetched together; the dynamic loader reads several at once, since its
+            output does not depend on how records are grouped into reads.
+    """
+
+    def __init__(self, source, worker_dataset, collate_fn: Callable, loader_options: dict, batches_per_read: int):
+        self.source = source
+        self.batches_per_read = batches_per_read
+        self.unconsumed: deque[KeyBatch] = deque()
+        self.replay: deque[list] = deque()  # key batches to read again before the source's
+        self.replay_epoch: int | None = None  # the epoch the replayed keys belong to
+        self._generation = 0
+        self.loader = torch.utils.data.DataLoader(
+            worker_dataset, batch_sampler=self, collate_fn=collate_fn, **loader_options
+        )
+
+    def _pulls(self) -> Iterator[KeyBatch]:
+        while self.replay:
+            yield KeyBatch(self.replay.popleft(), self.replay_epoch, replayed=True)
+        replay_epoch, self.replay_epoch = self.replay_epoch, None
+        if replay_epoch is None or replay_epoch == self.source.epoch:
+            yield from self.source.pull(self.batches_per_read)
+
+    def __iter__(self) -> Iterator[list]:
+        generation = self._generation
+        pulls = self._pulls()
+        # An iteration superseded by a newer one stops taking keys, so no key is lost between the two.
+        while generation == self._generation:
+            pulled = next(pulls, None)
+            if pulled is None:
+                return
+            self.unconsumed.append(pulled)
+            yield pulled.keys
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def rewind(self, partly_consumed: KeyBatch | None = None) -> None:
+        """After an abandoned iteration: continue after what the caller consumed."""
+        if self.unconsumed or partly_consumed:
+            self.load_state_dict(self.state_dict(partly_consumed))
+
+    def batches(self) -> Iterator[tuple[KeyBatch, object]]:
+        """``(key batch, DataLoader output)`` pairs from the current position to the end of the epoch."""
+        self.rewind()
+        self._generation += 1
+        for output in self.loader:
+            yield self.unconsumed.popleft(), output
+
+    def state_dict(self, partly_consumed: KeyBatch | None = None) -> dict:
+        """The position after what the caller consumed.
+
+        Args:
+            partly_consumed: the unused rest of a delivered batch (read again first).
+        """
+        pending = ([partly_consumed] if partly_consumed else []) + list(self.unconsumed)
+        replayed = [pulled.keys for pulled in pending if pulled.replayed or pulled is partly_consumed]
+        fresh = [pulled for pulled in pending if not (pulled.replayed or pulled is partly_consumed)]
+        position, fresh_replay = self.source.position(fresh)
+        replay = replayed + fresh_replay + list(self.replay)
+        replay_epoch = pending[0].epoch if pending else self.replay_epoch
+        return {"position": position, "replay": replay, "replay_epoch": replay_epoch if replay else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generation += 1
+        self.unconsumed.clear()
+        self.source.restore(state["position"])
+        self.replay = deque(state["replay"])
+        self.replay_epoch = state["replay_epoch"]
+
+    def at_epoch_start(self, state: dict) -> bool:
+        return not state["replay"] and self.source.at_epoch_start(state["position"])
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.source.set_epoch(epoch):
+            self.unconsumed.clear()
+            self.replay.clear()
+            self.replay_epoch = None
