@@ -22,8 +22,10 @@ from megatron.core.datasets.utils import Split
 from megatron.core.datasets.utils import normalize as megatron_normalize
 
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed import _indexed_helpers, indexed_helpers
 from hyper_parallel.data.indexed.indexed_helpers import (
     MAX_BLENDED_DATASETS,
+    _legacy_shuffle,
     blended_sample_counts,
     build_blending_indices,
     build_document_index,
@@ -414,6 +416,112 @@ def test_document_and_shuffle_index_match_megatron_private_builders():
             build_shuffle_index(first, total, ours), megatron_gpt._build_shuffle_index(first, total, theirs), "shuffle"
         )
         assert ours.randint(2**31) == theirs.randint(2**31)  # same number of draws consumed
+
+
+# -- the native legacy shuffle: RandomState.shuffle bit for bit -------------------------------------------------
+
+SHUFFLE_SIZES = [0, 1, 2, 3, 4, 5, 7, 8, 9, 100, 255, 256, 257, 623, 624, 625, 1000, 1023, 1024, 1025, 65535, 65536]
+SHUFFLE_SEEDS = [0, 1, 1234, 2**31 - 1, 2**32 - 1]
+SHUFFLE_DTYPES = [np.int32, np.uint32, np.int64, np.uint64]
+
+
+def native_shuffle(rng: np.random.RandomState, array: np.ndarray) -> None:
+    """Shuffle with the C helper alone, carrying ``rng``'s state in and out."""
+    state = rng.get_state(legacy=False)
+    key = np.array(state["state"]["key"], dtype=np.uint32)
+    pos = _indexed_helpers.legacy_shuffle(array, key, state["state"]["pos"])
+    rng.set_state({**state, "state": {"key": key, "pos": pos}})
+
+
+def assert_same_generator(ours: np.random.RandomState, theirs: np.random.RandomState) -> None:
+    got, expected = ours.get_state(), theirs.get_state()
+    assert got[0] == expected[0] and got[2:] == expected[2:]
+    assert np.array_equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", SHUFFLE_DTYPES)
+def test_native_shuffle_matches_randomstate(dtype):
+    # One generator through every size in turn, so the shuffles start at many positions of the MT19937 block.
+    for seed in SHUFFLE_SEEDS:
+        ours, theirs = np.random.RandomState(seed), np.random.RandomState(seed)
+        for size in SHUFFLE_SIZES:
+            got, expected = np.arange(size, dtype=dtype), np.arange(size, dtype=dtype)
+            native_shuffle(ours, got)
+            theirs.shuffle(expected)
+            assert_same_array(got, expected, f"seed {seed}, size {size}")
+            assert_same_generator(ours, theirs)
+        assert ours.randint(2**31, size=8).tolist() == theirs.randint(2**31, size=8).tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_legacy_shuffle_matches_randomstate_on_large_arrays(dtype):
+    # Sizes around powers of two change the rejection mask; two shuffles in a row, as the index builders do.
+    for seed, sizes in [(1234, [2**20 + 17, 2**17 - 1]), (7, [2**18, 2**18 + 1]), (2**32 - 1, [300_001, 2**16])]:
+        ours, theirs = np.random.RandomState(seed), np.random.RandomState(seed)
+        for size in sizes:
+            got, expected = np.arange(size, dtype=dtype), np.arange(size, dtype=dtype)
+            _legacy_shuffle(ours, got)
+            theirs.shuffle(expected)
+            assert_same_array(got, expected, f"seed {seed}, size {size}")
+        assert_same_generator(ours, theirs)
+        assert ours.randint(2**31, size=8).tolist() == theirs.randint(2**31, size=8).tolist()
+        assert ours.random_sample() == theirs.random_sample()
+
+
+def test_legacy_shuffle_keeps_the_cached_gaussian(monkeypatch):
+    monkeypatch.setattr(indexed_helpers, "_NATIVE_SHUFFLE_MIN_SIZE", 0)
+    ours, theirs = np.random.RandomState(5), np.random.RandomState(5)
+    assert ours.standard_normal() == theirs.standard_normal()  # leaves the second normal of the pair cached
+    got, expected = np.arange(5000), np.arange(5000)
+    _legacy_shuffle(ours, got)
+    theirs.shuffle(expected)
+    assert_same_array(got, expected)
+    assert_same_generator(ours, theirs)
+    assert ours.standard_normal() == theirs.standard_normal()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(40_000, dtype=np.int64)[::2],  # not contiguous
+        lambda: np.arange(20_000, dtype=np.int16),
+        lambda: np.arange(20_000, dtype=np.float64),
+        lambda: np.arange(20_000, dtype=">i8"),
+        lambda: np.arange(40_000, dtype=np.int32).reshape(20_000, 2),
+        lambda: np.arange(100, dtype=np.int64),  # below the size where the C helper pays off
+        lambda: list(range(100)),
+    ],
+    ids=["strided", "int16", "float64", "big-endian", "2-d", "small", "list"],
+)
+def test_legacy_shuffle_falls_back_to_randomstate(make):
+    ours, theirs = np.random.RandomState(3), np.random.RandomState(3)
+    got, expected = make(), make()
+    _legacy_shuffle(ours, got)
+    theirs.shuffle(expected)
+    assert np.array_equal(np.asarray(got), np.asarray(expected))
+    assert_same_generator(ours, theirs)
+
+
+def test_legacy_shuffle_other_bit_generators_and_read_only_arrays():
+    ours, theirs = np.random.RandomState(np.random.PCG64(11)), np.random.RandomState(np.random.PCG64(11))
+    got, expected = np.arange(20_000), np.arange(20_000)
+    _legacy_shuffle(ours, got)
+    theirs.shuffle(expected)
+    assert_same_array(got, expected)
+    read_only = np.arange(20_000)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        _legacy_shuffle(np.random.RandomState(0), read_only)
+
+
+def test_native_shuffle_refuses_bad_state():
+    key = np.zeros(624, dtype=np.uint32)
+    with pytest.raises(ValueError, match="pos must be in"):
+        _indexed_helpers.legacy_shuffle(np.arange(4), key, 625)
+    with pytest.raises(ValueError, match="key must hold 624 words"):
+        _indexed_helpers.legacy_shuffle(np.arange(4), key[:10], 0)
+    with pytest.raises(TypeError, match="4- or 8-byte items"):
+        _indexed_helpers.legacy_shuffle(np.arange(4, dtype=np.int16), key, 0)
 
 
 def test_shuffle_index_dtype_threshold_matches_megatron(monkeypatch):

@@ -537,10 +537,9 @@ class DynamicBatchDataLoader(_Loader):
             for sample in buffer:
                 yield None, {key: np.asarray(values, dtype=np.int64) for key, values in sample.items()}
             return
-        records: dict[int, list] = {}
+        indices = list(dict.fromkeys(index for index, _ in buffer))  # each buffered record once, in order
+        records = dict(zip(indices, self._tracked.source.dataset.__getitems__(indices), strict=True))
         for index, window in buffer:
-            if index not in records:
-                records[index] = self._tracked.source.dataset[index]
             yield (index, window), records[index][window]
 
     def __repr__(self) -> str:

@@ -1,12 +1,18 @@
 /*
- * Sequential index builders for hyper_parallel.data.indexed: the sample index and the blending indices.
+ * Sequential index builders for hyper_parallel.data.indexed: the sample index, the blending indices and the legacy
+ * RandomState shuffle.
  *
- * Both are walks where each step depends on the previous one. The blending schedule cannot be vectorised; the
- * sample index can (indexed_helpers.build_sample_index_numpy), but the benchmarks show a single pass here is 3-4x
+ * Both builders are walks where each step depends on the previous one. The blending schedule cannot be vectorised;
+ * the sample index can (indexed_helpers.build_sample_index_numpy), but the benchmarks show a single pass here is 3-4x
  * faster on the document indices of multi-epoch blends (benchmarks/bench_indexed_dataset.py). The arithmetic
  * is plain IEEE double `weight * max(s, 1) - count`, scanned in ascending dataset order with a strict '>',
  * which is what Megatron-Core's helpers compute; the build disables floating-point contraction (FMA) so the
  * results do not depend on the processor.
+ *
+ * The shuffle is numpy's RandomState.shuffle of a 1-D array (MT19937 draws, random_interval, swaps from the end),
+ * run on a copy of the generator state: it consumes the same draws and produces the same permutation, but draws
+ * the swap targets ahead of the swaps and prefetches them, since on arrays larger than the caches each swap is
+ * otherwise a cache miss waited for in turn.
  *
  * Arguments are Python buffers (numpy arrays) of exact dtypes; the Python wrapper checks them.
  */
@@ -205,6 +211,184 @@ static PyObject *fill_sample_index(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/*
+ * MT19937 as numpy's legacy RandomState runs it (numpy/random/src/mt19937): `key` is the 624-word state of
+ * RandomState.get_state() and `pos` the number of its words already used; 624 means regenerate first.
+ */
+#define MT_N 624
+#define MT_M 397
+
+typedef struct {
+    uint32_t *key;
+    int pos;
+} mt_state;
+
+static void mt_regenerate(uint32_t *key) {
+    int i;
+    uint32_t y;
+    for (i = 0; i < MT_N - MT_M; i++) {
+        y = (key[i] & 0x80000000U) | (key[i + 1] & 0x7fffffffU);
+        key[i] = key[i + MT_M] ^ (y >> 1) ^ (-(y & 1U) & 0x9908b0dfU);
+    }
+    for (; i < MT_N - 1; i++) {
+        y = (key[i] & 0x80000000U) | (key[i + 1] & 0x7fffffffU);
+        key[i] = key[i + (MT_M - MT_N)] ^ (y >> 1) ^ (-(y & 1U) & 0x9908b0dfU);
+    }
+    y = (key[MT_N - 1] & 0x80000000U) | (key[0] & 0x7fffffffU);
+    key[MT_N - 1] = key[MT_M - 1] ^ (y >> 1) ^ (-(y & 1U) & 0x9908b0dfU);
+}
+
+static inline uint32_t mt_temper(uint32_t y) {
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680U;
+    y ^= (y << 15) & 0xefc60000U;
+    y ^= y >> 18;
+    return y;
+}
+
+static inline uint32_t mt_next32(mt_state *state) {
+    if (state->pos == MT_N) {
+        mt_regenerate(state->key);
+        state->pos = 0;
+    }
+    return mt_temper(state->key[state->pos++]);
+}
+
+/* numpy's random_interval for max > 2**32 - 1: masked 64-bit draws, high word first, until one is <= max. */
+static uint64_t mt_interval64(mt_state *state, uint64_t max) {
+    uint64_t mask = max, value;
+    mask |= mask >> 1;
+    mask |= mask >> 2;
+    mask |= mask >> 4;
+    mask |= mask >> 8;
+    mask |= mask >> 16;
+    mask |= mask >> 32;
+    do {
+        uint64_t high = mt_next32(state);
+        value = ((high << 32) | mt_next32(state)) & mask;
+    } while (value > max);
+    return value;
+}
+
+/*
+ * Shuffle step i swaps x[i] with x[random_interval(i)], for i = n-1 down to 1. Targets are drawn in batches of
+ * SHUFFLE_BATCH steps into a ring of two batches (step i in slot i % SHUFFLE_RING), one batch ahead of the swaps, and
+ * each swap prefetches the target SHUFFLE_AHEAD steps later, so the cache misses of a large array overlap instead
+ * of being waited for one by one.
+ */
+#define SHUFFLE_BATCH 256
+#define SHUFFLE_RING (2 * SHUFFLE_BATCH)
+#define SHUFFLE_AHEAD 64
+
+/*
+ * Draw the targets of steps `step`, step-1, ... (at most `count` of them, none below 1) into the ring, consuming
+ * exactly numpy's draws; returns the next step left to draw (0 when all are drawn). For max <= 2**32 - 1,
+ * random_interval keeps the first 32-bit draw whose masked value is <= max. Here a rejected draw just leaves its
+ * step in place for the next word instead of branching, and the mask is fixed while the steps stay in one power of
+ * two.
+ */
+static uint64_t draw_targets(mt_state *state, uint64_t *ring, uint64_t step, uint64_t count) {
+    uint64_t stop = step > count ? step - count : 0;
+    while (step > stop) {
+        if (step > 0xffffffffU) {
+            ring[step % SHUFFLE_RING] = mt_interval64(state, step);
+            --step;
+            continue;
+        }
+        if (state->pos == MT_N) {
+            mt_regenerate(state->key);
+            state->pos = 0;
+        }
+        uint32_t mask = 0xffffffffU >> __builtin_clz((uint32_t)step);
+        uint64_t low = stop > (mask >> 1) ? stop : (mask >> 1);
+        const uint32_t *key = state->key;
+        int pos = state->pos;
+        while (pos < MT_N && step > low) {
+            uint64_t value = mt_temper(key[pos++]) & mask;
+            ring[step % SHUFFLE_RING] = value;
+            step -= value <= step;
+        }
+        state->pos = pos;
+    }
+    return step;
+}
+
+static inline void swap_items(char *x, uint64_t i, uint64_t j, int wide) {
+    if (wide) {
+        uint64_t *y = (uint64_t *)x, t = y[i];
+        y[i] = y[j];
+        y[j] = t;
+    } else {
+        uint32_t *y = (uint32_t *)x, t = y[i];
+        y[i] = y[j];
+        y[j] = t;
+    }
+}
+
+static void shuffle_items(char *x, uint64_t n, int wide, mt_state *state) {
+    uint64_t ring[SHUFFLE_RING];
+    uint64_t itemsize = wide ? 8 : 4;
+    uint64_t i, next;
+    if (n < 2) return;
+    next = draw_targets(state, ring, n - 1, SHUFFLE_BATCH);
+    for (i = n - 1; i >= 1 && n - 1 - i < SHUFFLE_AHEAD; --i) {
+        __builtin_prefetch(x + ring[i % SHUFFLE_RING] * itemsize, 1);
+    }
+    i = n - 1;
+    while (i >= 1) {
+        /* the batch after steps i .. end+1, so that every prefetched step below is drawn */
+        uint64_t end = i > SHUFFLE_BATCH ? i - SHUFFLE_BATCH : 0;
+        next = draw_targets(state, ring, next, SHUFFLE_BATCH);
+        for (; i > end; --i) {
+            if (i > SHUFFLE_AHEAD) {
+                __builtin_prefetch(x + ring[(i - SHUFFLE_AHEAD) % SHUFFLE_RING] * itemsize, 1);
+            }
+            swap_items(x, i, ring[i % SHUFFLE_RING], wide);
+        }
+    }
+}
+
+/*
+ * legacy_shuffle(x: 4- or 8-byte items[n], key: uint32[624], pos) -> pos
+ * Shuffles x in place as RandomState.shuffle would from state (key, pos); advances key in place, returns the new pos.
+ */
+static PyObject *legacy_shuffle(PyObject *self, PyObject *args) {
+    PyObject *array_obj, *key_obj;
+    int pos;
+    if (!PyArg_ParseTuple(args, "OOi", &array_obj, &key_obj, &pos)) {
+        return NULL;
+    }
+    if (pos < 0 || pos > MT_N) {
+        PyErr_Format(PyExc_ValueError, "pos must be in [0, %d], got %d", MT_N, pos);
+        return NULL;
+    }
+    Py_buffer array, key;
+    if (PyObject_GetBuffer(array_obj, &array, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return NULL;
+    if (array.itemsize != 4 && array.itemsize != 8) {
+        PyErr_Format(PyExc_TypeError, "array must have 4- or 8-byte items, got %zd", array.itemsize);
+        PyBuffer_Release(&array);
+        return NULL;
+    }
+    if (get_buffer(key_obj, &key, 1, 4, "key") != 0) {
+        PyBuffer_Release(&array);
+        return NULL;
+    }
+    if (key.len != MT_N * 4) {
+        PyErr_Format(PyExc_ValueError, "key must hold %d words, got %zd", MT_N, key.len / 4);
+        PyBuffer_Release(&array);
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    mt_state state = {(uint32_t *)key.buf, pos};
+    uint64_t n = (uint64_t)(array.len / array.itemsize);
+    Py_BEGIN_ALLOW_THREADS
+    shuffle_items((char *)array.buf, n, array.itemsize == 8, &state);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&array);
+    PyBuffer_Release(&key);
+    return PyLong_FromLong(state.pos);
+}
+
 static PyMethodDef methods[] = {
     {"fill_sample_index", fill_sample_index, METH_VARARGS,
      "Fill rows 1..n of an int32/int64 [n+1, 2] sample index; Megatron's walk."},
@@ -212,6 +396,9 @@ static PyMethodDef methods[] = {
      "Fill (dataset_index int16, dataset_sample_index int64) for float64 weights; Megatron's schedule."},
     {"build_exhaustive_blending_indices", build_exhaustive_blending_indices, METH_VARARGS,
      "Fill (dataset_index int16, dataset_sample_index int64) using every sample of every dataset once."},
+    {"legacy_shuffle", legacy_shuffle, METH_VARARGS,
+     "Shuffle a 1-D array of 4- or 8-byte items as RandomState.shuffle does from MT19937 state (key, pos); "
+     "advance key in place and return the new pos."},
     {NULL, NULL, 0, NULL},
 };
 
