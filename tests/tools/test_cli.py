@@ -60,6 +60,11 @@ def test_quickstart_writes_a_verified_pair_and_decodes_it(tmp_path, capsys, toke
     assert train_line.startswith("  train: GPTDataset of ") and train_samples > 0
     assert list((tmp_path / "index_cache").glob("*-GPTDataset-train-description.txt"))
 
+    # Step 5 reads the chapters with the Online path and checks a restored loader continues exactly.
+    batch_lines = [line for line in out.splitlines() if line.startswith("  batch ")]
+    assert len(batch_lines) == 3 and all("input_ids (1, " in line for line in batch_lines)
+    assert "a new loader restored from it gives batch 3: identical" in out
+
 
 def test_prepare_dispatches_to_offline_preparation(tmp_path, tokenizer, capsys, restore_package_logger):  # noqa: F811
     """``hp-data prepare`` runs offline preparation with the same flags."""
