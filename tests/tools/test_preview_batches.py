@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.tools.cli import main as hp_data
 from hyper_parallel.data.tools.preview_batches import marked_text
 
@@ -74,5 +73,8 @@ def test_preview_json_and_missing_split(config, tokenizer_path, capsys):
     batches = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [b["batch"] for b in batches] == [0, 1] and all(b["sequences"] == 1 for b in batches)
     assert batches[0]["trained_tokens"] > 0 and batches[0]["shapes"]["input_ids"][0] == 1
-    with pytest.raises(DataConfigError, match="no valid split"):
-        hp_data(["preview", str(config), "--tokenizer", str(tokenizer_path), "--split", "valid"])
+    assert hp_data(["preview", str(config), "--tokenizer", str(tokenizer_path), "--split", "valid"]) == 2
+    assert "error: the config builds no valid split" in capsys.readouterr().err
+    config.write_text(config.read_text().replace("data_type: conversation", "data_type: conversations"))
+    assert hp_data(["preview", str(config), "--tokenizer", str(tokenizer_path)]) == 2
+    assert "conversations" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import numpy as np
 
 from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 
 __all__ = ["describe_batch", "main", "marked_text"]
@@ -95,7 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (0 ok, 2 error)."""
     args = parse_args(argv)
+    try:
+        _preview(args)
+    except (DataConfigError, DataFileError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _preview(args: argparse.Namespace) -> None:
     tokenizer = build_tokenizer(args.tokenizer)
     loaders = build_dataloaders(args.config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size)
     loader = getattr(loaders, args.split)
@@ -115,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         for index, text in enumerate(summary["texts"]):
             print(f"  sequence {index}: {text!r}")
-    return 0
 
 
 if __name__ == "__main__":
