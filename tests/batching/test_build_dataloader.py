@@ -391,3 +391,22 @@ def test_persistent_workers_keep_epochs_and_resume_exact(loader, plaintext_path,
     fresh = make()
     fresh.set_epoch(1)
     assert [plain(b) for b in fresh] == second
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_stream_drop_last_drops_only_an_incomplete_batch_of_records(drop_last, plaintext_path, tokenizer, hf_cache_dir):
+    def windows(loader_class, **options):
+        dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="iterable", max_seq_len=48)
+        loader = loader_class(dataset, micro_batch_size=8, drop_last=drop_last, **options)
+        return Counter(sequence for batch in loader for sequence in document_tokens(batch))
+
+    # 60 records in batches of 8, read 32 at a time: the last 4 records are an incomplete batch
+    dynamic, everything = windows(DynamicBatchDataLoader, min_buffered_samples=3), windows(DynamicBatchDataLoader)
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="iterable", max_seq_len=48)
+    records = [dataset.stream.read(1)[0][1] for _ in range(60)]
+    last_four = Counter(tuple(s["input_ids"].tolist()) for record in records[56:] for s in dataset.transform(record))
+    assert dynamic == everything
+    if drop_last:
+        assert sum((everything & last_four).values()) == 0
+    else:
+        assert last_four <= everything

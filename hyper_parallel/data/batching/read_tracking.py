@@ -103,8 +103,10 @@ class StreamKeys:
     def pull(self, batches_per_read: int) -> Iterator[KeyBatch]:
         size = self.records_per_batch * batches_per_read
         while keys := self.stream.read(size):
-            if self.drop_last and len(keys) < self.records_per_batch:
-                continue  # the incomplete last batch; the next read ends the epoch
+            if self.drop_last and len(keys) < size:  # the stream's last records: drop an incomplete batch
+                keys = keys[: len(keys) - len(keys) % self.records_per_batch]
+                if not keys:
+                    continue  # the next read ends the epoch
             yield KeyBatch(keys, self.stream.epoch)
 
     def position(self, unconsumed: list[KeyBatch]) -> tuple[dict, list[list]]:
