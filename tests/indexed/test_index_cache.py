@@ -12,11 +12,13 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from hyper_parallel.data.indexed import index_cache
 from hyper_parallel.data.indexed.index_cache import IndexCache
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
@@ -322,3 +324,26 @@ def test_deferred_dataset_opens_its_indices_on_first_use(tmp_path, corpus, token
 
     np.testing.assert_array_equal(deferred.shuffle_index, np.asarray(reference.shuffle_index)[::-1])
     assert torch.equal(deferred[0]["tokens"], reference[len(reference) - 1]["tokens"])
+
+
+def test_deferred_load_computes_each_key_at_first_access(tmp_path, corpus, tokenizer, monkeypatch):
+    """With ``defer_npy_index_mmap`` and ``fast_cache_load`` a dataset's description is hashed only when its index
+    files are first read, so that start-up with thousands of sources hashes nothing; the key is the same."""
+    cache = tmp_path / "cache"
+    reference = _build(corpus, tokenizer, cache)[0]
+    encoder = index_cache._COMPACT_JSON
+    hashed = []
+
+    def encode(description: dict) -> str:
+        hashed.append(description)
+        return encoder.encode(description)
+
+    monkeypatch.setattr(index_cache, "_COMPACT_JSON", SimpleNamespace(encode=encode))
+    deferred = _build(corpus, tokenizer, cache, fast_cache_load=True, defer_npy_index_mmap=True)[0]
+    assert len(deferred) == len(reference)
+    assert hashed == []
+
+    assert torch.equal(deferred[3]["tokens"], reference[3]["tokens"])
+    assert hashed == [deferred.unique_identifiers]
+    np.testing.assert_array_equal(deferred.shuffle_index, reference.shuffle_index)
+    assert len(hashed) == 1  # the key is kept

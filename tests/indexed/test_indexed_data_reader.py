@@ -6,6 +6,7 @@ the reader against the documented byte layout alone.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import re
@@ -18,10 +19,12 @@ import numpy as np
 import pytest
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed import indexed_data_reader
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 
 TOKEN_DTYPES = [np.uint8, np.uint16, np.int32, np.int64, np.float64]
+INDEX_READ_LIMITS = {"read": 2**62, "mapped": 0}  # how the reader holds an index: read into memory, or mapped
 
 
 # -- writing pairs by hand -------------------------------------------------------------------------------------
@@ -119,6 +122,13 @@ def corpus(request, tmp_path) -> Corpus:
     return random_corpus(tmp_path / "corpus", seed=TOKEN_DTYPES.index(request.param), dtype=request.param)
 
 
+@pytest.fixture(params=list(INDEX_READ_LIMITS))
+def index_access(request, monkeypatch) -> str:
+    """Every index read into memory, or every non-empty one memory-mapped: what must hold for both ways."""
+    monkeypatch.setattr(indexed_data_reader, "_READ_INDEX_AT_MOST", INDEX_READ_LIMITS[request.param])
+    return request.param
+
+
 @pytest.fixture
 def multimodal_corpus(tmp_path) -> Corpus:
     return random_corpus(tmp_path / "mm", seed=11, dtype=np.uint16, multimodal=True)
@@ -139,7 +149,7 @@ def assert_token_lists(actual: list[np.ndarray], expected: list[np.ndarray], dty
 
 
 @pytest.mark.parametrize("mmap", [True, False])
-def test_getitem_returns_every_sequence(corpus, mmap):
+def test_getitem_returns_every_sequence(corpus, mmap, index_access):
     """``reader[i]`` returns sequence i with the header's dtype, for Python and numpy integer indices."""
     reader = IndexedDataReader(corpus.prefix, mmap=mmap)
     for i, expected in enumerate(corpus.sequences):
@@ -238,8 +248,8 @@ def test_len_and_counts(corpus):
     assert reader.dtype == corpus.dtype
 
 
-def test_index_arrays_have_megatron_dtypes_and_are_views(corpus):
-    """Lengths/pointers/document indices are int32/int64/int64 zero-copy views of the index."""
+def test_index_arrays_have_megatron_dtypes_and_are_views(corpus, index_access):
+    """Lengths/pointers/document indices are int32/int64/int64 read-only zero-copy views of the index."""
     reader = IndexedDataReader(corpus.prefix)
     expected_pointers = np.cumsum(np.concatenate([[0], corpus.lengths[:-1]])) * corpus.dtype.itemsize
     arrays = {
@@ -251,8 +261,23 @@ def test_index_arrays_have_megatron_dtypes_and_are_views(corpus):
         array = getattr(reader, name)
         assert array.dtype == dtype, name
         assert not array.flags.owndata and array.base is not None, name
+        assert not array.flags.writeable, name
         np.testing.assert_array_equal(array, expected, err_msg=name)
     assert reader.sequence_modes is None
+
+
+def test_small_indices_are_read_and_large_ones_mapped(tmp_path):
+    """An index that fits in one page is read into memory at once (cheaper to open than a map); a larger one is
+    memory-mapped, so that processes share its pages."""
+    small = random_corpus(tmp_path / "small", seed=1, dtype=np.uint16)
+    large = random_corpus(tmp_path / "large", seed=2, dtype=np.uint16, count=2000)
+    assert idx_path(small.prefix).stat().st_size <= mmap.PAGESIZE < idx_path(large.prefix).stat().st_size
+
+    assert isinstance(IndexedDataReader(small.prefix).sequence_lengths.base, bytes)
+    mapped = IndexedDataReader(large.prefix)
+    assert isinstance(mapped.sequence_lengths.base.obj, mmap.mmap)
+    np.testing.assert_array_equal(mapped.sequence_lengths, large.lengths)
+    assert_token_lists([mapped[i] for i in range(len(mapped))], large.sequences, large.dtype)
 
 
 def test_memory_mapped_reads_are_read_only_views(corpus):
@@ -285,7 +310,7 @@ def test_slicing_without_mmap_raises_value_error(corpus):
 
 
 @pytest.mark.parametrize("mmap", [True, False])
-def test_multimodal_items_carry_their_mode(multimodal_corpus, mmap):
+def test_multimodal_items_carry_their_mode(multimodal_corpus, mmap, index_access):
     """Multimodal ``[i]`` and ``get`` return ``(tokens, mode)`` with the int8 mode of the sequence."""
     corpus = multimodal_corpus
     reader = IndexedDataReader(corpus.prefix, mmap=mmap, multimodal=True)
@@ -320,7 +345,7 @@ def test_text_reader_of_a_multimodal_file_ignores_the_modes(multimodal_corpus):
     assert_token_lists([reader[i] for i in range(len(reader))], corpus.sequences, corpus.dtype)
 
 
-def test_multimodal_reader_of_a_text_file_is_refused(corpus):
+def test_multimodal_reader_of_a_text_file_is_refused(corpus, index_access):
     """Opening a pair without modes as multimodal fails: the index is too short to hold the modes."""
     with pytest.raises(DataFileError, match="truncated") as info:
         IndexedDataReader(corpus.prefix, multimodal=True)
@@ -397,7 +422,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], None], Callable[[Path], Path], str
 
 @pytest.mark.parametrize("mmap", [True, False])
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
-def test_bad_files_are_refused_at_construction(tmp_path, name, mmap):
+def test_bad_files_are_refused_at_construction(tmp_path, name, mmap, index_access):
     """Each kind of damaged pair raises DataFileError naming the damaged file, the problem and a fix."""
     damage, named_file, phrase = CORRUPTIONS[name]
     corpus = random_corpus(tmp_path / "bad", seed=7, dtype=np.uint16)
@@ -503,7 +528,8 @@ def test_pointers_past_4_gib_are_read_as_int64(tmp_path, mmap):
 
 
 def test_unmapped_reads_survive_short_preads(tmp_path, monkeypatch):
-    """``pread`` may return fewer bytes than asked (Linux caps one call at 0x7ffff000 bytes); reads still complete."""
+    """``pread`` may return fewer bytes than asked (Linux caps one call at 0x7ffff000 bytes); reading the index at
+    opening and the tokens afterwards still complete."""
     corpus = random_corpus(tmp_path / "short", seed=9, dtype=np.int32)
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: real_pread(fd, min(n, 16), offset))

@@ -16,6 +16,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -27,25 +28,37 @@ __all__ = ["IndexCache", "LazyArrays", "writable_directory"]
 
 logger = get_logger("hyper_parallel.data.indexed.index_cache")
 
+# The hashed form of a description: compact, by json's C encoder; one instance, since making one per key costs
+# microseconds at start-up with thousands of prefixes. Same output as ``json.dumps(d, separators=(",", ":"))``.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
 
 class LazyArrays(Mapping):
-    """Index arrays memory-mapped on first access (``defer_npy_index_mmap``)."""
+    """Index arrays memory-mapped on first access (``defer_npy_index_mmap``).
 
-    def __init__(self, paths: dict[str, str]) -> None:
-        self._paths = paths
+    Args:
+        names: the arrays of the entry.
+        path_of: gives an array's file; called on its first access.
+    """
+
+    def __init__(self, names: tuple[str, ...], path_of: Callable[[str], str]) -> None:
+        self._names = names
+        self._path_of = path_of
         self._arrays: dict[str, np.ndarray] = {}
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._arrays:
+            if name not in self._names:
+                raise KeyError(name)
             # A plain ndarray view: indexing a np.memmap subclass costs microseconds per call.
-            self._arrays[name] = np.load(self._paths[name], mmap_mode="r", allow_pickle=False).view(np.ndarray)
+            self._arrays[name] = np.load(self._path_of(name), mmap_mode="r", allow_pickle=False).view(np.ndarray)
         return self._arrays[name]
 
     def __iter__(self):
-        return iter(self._paths)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(self._names)
 
 
 def writable_directory(directory: Path) -> bool:
@@ -70,11 +83,19 @@ class IndexCache:
 
     def __init__(self, directory: str | os.PathLike | None, kind: str, split: str, description: dict) -> None:
         self.description = description
-        # The compact form is hashed (json's fast C encoder); the indented, readable one is written at build time.
-        compact = json.dumps(description, separators=(",", ":"))
-        self.key = hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
         self._directory_text = None if directory is None else os.fspath(directory)
-        self._stem = f"{self.key}-{kind}-{split}"
+        self._kind_split = f"{kind}-{split}"
+
+    @cached_property
+    def key(self) -> str:
+        """The MD5 of the compact description, computed when first needed: a deferred load needs it only when an
+        array is first read, which keeps start-up with thousands of sources cheap."""
+        compact = _COMPACT_JSON.encode(self.description)  # the indented, readable form is written at build time
+        return hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    @cached_property
+    def _stem(self) -> str:
+        return f"{self.key}-{self._kind_split}"
 
     @property
     def directory(self) -> Path | None:
@@ -112,7 +133,7 @@ class IndexCache:
 
     def load(self, names: tuple[str, ...], defer: bool = False) -> Mapping[str, np.ndarray]:
         """Memory-map the arrays now, or on first access with ``defer``."""
-        arrays = LazyArrays({name: self._file(name) for name in names})
+        arrays = LazyArrays(names, self._file)
         if not defer:
             for name in names:
                 arrays[name]  # noqa: B018 - map now

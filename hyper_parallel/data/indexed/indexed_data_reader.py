@@ -18,11 +18,32 @@ from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 
 __all__ = ["IndexedDataReader", "data_file_paths", "read_sequence_counts"]
 
+# An index that fits in one page is read into memory (a map would take a whole page anyway); a larger one is
+# memory-mapped, so that processes share its pages.
+_READ_INDEX_AT_MOST = mmap.PAGESIZE
+
 
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
     """Return the ``(.idx, .bin)`` paths of a dataset prefix."""
     prefix = os.fspath(path_prefix)
     return Path(prefix + ".idx"), Path(prefix + ".bin")
+
+
+def _pread_full(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes from ``offset``, fewer only where the file ends: one ``pread`` may return less than asked
+    (Linux caps one call near 2 GiB)."""
+    raw = os.pread(fd, size, offset)
+    if len(raw) == size:
+        return raw
+    parts = [raw]
+    done = len(raw)
+    while done < size:
+        part = os.pread(fd, size - done, offset + done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 def missing_pair_error(prefix: str) -> DataFileError:
@@ -55,8 +76,9 @@ def read_sequence_counts(prefix: str) -> tuple[int, int]:
 class IndexedDataReader:
     """Random access to the sequences of one ``<prefix>.idx``/``<prefix>.bin`` pair.
 
-    The index arrays are zero-copy views of a memory map of the ``.idx``. With ``mmap=True`` the ``.bin``
-    is memory-mapped too and reads return read-only views; with ``mmap=False`` each read is one ``pread``.
+    The index arrays are read-only views of the ``.idx``: of one read of it when it fits in one page, else of a
+    memory map. With ``mmap=True`` the ``.bin`` is memory-mapped and reads return read-only views; with
+    ``mmap=False`` each read is one ``pread``.
 
     Args:
         path_prefix: the path without ``.idx``/``.bin``.
@@ -74,43 +96,47 @@ class IndexedDataReader:
     # -- opening and checking -------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        # Plain strings and the mmap module: opening thousands of prefixes must stay cheap (np.memmap and pathlib
-        # resolve every path component).
+        # Plain strings and os-level calls: opening thousands of prefixes must stay cheap (file objects, np.memmap
+        # and pathlib cost tens of microseconds each).
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         try:
             bin_size = os.stat(bin_path).st_size  # the .bin itself is opened on the first read
-            idx_file = open(idx_path, "rb")  # noqa: SIM115 - closed below; the map outlives it
+            fd = os.open(idx_path, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             raise missing_pair_error(self.path_prefix) from None
-        with idx_file:
-            idx_size = os.fstat(idx_file.fileno()).st_size
-            header = IdxHeader.parse(idx_file.read(HEADER_SIZE), idx_path)
-            needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
-            if idx_size < needed:
-                raise DataFileError(
-                    f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
-                    f"and {header.document_count - 1} documents ({needed} bytes"
-                    f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
-                    "it; an interrupted writer leaves such files."
-                )
-            self._idx_map = mmap.mmap(idx_file.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            idx_size = os.fstat(fd).st_size
+            # A small index is copied by one read, cheaper than a map (a syscall, page faults, an unmap); a large
+            # one is mapped so that processes share its pages. Either way the arrays are read-only views.
+            if idx_size <= _READ_INDEX_AT_MOST:
+                index = _pread_full(fd, idx_size, 0)
+                idx_size = len(index)  # shorter if the file shrank since fstat
+            else:
+                index = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # outlives the descriptor
+        finally:
+            os.close(fd)
+        header = IdxHeader.parse(index[:HEADER_SIZE], idx_path)
+        needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
+        if idx_size < needed:
+            raise DataFileError(
+                f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
+                f"and {header.document_count - 1} documents ({needed} bytes"
+                f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
+                "it; an interrupted writer leaves such files."
+            )
         self._header = header
         count = header.sequence_count
         offset = HEADER_SIZE
-        self._lengths = np.frombuffer(self._idx_map, dtype=np.int32, count=count, offset=offset)
+        self._lengths = np.frombuffer(index, dtype=np.int32, count=count, offset=offset)
         offset += self._lengths.nbytes
-        self._pointers = np.frombuffer(self._idx_map, dtype=np.int64, count=count, offset=offset)
+        self._pointers = np.frombuffer(index, dtype=np.int64, count=count, offset=offset)
         offset += self._pointers.nbytes
-        self._document_indices = np.frombuffer(
-            self._idx_map, dtype=np.int64, count=header.document_count, offset=offset
-        )
+        self._document_indices = np.frombuffer(index, dtype=np.int64, count=header.document_count, offset=offset)
         offset += self._document_indices.nbytes
-        self._modes = (
-            np.frombuffer(self._idx_map, dtype=np.int8, count=count, offset=offset) if self.multimodal else None
-        )
+        self._modes = np.frombuffer(index, dtype=np.int8, count=count, offset=offset) if self.multimodal else None
 
         if count:
-            end = int(self._pointers[-1]) + int(self._lengths[-1]) * self.dtype.itemsize
+            end = self._pointers.item(-1) + self._lengths.item(-1) * header.dtype.itemsize
             if end > bin_size:
                 raise DataFileError(
                     f"{bin_path}: the data file is {bin_size} bytes but the index points to byte {end} "
@@ -225,23 +251,14 @@ class IndexedDataReader:
         if not self._bin_opened:
             self._open_bin()
             return self._read(byte_offset, count)
-        # pread may return fewer bytes than asked (Linux caps one call near 2 GiB): read until complete.
-        wanted = count * self.dtype.itemsize
-        raw = os.pread(self._fd, wanted, byte_offset)
+        wanted = count * self._itemsize
+        raw = _pread_full(self._fd, wanted, byte_offset)
         if len(raw) < wanted:
-            parts = [raw]
-            done = len(raw)
-            while done < wanted:
-                part = os.pread(self._fd, wanted - done, byte_offset + done)
-                if not part:
-                    raise DataFileError(
-                        f"{self.path_prefix}.bin ended at byte {byte_offset + done} while reading {count} tokens "
-                        f"at byte {byte_offset}; the file was truncated after it was opened"
-                    )
-                parts.append(part)
-                done += len(part)
-            raw = b"".join(parts)
-        return np.frombuffer(raw, dtype=self.dtype)
+            raise DataFileError(
+                f"{self.path_prefix}.bin ended at byte {byte_offset + len(raw)} while reading {count} tokens "
+                f"at byte {byte_offset}; the file was truncated after it was opened"
+            )
+        return np.frombuffer(raw, dtype=self._dtype)
 
     def _check_index(self, i) -> int:
         n = self._count

@@ -250,10 +250,10 @@ class GPTDataset(_MidLevelDataset):
     def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
         super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
         self._drop_last = split != "valid" or config.drop_last_partial_validation_sequence
-        begin, end = (int(self.indices[0]), int(self.indices[-1]) + 1) if len(self.indices) else (0, 0)
+        begin, end = (self.indices.item(0), self.indices.item(-1) + 1) if len(self.indices) else (0, 0)
         if end - begin != len(self.indices):
             raise DataConfigError(f"{dataset_path}: a split's sequence ids must be one contiguous range")
-        self.tokens_per_epoch = int(np.sum(low_level.sequence_lengths[begin:end], dtype=np.int64))
+        self.tokens_per_epoch = int(low_level.sequence_lengths[begin:end].sum(dtype=np.int64))
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
