@@ -6,7 +6,11 @@ All three derive from ``ValueError`` so callers that already catch bad input kee
 
 from __future__ import annotations
 
-__all__ = ["DataConfigError", "DataFileError", "ResumeStateError"]
+import operator
+
+import numpy as np
+
+__all__ = ["DataConfigError", "DataFileError", "ResumeStateError", "require_int"]
 
 
 class DataFileError(ValueError):
@@ -19,3 +23,16 @@ class DataConfigError(ValueError):
 
 class ResumeStateError(ValueError):
     """A saved loader state cannot be restored into the current pipeline."""
+
+
+def require_int(name: str, value, minimum: int, error: type[ValueError] = DataConfigError) -> int:
+    """``value`` as a Python int, or ``error`` when it is not an integer ``>= minimum``."""
+    if isinstance(value, bool | np.bool_):  # an int subclass, but always a mistake as a count
+        raise error(f"{name} must be an integer >= {minimum}, got the bool {value}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise error(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise error(f"{name} must be an integer >= {minimum}, got {number}")
+    return number

@@ -16,7 +16,6 @@ Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 
 __all__ = [
     "TextPackingCollator",
@@ -37,19 +36,6 @@ __all__ = [
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` as a Python int, or a ``DataConfigError`` when it is not an integer ``>= minimum``."""
-    if isinstance(value, bool):  # bool is an int subclass, but True as a size is always a mistake
-        raise DataConfigError(f"{name} must be an integer >= {minimum}, got the bool {value}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise DataConfigError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
-        raise DataConfigError(f"{name} must be an integer >= {minimum}, got {number}")
-    return number
 
 
 def sequence_alignment(
@@ -77,9 +63,9 @@ def sequence_alignment(
         ``cp_size=2, tp_size=4, sequence_parallel=True`` gives 8; adding ``sequence_multiple=32`` gives 32, and
         ``sequence_multiple=12`` gives 24.
     """
-    cp = _check_int("cp_size", cp_size, 1)
-    tp = _check_int("tp_size", tp_size, 1)
-    multiple = _check_int("sequence_multiple", sequence_multiple, 1)
+    cp = require_int("cp_size", cp_size, 1)
+    tp = require_int("tp_size", tp_size, 1)
+    multiple = require_int("sequence_multiple", sequence_multiple, 1)
     if not isinstance(sequence_parallel, bool | np.bool_):
         raise DataConfigError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
     return math.lcm(cp * tp if sequence_parallel else cp, multiple)
@@ -136,8 +122,8 @@ class TextPackingCollator:
         Raises:
             DataConfigError: a setting is not a non-negative integer, or the alignment is 0.
         """
-        self.alignment = _check_int("alignment", alignment, 1)
-        self.pad_token_id = _check_int("pad_token_id", pad_token_id, 0)
+        self.alignment = require_int("alignment", alignment, 1)
+        self.pad_token_id = require_int("pad_token_id", pad_token_id, 0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id})"

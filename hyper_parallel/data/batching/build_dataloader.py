@@ -102,6 +102,30 @@ class _CollateRecords:
 # Loaders --------------------------------------------------------------------------------------------------------
 
 
+# The arguments both loaders take and hand to ``_Loader`` unchanged.
+_SHARED_OPTIONS = (
+    "micro_batch_size",
+    "global_batch_size",
+    "dp_rank",
+    "dp_world_size",
+    "sampler_type",
+    "data_sharding",
+    "data_rearrange_map",
+    "drop_last",
+    "seed",
+    "num_workers",
+    "prefetch_factor",
+    "pin_memory",
+    "persistent_workers",
+    "multiprocessing_context",
+)
+
+
+def _shared_options(arguments: dict) -> dict:
+    """The shared arguments out of a loader constructor's ``locals()``."""
+    return {name: arguments[name] for name in _SHARED_OPTIONS}
+
+
 def _is_online(dataset) -> bool:
     return isinstance(dataset, (TransformDataset, IterableTransformDataset))
 
@@ -249,22 +273,9 @@ class FixedBatchDataLoader(_Loader):
         self.collate_fn = collate_fn
         super().__init__(
             dataset,
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            sampler_type=sampler_type,
-            data_sharding=data_sharding,
-            data_rearrange_map=data_rearrange_map,
-            drop_last=drop_last,
-            seed=seed,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-            multiprocessing_context=multiprocessing_context,
             worker_collate_fn=_CollateRecords(collate_fn) if online else collate_fn,
             one_sample_per_record=online,
+            **_shared_options(locals()),
         )
 
     def __iter__(self) -> Iterator:
@@ -408,22 +419,9 @@ class DynamicBatchDataLoader(_Loader):
         self.batcher = TextTokenBatcher(micro_batch_size * max_seq_len, min_buffered_samples)
         super().__init__(
             dataset,
-            micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            sampler_type=sampler_type,
-            data_sharding=data_sharding,
-            data_rearrange_map=data_rearrange_map,
-            drop_last=drop_last,
-            seed=seed,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-            multiprocessing_context=multiprocessing_context,
             worker_collate_fn=_as_lists,
             batches_per_read=max(1, _RECORDS_PER_READ // micro_batch_size),
+            **_shared_options(locals()),
         )
         self._reading: KeyBatch | None = None  # the read being absorbed into the buffer
         self._absorbed = 0  # how many of them are in the buffer

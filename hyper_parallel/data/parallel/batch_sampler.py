@@ -20,7 +20,6 @@ steps); rank 0 reads ``[0, 1]``, ``[4, 5]``, rank 1 reads ``[2, 3]``, ``[6, 7]``
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError, require_int
 
 __all__ = [
     "SAMPLER_TYPES",
@@ -61,19 +60,6 @@ _STATE_KEYS = (
     "data_sharding",
     "drop_last",
 )
-
-
-def _check_int(name: str, value: Any, minimum: int, error: type[ValueError] = DataConfigError) -> int:
-    """``value`` as a Python int, or ``error`` when it is not an integer ``>= minimum``."""
-    if isinstance(value, bool | np.bool_):  # an int subclass, but always a mistake as a count
-        raise error(f"{name} must be an integer >= {minimum}, got the bool {value}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise error(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
-        raise error(f"{name} must be an integer >= {minimum}, got {number}")
-    return number
 
 
 def _index_dtype(total: int) -> type[np.integer]:
@@ -194,11 +180,33 @@ def load_rearrange_map(data_rearrange_map: Any, total_samples: int) -> np.ndarra
 class DatasetBatchSampler:
     """Yields this rank's micro-batches (``list[int]`` of dataset indices) for a map-style dataset.
 
-    Build it with ``build_dataset_batch_sampler``, which documents the arguments. Iterating yields the batches
-    from the current position to the end of the current epoch, then moves to the next epoch and stops; the next
-    ``iter()`` yields that epoch. The position advances before each batch is yielded, so right after ``next()``
-    returns, ``state_dict()`` describes the position after that batch. Only the most recent iterator is live:
-    starting a new one, ``set_epoch`` or ``load_state_dict`` ends the earlier ones.
+    Iterating yields the batches from the current position to the end of the current epoch, then moves to the
+    next epoch and stops; the next ``iter()`` yields that epoch. The position advances before each batch is
+    yielded, so right after ``next()`` returns, ``state_dict()`` describes the position after that batch. Only the
+    most recent iterator is live: starting a new one, ``set_epoch`` or ``load_state_dict`` ends the earlier ones.
+
+    Args:
+        total_samples: length of the map-style dataset (logical samples).
+        micro_batch_size: samples per batch on each rank.
+        global_batch_size: samples per optimizer step over all ranks; defaults to
+            ``micro_batch_size * dp_world_size`` and must be a multiple of it.
+        dp_rank, dp_world_size: this rank and the data-parallel size.
+        consumed_samples: global positions of ``epoch`` already consumed (all ranks together); a multiple of
+            ``micro_batch_size * dp_world_size``, or the epoch's length (then the next epoch starts).
+        epoch: the epoch to start in; ``cyclic`` draws a new order per epoch.
+        drop_last: keep only complete global batches (``total % global_batch_size`` positions are left out each
+            epoch); otherwise the final global batch and micro-step may be partial and some ranks may get
+            one batch fewer.
+        data_rearrange_map: None, a 1-D integer array or list, or a ``.npy`` path mapping each logical sample to
+            a physical dataset index; applied to the indices last.
+        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
+        data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
+            per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
+        seed: seed of the ``cyclic`` orders.
+
+    Raises:
+        DataConfigError: an argument is invalid or two contradict each other.
+        DataFileError: the rearrange map file cannot be read or is malformed.
     """
 
     def __init__(
@@ -217,10 +225,10 @@ class DatasetBatchSampler:
         data_sharding: bool = False,
         seed: int = 1234,
     ) -> None:
-        self.total_samples = _check_int("total_samples", total_samples, 1)
-        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
-        self.dp_world_size = _check_int("dp_world_size", dp_world_size, 1)
-        self.dp_rank = _check_int("dp_rank", dp_rank, 0)
+        self.total_samples = require_int("total_samples", total_samples, 1)
+        self.micro_batch_size = require_int("micro_batch_size", micro_batch_size, 1)
+        self.dp_world_size = require_int("dp_world_size", dp_world_size, 1)
+        self.dp_rank = require_int("dp_rank", dp_rank, 0)
         if self.dp_rank >= self.dp_world_size:
             raise DataConfigError(
                 f"dp_rank {self.dp_rank} is out of range for dp_world_size {self.dp_world_size}; ranks are "
@@ -229,7 +237,7 @@ class DatasetBatchSampler:
         micro_step = self.micro_batch_size * self.dp_world_size
         if global_batch_size is None:
             global_batch_size = micro_step
-        self.global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+        self.global_batch_size = require_int("global_batch_size", global_batch_size, 1)
         if self.global_batch_size % micro_step:
             raise DataConfigError(
                 f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
@@ -248,7 +256,7 @@ class DatasetBatchSampler:
                 f"data_sharding needs sampler_type 'cyclic' (got {sampler_type!r}); the 'single' order is already "
                 "sequential, so set data_sharding to false or use the cyclic sampler"
             )
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = require_int("seed", seed, 0)
         self.epoch_len = epoch_length(self.total_samples, self.global_batch_size, self.drop_last)
         if self.epoch_len == 0:
             raise DataConfigError(
@@ -267,8 +275,8 @@ class DatasetBatchSampler:
         )
         self._order_cache: tuple[int, np.ndarray] | None = None  # (epoch, cyclic order or sharded bucket)
         self._generation = 0  # bumped by every new iterator and state change; older iterators then stop
-        epoch = _check_int("epoch", epoch, 0)
-        consumed = _check_int("consumed_samples", consumed_samples, 0)
+        epoch = require_int("epoch", epoch, 0)
+        consumed = require_int("consumed_samples", consumed_samples, 0)
         problem = self._position_problem(consumed, self.micro_batch_size * self.dp_world_size)
         if problem:
             raise DataConfigError(f"consumed_samples {consumed}: {problem}")
@@ -303,7 +311,7 @@ class DatasetBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``, unless it is already the current epoch (then keep the position)."""
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = require_int("epoch", epoch, 0)
         if epoch != self._epoch:
             self._set_position(epoch, 0)
 
@@ -429,10 +437,10 @@ class DatasetBatchSampler:
                     f"{key}={current!r}, which gives a different sample order; restore the checkpoint's {key} or "
                     "start the data from scratch"
                 )
-        epoch = _check_int("the saved epoch", state["epoch"], 0, ResumeStateError)
-        consumed = _check_int("the saved consumed_samples", state["consumed_samples"], 0, ResumeStateError)
-        saved_mbs = _check_int("the saved micro_batch_size", state["micro_batch_size"], 1, ResumeStateError)
-        saved_dp = _check_int("the saved dp_world_size", state["dp_world_size"], 1, ResumeStateError)
+        epoch = require_int("the saved epoch", state["epoch"], 0, ResumeStateError)
+        consumed = require_int("the saved consumed_samples", state["consumed_samples"], 0, ResumeStateError)
+        saved_mbs = require_int("the saved micro_batch_size", state["micro_batch_size"], 1, ResumeStateError)
+        saved_dp = require_int("the saved dp_world_size", state["dp_world_size"], 1, ResumeStateError)
         problem = self._position_problem(consumed, saved_mbs * saved_dp)
         if problem:
             raise ResumeStateError(f"the saved consumed_samples {consumed} is invalid: {problem}")
@@ -454,60 +462,6 @@ class DatasetBatchSampler:
         self._set_position(epoch, consumed)
 
 
-def build_dataset_batch_sampler(
-    *,
-    total_samples: int,
-    micro_batch_size: int,
-    global_batch_size: int | None = None,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    consumed_samples: int = 0,
-    epoch: int = 0,
-    drop_last: bool = True,
-    data_rearrange_map: Any = None,
-    sampler_type: str = "single",
-    data_sharding: bool = False,
-    seed: int = 1234,
-) -> DatasetBatchSampler:
-    """Build the DP-aware batch sampler of one rank.
-
-    Args:
-        total_samples: length of the map-style dataset (logical samples).
-        micro_batch_size: samples per batch on each rank.
-        global_batch_size: samples per optimizer step over all ranks; defaults to
-            ``micro_batch_size * dp_world_size`` and must be a multiple of it.
-        dp_rank, dp_world_size: this rank and the data-parallel size.
-        consumed_samples: global positions of ``epoch`` already consumed (all ranks together); a multiple of
-            ``micro_batch_size * dp_world_size``, or the epoch's length (then the next epoch starts).
-        epoch: the epoch to start in; ``cyclic`` draws a new order per epoch.
-        drop_last: keep only complete global batches (``total % global_batch_size`` positions are left out each
-            epoch); otherwise the final global batch and micro-step may be partial and some ranks may get
-            one batch fewer.
-        data_rearrange_map: None, a 1-D integer array or list, or a ``.npy`` path mapping each logical sample to
-            a physical dataset index; applied to the indices last.
-        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
-        data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
-            per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
-        seed: seed of the ``cyclic`` orders.
-
-    Returns:
-        A ``DatasetBatchSampler`` to pass as ``DataLoader(batch_sampler=...)``.
-
-    Raises:
-        DataConfigError: an argument is invalid or two contradict each other.
-        DataFileError: the rearrange map file cannot be read or is malformed.
-    """
-    return DatasetBatchSampler(
-        total_samples=total_samples,
-        micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        consumed_samples=consumed_samples,
-        epoch=epoch,
-        drop_last=drop_last,
-        data_rearrange_map=data_rearrange_map,
-        sampler_type=sampler_type,
-        data_sharding=data_sharding,
-        seed=seed,
-    )
+def build_dataset_batch_sampler(**options: Any) -> DatasetBatchSampler:
+    """Build the DP-aware batch sampler of one rank (the arguments are ``DatasetBatchSampler``'s)."""
+    return DatasetBatchSampler(**options)
