@@ -410,3 +410,26 @@ def test_stream_drop_last_drops_only_an_incomplete_batch_of_records(drop_last, p
         assert sum((everything & last_four).values()) == 0
     else:
         assert last_four <= everything
+
+
+def test_mapping_loaders_apply_the_sampler_options(tmp_path, plaintext_path, tokenizer, hf_cache_dir):
+    dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=4096)
+    records = [tuple(dataset[i][0]["input_ids"].tolist()) for i in range(len(dataset))]
+    reverse = np.arange(len(dataset))[::-1].copy()
+    np.save(tmp_path / "reverse.npy", reverse)
+    loader = FixedBatchDataLoader(dataset, micro_batch_size=4, data_rearrange_map=str(tmp_path / "reverse.npy"))
+    delivered = [sequence for batch in loader for sequence in document_tokens(batch)]
+    assert delivered == records[::-1]
+
+    sharded = [
+        FixedBatchDataLoader(
+            dataset, micro_batch_size=2, dp_rank=rank, dp_world_size=2, sampler_type="cyclic", data_sharding=True
+        )
+        for rank in range(2)
+    ]
+    shares = [[s for batch in loader for s in document_tokens(batch)] for loader in sharded]
+    assert set(shares[0]) == set(records[:30]) and set(shares[1]) == set(records[30:])  # one bucket per rank
+    with pytest.raises(ResumeStateError, match="data_sharding|bucket"):
+        FixedBatchDataLoader(
+            dataset, micro_batch_size=2, global_batch_size=4, sampler_type="cyclic", data_sharding=True
+        ).load_state_dict(sharded[0].state_dict())

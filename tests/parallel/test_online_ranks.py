@@ -44,3 +44,24 @@ def test_dp_ranks_share_one_cache_and_split_every_global_batch(tmp_path):
     assert len(per_rank[0]) == len(per_rank[1]) == len(single) == 30 // 4
     for step, whole in enumerate(single):
         assert per_rank[0][step] + per_rank[1][step] == whole
+
+
+def missing_on_rank_0(rank: int, directory: str):
+    """Rank 0 opens a file that does not exist; the others would open a valid one."""
+    path = f"{directory}/missing.jsonl" if rank == 0 else f"{directory}/present.jsonl"
+    return len(
+        build_online_text_dataset(
+            path,
+            {"data_type": "plaintext", "max_seq_len": 64},
+            {"dataset_type": "mapping", "cache_dir": f"{directory}/cache"},
+            tokenizer=str(BUNDLED_TOKENIZER_PATH),
+        )
+    )
+
+
+def test_a_failure_on_rank_0_raises_on_every_rank(tmp_path):
+    (tmp_path / "present.jsonl").write_text(json.dumps({"text": "a line"}) + "\n")
+    reports = launch(functools.partial(missing_on_rank_0, directory=str(tmp_path)), tmp_path, WORLD_SIZE)
+    assert reports[0]["error"]["type"] == "DataFileError" and "missing.jsonl" in reports[0]["error"]["message"]
+    assert reports[1]["error"]["type"] == "DataFileError"
+    assert "rank 0 failed to load the data" in reports[1]["error"]["message"]
