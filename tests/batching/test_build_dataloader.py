@@ -433,3 +433,24 @@ def test_mapping_loaders_apply_the_sampler_options(tmp_path, plaintext_path, tok
         FixedBatchDataLoader(
             dataset, micro_batch_size=2, global_batch_size=4, sampler_type="cyclic", data_sharding=True
         ).load_state_dict(sharded[0].state_dict())
+
+
+def test_loader_settings_are_checked_with_the_fix(plaintext_path, tokenizer, hf_cache_dir):
+    mapping = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=64)
+    stream = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="iterable", max_seq_len=64)
+    with pytest.raises(DataConfigError, match="micro_batch_size is 0"):
+        FixedBatchDataLoader(mapping, micro_batch_size=0)
+    with pytest.raises(DataConfigError, match="built for DP rank 0 of 1.*rank 1 of 2"):
+        FixedBatchDataLoader(stream, dp_rank=1, dp_world_size=2)
+    with pytest.raises(DataConfigError, match="global_batch_size"):
+        FixedBatchDataLoader(mapping, micro_batch_size=2, global_batch_size=5)
+    with pytest.raises(DataConfigError, match="FixedBatchDataLoader for fixed-length Indexed samples"):
+        DynamicBatchDataLoader(list(range(10)))
+    windowless = build_online_text_dataset(
+        plaintext_path, {"data_type": "identity"}, {"dataset_type": "mapping", "cache_dir": str(hf_cache_dir)}
+    )
+    assert windowless.max_seq_len is None  # an identity transform without max_seq_len
+    with pytest.raises(DataConfigError, match="needs max_seq_len"):
+        DynamicBatchDataLoader(windowless)
+    with pytest.raises(TypeError, match="no length"):
+        len(FixedBatchDataLoader(stream))

@@ -127,3 +127,16 @@ def test_the_indexed_config_builds_a_loader_per_split(tmp_path, tokenizer_path):
     assert all(loader is not None for loader in loaders)
     batches = check_exact_resume(make, stop_points=[3])
     assert all(len(batch["tokens"]) == 4 and len(batch["tokens"][0]) == 32 for batch in batches)
+
+
+def test_pipeline_configs_missing_a_node_or_returning_odd_splits_are_refused(tmp_path, tokenizer_path):
+    with pytest.raises(DataConfigError, match="no 'dataloader' node"):
+        build_dataloaders({"dataset": {}}, tokenizer=tokenizer_path)
+    two = {
+        "dataset": {"_target_": "builtins.tuple", "_args_": [[1, 2]]},
+        "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
+    }
+    with pytest.raises(DataConfigError, match="outside|allowed"):
+        build_dataloaders(two, tokenizer=tokenizer_path)
+    with pytest.raises(DataConfigError, match="returned 2 datasets"):
+        build_dataloaders(two, tokenizer=tokenizer_path, allowed_prefixes=("hyper_parallel.", "builtins."))
