@@ -9,7 +9,7 @@ import pytest
 
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.tools.cli import main as hp_data
-from hyper_parallel.data.tools.preview_batches import marked_text
+from hyper_parallel.data.tools.preview_batches import describe_batch, marked_text
 
 CONFIG = """
 dataset:
@@ -78,3 +78,18 @@ def test_preview_json_and_missing_split(config, tokenizer_path, capsys):
     config.write_text(config.read_text().replace("data_type: conversation", "data_type: conversations"))
     assert hp_data(["preview", str(config), "--tokenizer", str(tokenizer_path)]) == 2
     assert "conversations" in capsys.readouterr().err
+
+
+def test_indexed_batches_are_described_row_by_row():
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    batch = {
+        "tokens": np.array([[5, 6, 7], [8, 9, 10]]),
+        "labels": np.array([[6, 7, 11], [9, IGNORE_INDEX, IGNORE_INDEX]]),
+        "loss_mask": np.array([[1, 1, 1], [1, 0, 0]]),
+    }
+    summary = describe_batch(batch, decode)
+    assert summary["sequences"] == 2 and summary["tokens"] == 6 and summary["trained_tokens"] == 4
+    assert summary["texts"] == ["5[[6 7 11]]", "8[[9]]10"]  # each run decoded on its own
+    assert summary["shapes"]["tokens"] == [2, 3]
