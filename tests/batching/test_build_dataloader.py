@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, TextTokenBatcher
+from hyper_parallel.data.batching import (
+    DynamicBatchDataLoader,
+    FixedBatchDataLoader,
+    TextTokenBatcher,
+    calculate_num_micro_batches,
+)
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
@@ -454,3 +459,11 @@ def test_loader_settings_are_checked_with_the_fix(plaintext_path, tokenizer, hf_
         DynamicBatchDataLoader(windowless)
     with pytest.raises(TypeError, match="no length"):
         len(FixedBatchDataLoader(stream))
+
+
+def test_micro_batches_per_step_must_divide_evenly():
+    assert calculate_num_micro_batches(64, 2, 4) == 8
+    assert calculate_num_micro_batches(8, 8, 1) == 1
+    for sizes in [(60, 2, 4), (0, 1, 1), (8, 0, 1), (8, 1, 0)]:
+        with pytest.raises(DataConfigError, match="must be a positive multiple"):
+            calculate_num_micro_batches(*sizes)
