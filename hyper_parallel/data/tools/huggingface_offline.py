@@ -21,8 +21,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.text.online.online_utils import RecordChunk
+from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.text.online.online_utils import RecordChunk, is_saved_hf_dataset, select_hf_split
 from hyper_parallel.data.tools.offline_config import (
     OfflinePreparationConfig,
     add_preparation_arguments,
@@ -37,10 +37,6 @@ from hyper_parallel.data.tools.offline_preparation import (
 )
 
 __all__ = ["load_hf_dataset", "main", "run_huggingface_offline"]
-
-
-def _is_saved_to_disk(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
 def load_hf_dataset(name_or_path: str, split: str = "train", subset: str | None = None):
@@ -60,17 +56,13 @@ def load_hf_dataset(name_or_path: str, split: str = "train", subset: str | None 
             "dataset directory (download Hub datasets with `datasets.load_dataset(...).save_to_disk(DIR)` first)"
         )
     try:
-        if _is_saved_to_disk(path):
+        if is_saved_hf_dataset(path):
             loaded = datasets.load_from_disk(str(path))
         else:
             loaded = datasets.load_dataset(str(path), name=subset, split=split)
     except (FileNotFoundError, ValueError) as error:
         raise DataFileError(f"could not load a Hugging Face dataset from {path}: {error}") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise DataConfigError(f"{path} has splits {sorted(loaded)}, not '{split}'; pass --split with one of them")
-        loaded = loaded[split]
-    return loaded
+    return select_hf_split(loaded, split, path, "pass --split with one of them")
 
 
 def _chunks(dataset, source: str, columns: list[str], chunk_size: int) -> Iterator[RecordChunk]:

@@ -12,7 +12,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
-from hyper_parallel.data.text.online.online_utils import load_hf_dataset
+from hyper_parallel.data.text.online.online_utils import open_hf_dataset
 
 RECORDS = [{"id": index, "text": f"record number {index}"} for index in range(23)]
 
@@ -41,7 +41,7 @@ def ids(records) -> list[int]:
 @pytest.mark.parametrize("streaming", [False, True])
 def test_every_local_format_reads_the_same_records(fmt, streaming, tmp_path):
     path = write_format(tmp_path / fmt, fmt)
-    dataset, description = load_hf_dataset(path, streaming=streaming, cache_dir=tmp_path / "cache")
+    dataset, description = open_hf_dataset(path, streaming=streaming, cache_dir=tmp_path / "cache")
     assert str(path) in description
     assert ids(dataset) == list(range(23))
     assert [r["text"] for r in dataset][:2] == ["record number 0", "record number 1"]
@@ -51,7 +51,7 @@ def test_globs_and_directories_read_files_in_path_order(tmp_path):
     write_format(tmp_path / "parts", "json", RECORDS[10:], name="b")
     write_format(tmp_path / "parts", "json", RECORDS[:10], name="a")
     for spec in (tmp_path / "parts", str(tmp_path / "parts" / "*.jsonl")):
-        dataset, description = load_hf_dataset(spec, streaming=False, cache_dir=tmp_path / "cache")
+        dataset, description = open_hf_dataset(spec, streaming=False, cache_dir=tmp_path / "cache")
         assert ids(dataset) == list(range(23))
         assert "2 json files" in description
 
@@ -64,24 +64,24 @@ def test_save_to_disk_directories_and_their_splits(tmp_path):
         str(tmp_path / "saved_dict")
     )
     for streaming in (False, True):
-        dataset, _ = load_hf_dataset(tmp_path / "saved", streaming=streaming)
+        dataset, _ = open_hf_dataset(tmp_path / "saved", streaming=streaming)
         assert ids(dataset) == list(range(23))
-        dataset, _ = load_hf_dataset(tmp_path / "saved_dict", streaming=streaming, split="test")
+        dataset, _ = open_hf_dataset(tmp_path / "saved_dict", streaming=streaming, split="test")
         assert ids(dataset) == list(range(5, 23))
-    with pytest.raises(DataFileError, match=r"splits \['test', 'train'\], not 'valid'"):
-        load_hf_dataset(tmp_path / "saved_dict", streaming=False, split="valid")
+    with pytest.raises(DataConfigError, match=r"has splits \['test', 'train'\], not 'valid'; set split"):
+        open_hf_dataset(tmp_path / "saved_dict", streaming=False, split="valid")
 
 
 def test_unreadable_files_are_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
     with pytest.raises(DataFileError, match=r"bad\.jsonl"):
-        load_hf_dataset(bad, streaming=False, cache_dir=tmp_path / "cache")
+        open_hf_dataset(bad, streaming=False, cache_dir=tmp_path / "cache")
     source = stream(bad)
     with pytest.raises(DataFileError, match=r"bad\.jsonl: reading the stream failed"):
         read_all(source)
     with pytest.raises(DataFileError, match="no such file"):
-        load_hf_dataset(tmp_path / "missing.jsonl", streaming=True)
+        open_hf_dataset(tmp_path / "missing.jsonl", streaming=True)
 
 
 def stream(path, **options) -> OnlineIterableDataset:

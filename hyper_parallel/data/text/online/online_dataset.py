@@ -17,7 +17,7 @@ from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.parallel.build_barrier import rank_zero_first
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
-from hyper_parallel.data.text.online.online_utils import load_hf_dataset
+from hyper_parallel.data.text.online.online_utils import open_hf_dataset
 
 __all__ = ["OnlineDataConfig", "open_online_source"]
 
@@ -80,7 +80,7 @@ def open_online_source(
     streaming = config.dataset_type == "iterable"
 
     def load():
-        return load_hf_dataset(data_path, streaming=streaming, cache_dir=config.cache_dir, split=config.split)
+        return open_hf_dataset(data_path, streaming=streaming, cache_dir=config.cache_dir, split=config.split)
 
     # A mapping source writes an Arrow cache: let rank 0 write it while the other ranks wait, then reuse it.
     hf_dataset, description = load() if streaming else rank_zero_first(load)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 
 __all__ = [
     "FILE_FORMATS",
@@ -26,8 +26,10 @@ __all__ = [
     "count_records",
     "file_format",
     "iter_record_chunks",
-    "load_hf_dataset",
+    "is_saved_hf_dataset",
+    "open_hf_dataset",
     "resolve_data_files",
+    "select_hf_split",
 ]
 
 # Extension (after removing ".gz") -> format name. Parquet and Arrow carry their own compression.
@@ -341,18 +343,18 @@ def is_saved_hf_dataset(path: Path) -> bool:
     )
 
 
-def _load_saved_hf_dataset(path: Path, split: str):
-    from datasets import DatasetDict, load_from_disk
+def select_hf_split(loaded, split: str, path: Path, fix: str):
+    """``loaded`` itself, or its ``split`` when it is a ``DatasetDict``; ``fix`` says how to choose another."""
+    from datasets import DatasetDict, IterableDatasetDict
 
-    dataset = load_from_disk(str(path))
-    if isinstance(dataset, DatasetDict):
-        if split not in dataset:
-            raise DataFileError(f"{path} holds the splits {sorted(dataset)}, not '{split}'; set split to one of them")
-        dataset = dataset[split]
-    return dataset
+    if not isinstance(loaded, DatasetDict | IterableDatasetDict):
+        return loaded
+    if split not in loaded:
+        raise DataConfigError(f"{path} has splits {sorted(loaded)}, not '{split}'; {fix}")
+    return loaded[split]
 
 
-def load_hf_dataset(
+def open_hf_dataset(
     data_path: str | os.PathLike, *, streaming: bool, cache_dir: str | os.PathLike | None = None, split: str = "train"
 ):
     """Open local data files with Hugging Face ``datasets``.
@@ -369,7 +371,9 @@ def load_hf_dataset(
     """
     path = Path(os.fspath(data_path)).expanduser()
     if path.is_dir() and is_saved_hf_dataset(path):
-        dataset = _load_saved_hf_dataset(path, split)
+        from datasets import load_from_disk
+
+        dataset = select_hf_split(load_from_disk(str(path)), split, path, "set split to one of them")
         if streaming:
             dataset = dataset.to_iterable_dataset(num_shards=max(1, len(dataset.cache_files)))
         return dataset, str(path)
