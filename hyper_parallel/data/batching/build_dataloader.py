@@ -216,10 +216,11 @@ class _Loader:
         }
 
     def _check_state(self, state: Mapping) -> None:
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+        version = state.get("version") if isinstance(state, Mapping) else None
+        if version != _STATE_VERSION:
             raise ResumeStateError(
-                f"loader state version {getattr(state, 'get', lambda _: None)('version')!r} is not supported "
-                f"(expected {_STATE_VERSION}); it was not saved by this loader or by a compatible release"
+                f"loader state version {version!r} is not supported (expected {_STATE_VERSION}); it was not saved "
+                "by this loader or by a compatible release"
             )
         for key, expected in (("loader", type(self).__name__), ("source_type", self.source_type)):
             if state[key] != expected:
@@ -369,10 +370,11 @@ class TextTokenBatcher:
 class DynamicBatchDataLoader(_Loader):
     """Micro-batches of as many samples as fit ``token_budget = micro_batch_size * max_seq_len`` tokens.
 
-    Records are read ``micro_batch_size`` at a time (the DP batch sampler's micro-batches for mapping sources),
-    their ModelSamples buffered, and a micro-batch chosen by ``TextTokenBatcher`` whenever the buffer holds at
-    least ``min_buffered_samples`` samples and a budget's worth of tokens; at the end of the epoch the buffer is
-    flushed. Each DP rank packs its own share, so ranks may deliver different numbers of micro-batches per epoch.
+    Records are read about 32 at a time (whole micro-batches of the DP batch sampler for mapping sources) and
+    enter the buffer one by one; a micro-batch is chosen by ``TextTokenBatcher`` whenever the buffer holds at least
+    ``min_buffered_samples`` samples and a budget's worth of tokens, and at the end of the epoch the buffer is
+    flushed. The batches therefore depend only on the record order, not on reads or workers. Each DP rank packs
+    its own share, so ranks may deliver different numbers of micro-batches per epoch.
 
     Args:
         max_seq_len: tokens per sequence slot; default: the dataset transform's ``max_seq_len``.

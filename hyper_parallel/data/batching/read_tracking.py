@@ -77,10 +77,8 @@ class MappingKeys:
     def at_epoch_start(self, state: dict) -> bool:
         return state["consumed_samples"] == 0
 
-    def set_epoch(self, epoch: int) -> bool:
-        changed = epoch != self.sampler.epoch
+    def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        return changed
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -122,10 +120,8 @@ class StreamKeys:
     def at_epoch_start(self, state: dict) -> bool:
         return False  # a stream is split by the DP size, so its state never moves to another DP size
 
-    def set_epoch(self, epoch: int) -> bool:
-        changed = epoch != self.stream.epoch
+    def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
-        return changed
 
     def __len__(self) -> int:
         raise TypeError("a loader over a streaming (iterable) source has no length; iterate until it stops")
@@ -191,11 +187,11 @@ class TrackedDataLoader:
         """The position after what the caller consumed.
 
         Args:
-            partly_consumed: the unused rest of a delivered batch (read again first).
+            partly_consumed: the unused rest of a delivered batch, marked ``replayed`` (it is read again first).
         """
         pending = ([partly_consumed] if partly_consumed else []) + list(self.unconsumed)
-        replayed = [pulled.keys for pulled in pending if pulled.replayed or pulled is partly_consumed]
-        fresh = [pulled for pulled in pending if not (pulled.replayed or pulled is partly_consumed)]
+        replayed = [pulled.keys for pulled in pending if pulled.replayed]
+        fresh = [pulled for pulled in pending if not pulled.replayed]
         position, fresh_replay = self.source.position(fresh)
         replay = replayed + fresh_replay + list(self.replay)
         replay_epoch = pending[0].epoch if pending else self.replay_epoch
@@ -212,7 +208,8 @@ class TrackedDataLoader:
         return not state["replay"] and self.source.at_epoch_start(state["position"])
 
     def set_epoch(self, epoch: int) -> None:
-        if self.source.set_epoch(epoch):
+        if epoch != self.source.epoch:
+            self.source.set_epoch(epoch)
             self.unconsumed.clear()
             self.replay.clear()
             self.replay_epoch = None
