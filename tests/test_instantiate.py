@@ -385,24 +385,169 @@ def test_disallowed_target_is_refused_before_import(tmp_path, module_dir):
     assert marker.exists()
 
 
+# Every escape below would create MARKER if it ran anything; the tests check that it never exists.
+_RUN = ["touch MARKER"]
+
+
+def _escape(target: str, **keys) -> dict:
+    return {"_target_": target, "_args_": _RUN, **keys}
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        # Outside the allowed prefixes, refused before import.
+        (_escape("os.system"), "outside the allowed module prefixes"),
+        (_escape("posix.system"), "outside the allowed module prefixes"),
+        (_escape("subprocess.Popen"), "outside the allowed module prefixes"),
+        (_escape("builtins.eval"), "outside the allowed module prefixes"),
+        (_escape("importlib.import_module"), "outside the allowed module prefixes"),
+        (_escape("functools.partial"), "outside the allowed module prefixes"),
+        (_escape("hyper_parallel_evil.build"), "outside the allowed module prefixes"),  # not a whole component
+        # Attribute paths through allowed modules: imports of theirs, not their public API.
+        (_escape("hyper_parallel.data.text.build_tokenizer.os.system"), "not part of the public API"),
+        (_escape("hyper_parallel.data.text.build_tokenizer.Path"), "not part of the public API"),
+        (_escape("hyper_parallel.data.instantiate.importlib.import_module"), "not part of the public API"),
+        (_escape("hyper_parallel.data.instantiate.functools.partial"), "not part of the public API"),
+        (_escape("hyper_parallel.data.text.build_dataset.build_tokenizer"), "not part of the public API"),
+        (
+            _escape("hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig.from_mapping.__func__"),
+            "private or dunder name '__func__'",
+        ),
+        (
+            _escape("hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig.__init__.__globals__"),
+            "private or dunder name '__init__'",
+        ),
+        (
+            _escape("hyper_parallel.data.text.build_dataset.build_indexed_text_dataset.__globals__"),
+            "private or dunder name '__globals__'",
+        ),
+        (_escape("hyper_parallel.data.errors.DataConfigError.__subclasses__"), "private or dunder name"),
+        (_escape("hyper_parallel.data.text.build_tokenizer.TextTokenizer.decode"), "through"),
+        # The instantiation machinery and everything that is not a pipeline building block.
+        (
+            {
+                "_target_": "hyper_parallel.data.instantiate.instantiate",
+                "_args_": [{"_target_": "hyper_parallel.data.instantiate.load_config_text", "text": "a: 1"}],
+                "allowed_prefixes": ["os", "posix"],
+            },
+            "not a pipeline building block",
+        ),
+        (_escape("hyper_parallel.data.instantiate._resolve_target"), "private or dunder name '_resolve_target'"),
+        (_escape("hyper_parallel.data.instantiate._Planner"), "private or dunder name '_Planner'"),
+        (_escape("hyper_parallel.data.instantiate.load_config"), "not a pipeline building block"),
+        (_escape("hyper_parallel.data.instantiate.load_config_text"), "not a pipeline building block"),
+        (
+            {"_target_": "hyper_parallel.data.batching.dataloader.build_dataloaders", "config": "x.yaml"},
+            "not a pipeline building block",
+        ),
+        (_escape("hyper_parallel.data.tools.offline_preparation.main"), "not a pipeline building block"),
+        (_escape("hyper_parallel.data.tools.cli.main"), "not a pipeline building block"),
+        (_escape("hyper_parallel.data.indexed.io.IndexedDatasetBuilder"), "not a pipeline building block"),
+        (_escape("hyper_parallel.data.parallel.build_barrier.rank_zero_first"), "not a pipeline building block"),
+    ],
+)
+def test_escapes_are_refused_before_anything_runs(config, fragment, tmp_path, monkeypatch):
+    """No config naming anything but a public building block runs it, nested or partial, whatever it asks."""
+    monkeypatch.chdir(tmp_path)
+    for node in (config, {"outer": [config]}, {**config, "_partial_": True}):
+        with pytest.raises(DataConfigError) as error:
+            instantiate(node, path="dataset")
+        assert fragment in str(error.value)
+        assert "dataset" in str(error.value).split(":")[0]
+    assert not (tmp_path / "MARKER").exists()
+
+
+ESCAPE_PIPELINE = """
+dataset:
+  _target_: hyper_parallel.data.instantiate.instantiate
+  _args_:
+    - _target_: hyper_parallel.data.instantiate.load_config_text
+      text: "{_target_: posix.system, _args_: ['touch MARKER']}"
+  allowed_prefixes: [os, posix]
+dataloader:
+  _target_: hyper_parallel.data.batching.FixedBatchDataLoader
+"""
+
+
+def test_a_config_cannot_widen_its_allowlist_through_build_dataloaders(tmp_path, monkeypatch):
+    """The escape of a config that calls ``instantiate`` itself, with its own ``allowed_prefixes``, on a config
+    built by ``load_config_text``: refused when the pipeline is built, and nothing runs."""
+    from hyper_parallel.data.batching.dataloader import build_dataloaders
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataConfigError, match="dataset._target_: .* is not a pipeline building block"):
+        build_dataloaders(load_config_text(ESCAPE_PIPELINE))
+    assert not (tmp_path / "MARKER").exists()
+
+
+def test_preview_refuses_the_escape_with_exit_status_2(tmp_path, monkeypatch, capsys):
+    """``hp-data preview`` on the same config: the tool's one-line error, and nothing runs."""
+    from hyper_parallel.data.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "escape.yaml").write_text(ESCAPE_PIPELINE, encoding="utf-8")
+
+    assert main(["preview", "escape.yaml", "--tokenizer", str(BUNDLED_TOKENIZER_PATH)]) == 2
+    assert "is not a pipeline building block" in capsys.readouterr().err
+    assert not (tmp_path / "MARKER").exists()
+
+
+def test_user_modules_expose_only_their_own_public_classes_and_functions(module_dir, tmp_path, monkeypatch):
+    """With a user prefix allowed, its public API works; its imports, aliases, callable objects and names left out
+    of its ``__all__`` do not."""
+    monkeypatch.chdir(tmp_path)
+    module_dir(
+        "hp_instantiate_user",
+        "import functools\nimport os\nfrom os import system\n\n"
+        "__all__ = ['build', 'Builder', 'system', 'alias', 'run_later', 'os']\n\n"
+        "def build(value):\n    return ('built', value)\n\n"
+        "def hidden(value):\n    return value\n\n"
+        "class Builder:\n    def __init__(self, value):\n        self.value = value\n\n"
+        "    @classmethod\n    def make(cls, value):\n        return cls(value)\n\n"
+        "alias = build\n"
+        "run_later = functools.partial(system, 'touch MARKER')\n",
+    )
+    allowed = ("hp_instantiate_user",)
+
+    assert instantiate({"_target_": "hp_instantiate_user.build", "value": 1}, allowed_prefixes=allowed) == ("built", 1)
+    assert (
+        instantiate({"_target_": "hp_instantiate_user.Builder.make", "value": 2}, allowed_prefixes=allowed).value == 2
+    )
+    refused = {
+        "hp_instantiate_user.system": "'posix.system' reached through hp_instantiate_user",
+        "hp_instantiate_user.alias": "'hp_instantiate_user.build' reached through hp_instantiate_user",
+        "hp_instantiate_user.run_later": "is a partial, not a function or class",
+        "hp_instantiate_user.hidden": "not part of the public API",
+        "hp_instantiate_user.os.system": "through 'hp_instantiate_user.os'",
+        "hp_instantiate_user": "is a module, not a function or class",
+    }
+    for target, fragment in refused.items():
+        with pytest.raises(DataConfigError) as error:
+            instantiate({"_target_": target, "_args_": _RUN}, allowed_prefixes=allowed)
+        assert fragment in str(error.value), target
+    assert not (tmp_path / "MARKER").exists()
+
+
 @pytest.mark.parametrize(
     "target",
     [
-        "hyper_parallel_evil.build",  # shares characters with the prefix, not a whole component
-        "hyper_parallel.data.text.build_tokenizer.os.system",  # a module re-exported by an allowed one
-        "hyper_parallel.data.text.build_tokenizer.Path",  # a class re-exported by an allowed one
+        # The targets of the design's config examples, and the canonical paths of re-exported names.
+        "hyper_parallel.data.batching.DynamicBatchDataLoader",
+        "hyper_parallel.data.batching.FixedBatchDataLoader",
+        "hyper_parallel.data.batching.build_dataloader.FixedBatchDataLoader",
+        "hyper_parallel.data.batching.build_indexed_collate_fn",
+        "hyper_parallel.data.batching.build_online_text_collate_fn",
+        "hyper_parallel.data.text.build_data_transform.build_llm_data_transform",
+        "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
+        "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
+        "hyper_parallel.data.text.build_tokenizer.build_tokenizer",
+        "hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig.from_mapping",
     ],
 )
-def test_prefix_matches_whole_components_and_follows_re_exports(target):
-    """Prefixes match whole dotted components, and the object must be defined under an allowed prefix, so an
-    allowed module cannot be used as a path to anything it imports."""
-    with pytest.raises(DataConfigError, match="outside the allowed module prefixes"):
-        instantiate({"_target_": target, "_partial_": True}, path="x")
-
-
-def test_dunder_attributes_are_refused():
-    with pytest.raises(DataConfigError, match="dunder attribute"):
-        instantiate({"_target_": "hyper_parallel.data.errors.DataConfigError.__subclasses__"})
+def test_pipeline_building_blocks_resolve(target):
+    built = instantiate({"_target_": target, "_partial_": True})
+    assert isinstance(built, functools.partial)
 
 
 def test_allowed_prefixes_are_checked():

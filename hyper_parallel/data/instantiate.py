@@ -3,11 +3,14 @@
 Owns: reading a YAML config into plain containers (``load_config``, ``load_config_text``) and turning a config
 tree into objects (``instantiate``). A mapping with ``_target_: dotted.path`` is called with its other keys as
 keyword arguments, after its own values are built (depth-first); ``_args_`` gives positional arguments and
-``_partial_: true`` returns a ``functools.partial`` instead of calling. Targets are imported only from
-``allowed_prefixes``. ``context`` holds what the trainer knows at run time (tokenizer, ranks, batch sizes, seed):
-each entry is passed to every target whose signature names it and whose node does not set it. The whole tree is
-checked (targets, keys, required arguments) before anything is built, so a typo deep in the config fails at once
-rather than after minutes of tokenizer or dataset construction. Not responsible for: what the targets do, nor
+``_partial_: true`` returns a ``functools.partial`` instead of calling. A target is a public class or function
+(or a class's classmethod) named by its canonical path, in a module under ``allowed_prefixes``; in this library,
+only the pipeline building blocks of ``LIBRARY_TARGET_MODULES`` qualify, so a config cannot call the instantiation
+machinery, widen its own allowlist, or reach other modules through attributes. ``context`` holds what the
+trainer knows at run time (tokenizer, ranks, batch sizes, seed): each entry is passed to every target whose
+signature names it and whose node does not set it. The whole tree is checked (targets, keys, required arguments)
+before anything is built, so a typo deep in the config fails at once rather than after minutes of tokenizer or
+dataset construction. Not responsible for: what the targets do, nor
 config schemas (each target validates its own arguments).
 """
 
@@ -33,6 +36,7 @@ from hyper_parallel.data.errors import DataConfigError
 __all__ = [
     "ARGS_KEY",
     "DEFAULT_ALLOWED_PREFIXES",
+    "LIBRARY_TARGET_MODULES",
     "PARTIAL_KEY",
     "TARGET_KEY",
     "instantiate",
@@ -45,6 +49,23 @@ ARGS_KEY = "_args_"
 PARTIAL_KEY = "_partial_"
 _RESERVED_KEYS = (TARGET_KEY, ARGS_KEY, PARTIAL_KEY)
 DEFAULT_ALLOWED_PREFIXES = ("hyper_parallel.",)
+# The library's pipeline building blocks: the only hyper_parallel modules whose public classes and functions a
+# config may name, whatever the allowed prefixes. The instantiation machinery, the pipeline assembly (which takes
+# its own allowlist), the command-line tools and the file writers are deliberately absent.
+LIBRARY_TARGET_MODULES = frozenset(
+    {
+        "hyper_parallel.data.batching",
+        "hyper_parallel.data.batching.build_collate_fn",
+        "hyper_parallel.data.batching.build_dataloader",
+        "hyper_parallel.data.indexed.indexed_data_config",
+        "hyper_parallel.data.parallel.batch_sampler",
+        "hyper_parallel.data.text.build_data_transform",
+        "hyper_parallel.data.text.build_dataset",
+        "hyper_parallel.data.text.build_tokenizer",
+        "hyper_parallel.data.text.chat_template",
+        "hyper_parallel.data.text.online.online_dataset",
+    }
+)
 
 # Parameter kinds that can be given by keyword, hence by a config key or a context entry.
 _KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -143,8 +164,10 @@ def instantiate(
             that can be given by keyword (``**kwargs`` does not count), the node does not set it, and ``_args_``
             does not fill it. ``_partial_`` nodes receive it too.
         allowed_prefixes: module paths targets may come from, matched on whole dotted components
-            (``"hyper_parallel."`` allows ``hyper_parallel.data.x`` but not ``hyper_parallel_x``). The object a
-            target resolves to must also be defined in one of them, so re-exports cannot reach other modules.
+            (``"hyper_parallel."`` allows ``hyper_parallel.data.x`` but not ``hyper_parallel_x``). Only the caller
+            sets them: no target can. A target must be a public name (in ``__all__`` where the module has one) of
+            its module, defined there or, for a package, in one of its submodules; library modules must also be
+            in ``LIBRARY_TARGET_MODULES``.
         path: where ``config`` sits in a larger file (e.g. ``"dataset"``), to prefix the paths in messages.
 
     Returns:
@@ -341,7 +364,13 @@ class _Planner:
 
 
 def _resolve_target(target_name: Any, path: str, prefixes: tuple[str, ...]) -> Callable:
-    """Import the object ``target_name`` names, refusing anything outside ``prefixes`` before importing it."""
+    """The class or function ``target_name`` names, by its canonical name, or a ``DataConfigError`` saying why not.
+
+    Refused before anything is imported: malformed paths, private or dunder components, modules outside
+    ``prefixes``. Refused after importing the named module: names outside its public API, attribute paths through
+    other objects, aliases and re-exports from other modules, objects that are not classes or functions, and any
+    ``hyper_parallel`` module that is not a pipeline building block (``LIBRARY_TARGET_MODULES``).
+    """
     if not isinstance(target_name, str) or not target_name:
         raise DataConfigError(
             f"{path}: must be a dotted path such as 'hyper_parallel.data.text.build_tokenizer.build_tokenizer', "
@@ -350,6 +379,12 @@ def _resolve_target(target_name: Any, path: str, prefixes: tuple[str, ...]) -> C
     parts = target_name.split(".")
     if not all(part.isidentifier() for part in parts):
         raise DataConfigError(f"{path}: '{target_name}' is not a dotted path of Python names; check its spelling")
+    private = [part for part in parts if part.startswith("_")]
+    if private:
+        raise DataConfigError(
+            f"{path}: target '{target_name}' goes through the private or dunder name '{private[0]}', which is "
+            "refused; name a public class or function"
+        )
     allow_hint = f"pass allowed_prefixes=({', '.join(repr(p + '.') for p in prefixes)}, '<your.module>.') to allow it"
     # Checked before importing: importing a module runs its code.
     if not _is_allowed(target_name, prefixes):
@@ -357,42 +392,96 @@ def _resolve_target(target_name: Any, path: str, prefixes: tuple[str, ...]) -> C
             f"{path}: target '{target_name}' is outside the allowed module prefixes "
             f"{[p + '.' for p in prefixes]}; {allow_hint}"
         )
-    if any(part.startswith("__") for part in parts):
-        raise DataConfigError(f"{path}: target '{target_name}' goes through a dunder attribute, which is refused")
-
-    obj, depth = _import_longest_module(target_name, parts, path)
-    for index in range(depth, len(parts)):
-        try:
-            obj = getattr(obj, parts[index])
-        except AttributeError:
-            owner = ".".join(parts[:index])
-            close = difflib.get_close_matches(parts[index], _public_names(obj), n=1)
-            hint = f" (did you mean '{owner}.{close[0]}'?)" if close else ""
-            raise DataConfigError(
-                f"{path}: target '{target_name}' cannot be found: '{owner}' has no attribute or submodule "
-                f"'{parts[index]}'{hint}; check the spelling"
-            ) from None
-    if not callable(obj):
+    module, depth = _import_longest_module(target_name, parts, path)
+    module_name, attributes = ".".join(parts[:depth]), parts[depth:]
+    if not attributes:
         raise DataConfigError(
-            f"{path}: target '{target_name}' is a {type(obj).__name__}, not a function or class; point "
-            f"{TARGET_KEY} at a callable"
+            f"{path}: target '{target_name}' is a module, not a function or class; name one of its public "
+            "functions or classes"
         )
-    # A name under an allowed module may be a re-export (``allowed.module.os.system``); follow it home.
-    defined_in = getattr(obj, "__module__", None)
-    if not isinstance(defined_in, str) or not _is_allowed(defined_in, prefixes):
+    obj = _attribute(module, module_name, attributes, target_name, path)
+    defined_in = _canonical_module(obj, module, module_name, attributes, target_name, path)
+    if not _is_allowed(defined_in, prefixes):
         raise DataConfigError(
             f"{path}: target '{target_name}' resolves to an object defined in module {defined_in!r}, outside the "
             f"allowed module prefixes {[p + '.' for p in prefixes]}; {allow_hint}"
         )
+    if any(_is_allowed(name, ("hyper_parallel",)) for name in (module_name, defined_in)) and not (
+        module_name in LIBRARY_TARGET_MODULES and defined_in in LIBRARY_TARGET_MODULES
+    ):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' is not a pipeline building block: the instantiation machinery, the "
+            "pipeline assembly and the command-line tools cannot be called from a config. Name a public class or "
+            f"function of one of: {', '.join(sorted(LIBRARY_TARGET_MODULES))}"
+        )
     return obj
 
 
-def _public_names(obj: Any) -> list[str]:
-    names = [name for name in dir(obj) if not name.startswith("_")]
+def _attribute(module: Any, module_name: str, attributes: list[str], target_name: str, path: str) -> Any:
+    """Follow ``attributes`` from ``module``: one of its public names, then at most a classmethod or staticmethod."""
+    exports = _exports(module)
+    if attributes[0] not in exports:
+        if hasattr(module, attributes[0]):
+            reason = (
+                f"'{attributes[0]}' is not part of the public API of {module_name} (its __all__); a config may "
+                "name a module's public classes and functions only"
+            )
+        else:
+            close = difflib.get_close_matches(attributes[0], _suggestions(module, exports), n=1)
+            hint = f" (did you mean '{module_name}.{close[0]}'?)" if close else ""
+            reason = f"'{module_name}' has no attribute or submodule '{attributes[0]}'{hint}; check the spelling"
+        raise DataConfigError(f"{path}: target '{target_name}' cannot be used: {reason}")
+    obj = getattr(module, attributes[0])
+    if len(attributes) == 1:
+        return obj
+    method = ".".join(attributes[1:])
+    kind = inspect.getattr_static(obj, method, None) if inspect.isclass(obj) and len(attributes) == 2 else None
+    if not isinstance(kind, classmethod | staticmethod):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' reaches '{method}' through '{module_name}.{attributes[0]}', which is "
+            "refused; name a class or function of a module ('module.name') or a class's classmethod or "
+            "staticmethod ('module.Class.method')"
+        )
+    return getattr(obj, method)
+
+
+def _canonical_module(obj: Any, module: Any, module_name: str, attributes: list[str], target_name: str, path: str):
+    """The module that defines ``obj``'s class or function, after checking that the target names it canonically:
+    by its own name, in that module or in a package re-exporting it from one of its submodules, never as an alias
+    or as another module's import."""
+    owner = getattr(module, attributes[0])
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        raise DataConfigError(
+            f"{path}: target '{target_name}' is a {type(obj).__name__}, not a function or class; point "
+            f"{TARGET_KEY} at a class or function"
+        )
+    defined_in = getattr(owner, "__module__", None)
+    own_name = getattr(owner, "__qualname__", None)
+    at_home = isinstance(defined_in, str) and (
+        defined_in == module_name or (hasattr(module, "__path__") and defined_in.startswith(module_name + "."))
+    )
+    if not at_home or own_name != attributes[0]:
+        canonical = ".".join([str(defined_in), str(own_name), *attributes[1:]])
+        raise DataConfigError(
+            f"{path}: target '{target_name}' is '{canonical}' reached through {module_name}; name it by its "
+            "canonical path (if its module is allowed)"
+        )
+    return defined_in
+
+
+def _exports(module: Any) -> list[str]:
+    """A module's public names: its ``__all__``, or else every name without a leading underscore."""
+    names = getattr(module, "__all__", None)
+    if names is None:
+        return [name for name in vars(module) if not name.startswith("_")]
+    return [name for name in names if isinstance(name, str)]
+
+
+def _suggestions(module: Any, exports: list[str]) -> list[str]:
     # A package's submodules are attributes only once imported; offer them as suggestions all the same.
-    if hasattr(obj, "__path__"):
-        names += [info.name for info in pkgutil.iter_modules(obj.__path__)]
-    return names
+    if hasattr(module, "__path__"):
+        return exports + [info.name for info in pkgutil.iter_modules(module.__path__)]
+    return exports
 
 
 def _import_longest_module(target_name: str, parts: list[str], path: str) -> tuple[Any, int]:
