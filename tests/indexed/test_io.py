@@ -352,9 +352,10 @@ def test_add_documents_equals_one_document_at_a_time(tmp_path, dtype, multimodal
 
 
 def add_with(method: str, builder: IndexedDatasetBuilder, tokens) -> None:
-    """Add ``tokens`` as one sequence through ``method``."""
+    """Add ``tokens`` as one sequence (and one document) through ``method``."""
     if method == "add_item":
         builder.add_item(tokens)
+        builder.end_document()  # a pair whose document indices stop short of its sequences is refused on reading
     elif method == "add_document":
         builder.add_document(tokens, [len(tokens)])
     else:

@@ -90,6 +90,21 @@ class IdxHeader:
         per_sequence = 4 + 8 + (1 if multimodal else 0)
         return self.sequence_count * per_sequence + self.document_count * 8
 
+    def check_file_size(self, idx_size: int, path: Path | str, multimodal: bool = False) -> None:
+        """Refuse an index of ``idx_size`` bytes too short for the arrays this header promises.
+
+        Called before any array is viewed or sized from the counts, so that a corrupt count (say 10**18
+        sequences) is an error naming the file, never an allocation or a ``MemoryError``.
+        """
+        needed = HEADER_SIZE + self.arrays_nbytes(multimodal)
+        if idx_size < needed:
+            raise DataFileError(
+                f"{path}: the index is truncated or its header is corrupt: the header promises "
+                f"{self.sequence_count} sequences and {self.document_count - 1} documents ({needed} bytes"
+                f"{' with modes' if multimodal else ''}), but the file has {idx_size} bytes. Rebuild the pair with "
+                "offline_preparation; an interrupted writer leaves such files."
+            )
+
     @classmethod
     def parse(cls, raw: bytes, path: Path | str) -> IdxHeader:
         """Parse the header bytes of ``path``; every failure names the file and the fix."""

@@ -3,12 +3,19 @@
 Owns: parsing and checking the index, and reading token ranges of one prefix without copying the ``.bin``
 into memory. Not responsible for: documents-to-samples assembly, splits or blends (mid-level datasets), or
 writing files (``io.IndexedDatasetBuilder``). The byte layout is documented in ``idx_format``.
+
+Checks come in two steps. Opening checks what costs nothing per prefix: both paths are regular files, the header,
+the ``.idx`` size against the header's counts, and the last sequence against the ``.bin`` size. The first read
+of tokens (``[i]``, ``get``, a slice or ``gather``) checks the whole index against the ``.bin`` once
+(``_index_problems``, the check ``verify`` runs), so that no sample is ever cut from a corrupt index while
+start-up over thousands of prefixes stays a header read each.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +28,11 @@ __all__ = ["IndexedDataReader", "data_file_paths", "read_sequence_counts"]
 # An index that fits in one page is read into memory (a map would take a whole page anyway); a larger one is
 # memory-mapped, so that processes share its pages.
 _READ_INDEX_AT_MOST = mmap.PAGESIZE
+
+# Entries per vectorised pass of the full index check: its temporaries stay near 10 MB whatever the index size.
+_CHECK_CHUNK = 1 << 20
+
+_REBUILD = "Rebuild the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
 
 
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -55,22 +67,105 @@ def missing_pair_error(prefix: str) -> DataFileError:
     )
 
 
-def read_sequence_counts(prefix: str) -> tuple[int, int]:
-    """``(sequence_count, document_count)`` of ``<prefix>.idx``, from its header alone.
+def _regular(status: os.stat_result, path: str, prefix: str) -> os.stat_result:
+    """``status``, the ``stat`` of ``path``, when it is a regular file; anything else is a DataFileError naming it."""
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+        raise DataFileError(
+            f"indexed dataset '{prefix}': {path} is {kind}, where a data file of the pair belongs. Pass the path "
+            f"prefix of an .idx/.bin pair, or move what is at {path} away. {_REBUILD}"
+        )
+    return status
 
-    Raises:
-        DataFileError: the index is missing, unreadable or has a malformed header.
-    """
-    idx_path = os.fspath(prefix) + ".idx"
+
+def _open_regular(path: str, prefix: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file ``path`` and its ``stat``; anything else is a DataFileError."""
     try:
-        with open(idx_path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-    except FileNotFoundError:
+        # O_NONBLOCK: opening a FIFO placed at the path must fail below rather than wait for a writer; it changes
+        # nothing for regular files.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         raise missing_pair_error(prefix) from None
     except OSError as error:
+        raise DataFileError(f"indexed dataset '{prefix}': cannot open {path}: {error.strerror}") from None
+    try:
+        return fd, _regular(os.fstat(fd), path, prefix)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_sequence_counts(prefix: str) -> tuple[int, int]:
+    """``(sequence_count, document_count)`` of ``<prefix>.idx``, from its header and the file size.
+
+    Reads the 34 header bytes only; counts that the file is too short to hold are refused before anything is
+    sized from them.
+
+    Raises:
+        DataFileError: the index is missing, not a regular file, unreadable, has a malformed header, or is
+            shorter than its counts need.
+    """
+    idx_path = os.fspath(prefix) + ".idx"
+    fd, idx_status = _open_regular(idx_path, prefix)
+    try:
+        raw = _pread_full(fd, HEADER_SIZE, 0)
+    except OSError as error:
         raise DataFileError(f"indexed dataset '{prefix}': cannot read {idx_path}: {error.strerror}") from None
+    finally:
+        os.close(fd)
     header = IdxHeader.parse(raw, idx_path)
+    header.check_file_size(idx_status.st_size, idx_path)
     return header.sequence_count, header.document_count
+
+
+def _tally(found: dict[str, tuple[int, int]], name: str, mask: np.ndarray, begin: int) -> None:
+    """Add the failures of check ``name`` in a chunk starting at ``begin`` to ``found[name]``: (count, first)."""
+    bad = np.flatnonzero(mask)
+    if bad.size:
+        count, first = found.get(name, (0, begin + int(bad[0])))
+        found[name] = (count + int(bad.size), first)
+
+
+def _scan_sequences(
+    lengths: np.ndarray, pointers: np.ndarray, itemsize: int, bin_size: int
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """``(count, first)`` of the sequences failing each check, and the bytes all sequences hold, chunk by chunk.
+
+    Checks: ``negative`` length, ``outside`` the ``.bin`` (written ``pointer > bin_size - size`` so that a corrupt
+    pointer near 2**63 cannot overflow), ``moved`` (the pointer is not the sum of the sizes before it).
+    """
+    found: dict[str, tuple[int, int]] = {}
+    total = 0  # bytes of the sequences before the chunk
+    for begin in range(0, len(lengths), _CHECK_CHUNK):
+        sizes = lengths[begin : begin + _CHECK_CHUNK].astype(np.int64)
+        sizes *= itemsize
+        ends = np.cumsum(sizes)
+        ends += total
+        total = int(ends[-1])
+        chunk = pointers[begin : begin + _CHECK_CHUNK]
+        _tally(found, "negative", sizes < 0, begin)
+        _tally(found, "outside", (chunk < 0) | (chunk > bin_size - sizes), begin)
+        _tally(found, "moved", chunk != ends - sizes, begin)
+    return found, total
+
+
+def _scan_documents(documents: np.ndarray, count: int) -> dict[str, tuple[int, int]]:
+    """``(count, first)`` of the document indices failing each check, chunk by chunk.
+
+    Checks: ``decrease`` (smaller than the entry before), ``outside`` ``[0, count]`` (inner entries only: the first
+    and last are checked against 0 and ``count`` exactly).
+    """
+    found: dict[str, tuple[int, int]] = {}
+    last = len(documents) - 1
+    for begin in range(1, len(documents), _CHECK_CHUNK):
+        stop = min(begin + _CHECK_CHUNK, len(documents))
+        current = documents[begin:stop]
+        _tally(found, "decrease", current < documents[begin - 1 : stop - 1], begin)
+        outside = (current < 0) | (current > count)
+        if stop == last + 1:
+            outside[-1] = False
+        _tally(found, "outside", outside, begin)
+    return found
 
 
 class IndexedDataReader:
@@ -100,12 +195,13 @@ class IndexedDataReader:
         # and pathlib cost tens of microseconds each).
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         try:
-            bin_size = os.stat(bin_path).st_size  # the .bin itself is opened on the first read
-            fd = os.open(idx_path, os.O_RDONLY)
+            bin_status = os.stat(bin_path)  # the .bin itself is opened on the first read
         except (FileNotFoundError, NotADirectoryError):
             raise missing_pair_error(self.path_prefix) from None
+        bin_size = _regular(bin_status, bin_path, self.path_prefix).st_size
+        fd, idx_status = _open_regular(idx_path, self.path_prefix)
+        idx_size = idx_status.st_size
         try:
-            idx_size = os.fstat(fd).st_size
             # A small index is copied by one read, cheaper than a map (a syscall, page faults, an unmap); a large
             # one is mapped so that processes share its pages. Either way the arrays are read-only views.
             if idx_size <= _READ_INDEX_AT_MOST:
@@ -113,17 +209,12 @@ class IndexedDataReader:
                 idx_size = len(index)  # shorter if the file shrank since fstat
             else:
                 index = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # outlives the descriptor
+        except OSError as error:
+            raise DataFileError(f"indexed dataset '{self.path_prefix}': cannot read {idx_path}: {error}") from None
         finally:
             os.close(fd)
         header = IdxHeader.parse(index[:HEADER_SIZE], idx_path)
-        needed = HEADER_SIZE + header.arrays_nbytes(self.multimodal)
-        if idx_size < needed:
-            raise DataFileError(
-                f"{idx_path}: the index is truncated: its header promises {header.sequence_count} sequences "
-                f"and {header.document_count - 1} documents ({needed} bytes"
-                f"{' with modes' if self.multimodal else ''}), but the file has {idx_size} bytes. Rebuild "
-                "it; an interrupted writer leaves such files."
-            )
+        header.check_file_size(idx_size, idx_path, self.multimodal)
         self._header = header
         count = header.sequence_count
         offset = HEADER_SIZE
@@ -145,45 +236,77 @@ class IndexedDataReader:
         self._bin_size = bin_size
         self._fd: int | None = None
         self._bin_view: memoryview | None = None
-        self._bin_opened = False
+        self._bin_opened = False  # the .bin is opened, and the whole index checked, on the first read
         # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
         self._count = header.sequence_count
         self._dtype = header.dtype
         self._itemsize = header.dtype.itemsize
         self._tokens: np.ndarray | None = None  # the whole .bin as one token array, made on first gather
 
+    def _index_problems(self) -> list[str]:
+        """Every way the index disagrees with itself or with the ``.bin`` size, each with its first offending entry.
+
+        Sequence ``i`` must have a non-negative length, start where the sequences before it end and lie within the
+        ``.bin``, which they must fill exactly; the document indices must rise from 0 to the sequence count. For
+        uint16 lengths ``[3, 0, 2]``: pointers ``[0, 6, 6]``, a 10-byte ``.bin``, document indices like ``[0, 2, 3]``.
+        """
+        lengths, pointers, documents = self._lengths, self._pointers, self._document_indices
+        itemsize, bin_size, bin_path = self._itemsize, self._bin_size, self.path_prefix + ".bin"
+        sequences, total = _scan_sequences(lengths, pointers, itemsize, bin_size)
+        problems = []
+        if "negative" in sequences:
+            n, i = sequences["negative"]
+            problems.append(f"{n} sequences have a negative length; first: sequence {i} has length {lengths[i]}")
+        if "outside" in sequences:
+            n, i = sequences["outside"]
+            problems.append(
+                f"{n} sequences lie outside {bin_path} ({bin_size} bytes); first: sequence {i} of {lengths[i]} "
+                f"tokens at byte {pointers[i]} ends at byte {int(pointers[i]) + int(lengths[i]) * itemsize}"
+            )
+        if "moved" in sequences:
+            n, i = sequences["moved"]
+            expected = int(lengths[:i].sum(dtype=np.int64)) * itemsize
+            problems.append(
+                f"{n} sequence pointers disagree with the cumulative lengths; first: sequence {i} points to "
+                f"byte {pointers[i]}, expected {expected}"
+            )
+        if total != bin_size:
+            problems.append(f"the sequences hold {total} bytes but {bin_path} has {bin_size} bytes")
+        count = len(lengths)
+        if documents[0] != 0:
+            problems.append(f"document_indices must start with 0, found {documents[0]}")
+        if documents[-1] != count:
+            problems.append(f"document_indices must end with the sequence count {count}, found {documents[-1]}")
+        scan = _scan_documents(documents, count)
+        if "outside" in scan:
+            n, j = scan["outside"]
+            problems.append(
+                f"{n} document indices lie outside [0, {count}]; first: document_indices[{j}] = {documents[j]}"
+            )
+        if "decrease" in scan:
+            n, j = scan["decrease"]
+            problems.append(
+                f"document_indices decrease at position {j} ({documents[j - 1]} then {documents[j]}), "
+                f"{n} time{'s' if n > 1 else ''} in all"
+            )
+        return problems
+
+    def _check_index(self) -> None:
+        """Raise one DataFileError listing every problem ``_index_problems`` finds, naming the file and the fix."""
+        problems = self._index_problems()
+        if problems:
+            raise DataFileError(
+                f"{self.path_prefix}.idx: the index is inconsistent, so samples read through it would be wrong:\n  - "
+                + "\n  - ".join(problems)
+                + f"\n{_REBUILD}"
+            )
+
     def verify(self) -> None:
         """Check that lengths, pointers, document indices and the ``.bin`` size agree; raise listing every problem.
 
-        Opening already checks what is cheap; this walks the whole index (a few vectorised passes).
+        The same check runs by itself before the first read returns any token; ``verify`` runs it now.
         """
-        idx_path, bin_path = data_file_paths(self.path_prefix)
-        problems = []
-        lengths = self._lengths.astype(np.int64)
-        if lengths.size and lengths.min() < 0:
-            problems.append(f"sequence {int(np.argmin(lengths))} has a negative length {int(lengths.min())}")
-        expected_pointers = np.zeros_like(lengths)
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=expected_pointers[1:])
-        bad = np.flatnonzero(expected_pointers != self._pointers)
-        if bad.size:
-            i = int(bad[0])
-            problems.append(
-                f"{bad.size} sequence pointers disagree with the cumulative lengths; first: sequence {i} points to "
-                f"byte {int(self._pointers[i])}, expected {int(expected_pointers[i])}"
-            )
-        docs = self._document_indices
-        if docs[0] != 0:
-            problems.append(f"document_indices must start with 0, found {int(docs[0])}")
-        if docs[-1] != len(self):
-            problems.append(f"document_indices must end with the sequence count {len(self)}, found {int(docs[-1])}")
-        steps = np.flatnonzero(np.diff(docs) < 0)
-        if steps.size:
-            problems.append(f"document_indices decrease at position {int(steps[0]) + 1}")
-        total = int(lengths.sum()) * self.dtype.itemsize
-        if total != self._bin_size:
-            problems.append(f"the sequences hold {total} bytes but {bin_path} has {self._bin_size} bytes")
-        if problems:
-            raise DataFileError(f"{idx_path}: the index is inconsistent:\n  - " + "\n  - ".join(problems))
+        self._check_index()
 
     # -- metadata ---------------------------------------------------------------------------------------------
 
@@ -232,17 +355,23 @@ class IndexedDataReader:
     # -- reading ----------------------------------------------------------------------------------------------
 
     def _open_bin(self) -> None:
-        """Map (or open) the ``.bin`` on first use: start-up with thousands of prefixes opens only the indices."""
+        """On the first read: check the whole index against the ``.bin`` as it is now, then map (or open) it.
+
+        Start-up with thousands of prefixes opens only the indices; the full check runs here once per reader and
+        process (a reader sent to a DataLoader worker re-opens, and checks again there, before its first read).
+        """
+        fd, status = _open_regular(self.path_prefix + ".bin", self.path_prefix)
+        self._bin_size = status.st_size
         try:
-            fd = os.open(self.path_prefix + ".bin", os.O_RDONLY)
-        except FileNotFoundError:
-            raise missing_pair_error(self.path_prefix) from None
-        if self.mmap:
-            # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
-            self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
-            os.close(fd)
-        else:
-            self._fd = fd
+            self._check_index()
+            if self.mmap:
+                # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
+                self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
+            else:
+                self._fd, fd = fd, None
+        finally:
+            if fd is not None:
+                os.close(fd)
         self._bin_opened = True
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
@@ -260,7 +389,7 @@ class IndexedDataReader:
             )
         return np.frombuffer(raw, dtype=self._dtype)
 
-    def _check_index(self, i) -> int:
+    def _sequence_id(self, i) -> int:
         n = self._count
         if not -n <= i < n:
             raise IndexError(f"sequence {i} is out of range for '{self.path_prefix}' with {n} sequences")
@@ -268,7 +397,9 @@ class IndexedDataReader:
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Return ``length`` tokens of sequence ``i`` starting ``offset`` tokens in (default: to its end)."""
-        i = self._check_index(i)
+        if not self._bin_opened:
+            self._open_bin()  # the index is checked before its lengths bound the range
+        i = self._sequence_id(i)
         sequence_length = self._lengths.item(i)
         if length is None:
             length = sequence_length - offset
@@ -286,7 +417,7 @@ class IndexedDataReader:
         Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
         """
         if isinstance(key, (int, np.integer)):
-            i = self._check_index(key)
+            i = self._sequence_id(key)
             array = self._read(self._pointers.item(i), self._lengths.item(i))
             return (array, self._modes.item(i)) if self._modes is not None else array
         if isinstance(key, slice):
@@ -302,6 +433,8 @@ class IndexedDataReader:
         sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
+        if not self._bin_opened:
+            self._open_bin()  # the index is checked before its lengths bound the ranges
         if len(sequence_ids) and (
             sequence_ids.min() < 0
             or sequence_ids.max() >= self._count
@@ -310,8 +443,6 @@ class IndexedDataReader:
             or np.any(offsets + lengths > self._lengths[sequence_ids])
         ):
             raise IndexError(f"a requested token range is outside its sequence in '{self.path_prefix}'")
-        if not self._bin_opened:
-            self._open_bin()
         if self._bin_view is None:
             pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
             return np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
