@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from indexed.test_index_cache import assert_same_datasets, write_corpus
 
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.tools.build_sequences_per_dataset import collect_prefixes, main
@@ -73,15 +75,33 @@ def test_directories_expand_as_training_expands_them(tmp_path):
 
 
 def test_reads_only_the_header(tmp_path, monkeypatch):
-    """Only the 34 header bytes are read: nothing is memory-mapped, and truncated arrays go unnoticed."""
+    """Only the 34 header bytes are read and compared with the file size: nothing is memory-mapped."""
     prefix = write_corpus(tmp_path / "corpus", num_documents=10)
-    with open(f"{prefix}.idx", "r+b") as f:
-        f.truncate(40)
     monkeypatch.setattr(np, "memmap", None)  # any attempt to map the index fails
+    monkeypatch.setattr(mmap, "mmap", None)
     out = tmp_path / "sequences.json"
 
     assert main(["--data-path", prefix, "--per-dataset-sequences-path", str(out)]) == 0
     assert json.loads(out.read_text(encoding="utf-8")) == {prefix: [10, 11]}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "count-10**18"])
+def test_counts_the_index_cannot_hold_exit_2_naming_it(tmp_path, capsys, damage):
+    """A truncated index, or a header claiming 10**18 sequences, is refused naming the file; no file is written."""
+    prefix = write_corpus(tmp_path / "corpus", num_documents=10)
+    with open(f"{prefix}.idx", "r+b") as f:
+        if damage == "truncated":
+            f.truncate(40)
+        else:
+            f.seek(18)
+            f.write(struct.pack("<Q", 10**18))
+    out = tmp_path / "sequences.json"
+
+    code, stdout, err = _run(capsys, "--data-path", prefix, "--per-dataset-sequences-path", out)
+
+    assert code == 2 and stdout == ""
+    assert err.startswith(f"error: {prefix}.idx: the index is truncated or its header is corrupt"), err
+    assert list(tmp_path.glob("sequences.json*")) == []
 
 
 def test_training_with_the_file_builds_the_same_datasets(tmp_path, tokenizer):
@@ -114,6 +134,53 @@ def test_prefix_missing_from_the_file_is_a_config_error(tmp_path, tokenizer):
     config = {**SETTINGS, "data_cache_path": str(tmp_path / "cache"), "per_dataset_sequences_path": str(out)}
     with pytest.raises(DataConfigError, match=f"prefix '{b}' is missing from per_dataset_sequences_path {out}"):
         build_indexed_text_dataset([a, b], config, NUM_SAMPLES, tokenizer)
+
+
+def _rewrite_sequences_file(path, prefix: str, counts: list[int]) -> None:
+    written = json.loads(path.read_text(encoding="utf-8"))
+    written[prefix] = counts
+    path.write_text(json.dumps(written), encoding="utf-8")
+
+
+def _read_train(splits) -> None:
+    """With ``data_lazy_load`` nothing is opened before use: read every train sample."""
+    splits[0].__getitems__(list(range(len(splits[0]))))
+
+
+STALE = {
+    # name: (how the file or the data changes after the file was written, listed and actual [sequences, documents])
+    "more-documents": (lambda out, a: write_corpus(a, num_documents=70, seed=1), [50, 51], [70, 71]),
+    "fewer-documents": (lambda out, a: write_corpus(a, num_documents=40, seed=1), [50, 51], [40, 41]),
+    "document-count-edited": (lambda out, a: _rewrite_sequences_file(out, a, [50, 52]), [50, 52], [50, 51]),
+    "count-10**18-edited": (lambda out, a: _rewrite_sequences_file(out, a, [10**18, 51]), [10**18, 51], [50, 51]),
+}
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("name", list(STALE))
+def test_counts_that_disagree_with_the_data_are_an_error(tmp_path, tokenizer, name, lazy):
+    """Splits are cut from the file's counts; when they are not the header's, opening the prefix raises naming it,
+    both counts and the fix, before any split is sized from them (never a silent loss or a huge allocation)."""
+    change, listed, actual = STALE[name]
+    a = write_corpus(tmp_path / "a_text_document", num_documents=50, seed=1)
+    b = write_corpus(tmp_path / "b_text_document", num_documents=50, seed=2)
+    out = tmp_path / "sequences.json"
+    assert main(["--data-path", a, b, "--per-dataset-sequences-path", str(out)]) == 0
+    change(out, a)
+
+    config = {**SETTINGS, "data_cache_path": str(tmp_path / "cache"), "per_dataset_sequences_path": str(out)}
+    with pytest.raises(DataFileError) as error:
+        splits = build_indexed_text_dataset(
+            ["30", a, "70", b], {**config, "data_lazy_load": lazy}, NUM_SAMPLES, tokenizer
+        )
+        _read_train(splits)
+    message = str(error.value)
+    assert (
+        f"per_dataset_sequences_path {out} lists '{a}' with {listed[0]} sequences and {listed[1] - 1} documents"
+        in message
+    )
+    assert f"but {a}.idx holds {actual[0]} sequences and {actual[1] - 1} documents" in message
+    assert "Rerun `python -m hyper_parallel.data.tools.build_sequences_per_dataset`" in message
 
 
 def test_missing_idx_exits_2_naming_the_prefix(tmp_path, capsys):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_data_config import (
     SPLIT_NAMES,
@@ -47,17 +47,37 @@ class _Source:
     prefix: str | None
     config: IndexedDataConfig
     tokenizer: object
-    known_count: int | None = None  # from per_dataset_sequences_path: no need to open the .idx for splits
+    listed: tuple[int, int] | None = None  # (sequence_count, document_count) from per_dataset_sequences_path
+    known_count: int | None = None  # no need to open the .idx for splits
     _data: object = None
 
     @property
     def data(self):
         if self._data is None:
-            self._data = open_low_level(self.prefix, self.config, self.tokenizer)
+            data = open_low_level(self.prefix, self.config, self.tokenizer)
+            self._check_listed_counts(data)  # before anything is sized from them
+            self._data = data
         return self._data
+
+    def _check_listed_counts(self, reader) -> None:
+        """The counts per_dataset_sequences_path gave must be the header's: splits were cut from them."""
+        if self.listed is None:
+            return
+        actual = (len(reader), len(reader.document_indices))
+        if tuple(self.listed) != actual:
+            (sequences, documents), path = self.listed, self.config.per_dataset_sequences_path
+            raise DataFileError(
+                f"per_dataset_sequences_path {path} lists '{self.prefix}' with {sequences} sequences and "
+                f"{documents - 1} documents, but {self.prefix}.idx holds {actual[0]} sequences and {actual[1] - 1} "
+                "documents: the data changed after the file was written, and its splits would drop or invent "
+                "sequences. Rerun `python -m hyper_parallel.data.tools.build_sequences_per_dataset` with this "
+                "run's data paths."
+            )
 
     def __len__(self) -> int:
         """Sequences of the prefix, from the counts file, the header alone, or the mock data."""
+        if self.known_count is None and self.listed is not None:
+            self.known_count = self.listed[0]  # checked against the header when the reader opens
         if self.known_count is None:
             # A lazy build reads only the header now; an eager one opens the reader it needs anyway.
             lazy = self.config.data_lazy_load and self.prefix is not None
@@ -85,24 +105,25 @@ class IndexedSplitBuilder:
     # -- mid-level ---------------------------------------------------------------------------------------------
 
     def _source(self, prefix: str | None) -> _Source:
-        known = None
+        listed = None
         if self._sequences is not None and prefix is not None:
             if prefix not in self._sequences:
                 raise DataConfigError(
                     f"prefix '{prefix}' is missing from per_dataset_sequences_path "
                     f"{self.config.per_dataset_sequences_path}; rebuild it for this data_path"
                 )
-            known = self._sequences[prefix][0]
-        return _Source(prefix, self.config, self.tokenizer, known)
+            listed = self._sequences[prefix]
+        return _Source(prefix, self.config, self.tokenizer, listed)
 
     def _mid_level(self, source: _Source, bookend, split_index: int, num_samples: int | None):
         split = SPLIT_NAMES[split_index]
         begin, end = split_range(bookend, len(source))
-        indices = np.arange(begin, end, dtype=np.int32)
 
         def build():
+            data = source.data  # opening checks the counts the range came from, before it is allocated
+            indices = np.arange(begin, end, dtype=np.int32)
             return self.cls(
-                source.data, source.prefix, indices, num_samples, split, self.config, self.tokenizer, self.synchronize
+                data, source.prefix, indices, num_samples, split, self.config, self.tokenizer, self.synchronize
             )
 
         if self.config.data_lazy_load:

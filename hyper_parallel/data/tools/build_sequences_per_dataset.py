@@ -10,7 +10,9 @@ file instead (``IndexedDataConfig.per_dataset_sequences_path``)::
 
 The keys are the prefixes exactly as the data paths give them (blend weights skipped, directories expanded as
 training expands them), since training looks them up by that string. ``document_count`` is the raw header
-value, i.e. the number of documents + 1, as in megatron-core's file.
+value, i.e. the number of documents + 1, as in megatron-core's file. Each header's counts are checked against
+its ``.idx`` size. Training compares the counts with each header when it opens the prefix and refuses stale ones,
+so rerun this command whenever the data changes.
 
 Owns: collecting the unique prefixes of the data paths, reading the 34-byte headers and writing the file
 atomically. Not responsible for: parsing blends (``indexed.indexed_data_config``), the header layout
