@@ -19,7 +19,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as Mega
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder, temporary_path
 
 ALL_DTYPES = [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64, np.float32, np.uint16]
 MIXES = ["items", "documents", "mixed", "merge"]
@@ -466,10 +466,12 @@ def assert_pair_holds(prefix: Path, documents: list[np.ndarray]) -> None:
 
 
 def test_only_temporary_files_exist_before_finalize(tmp_path):
-    """Before ``finalize`` only ``<name>.bin.tmp-<pid>`` exists; afterwards exactly the .bin/.idx pair."""
+    """Before ``finalize`` only ``<name>.bin.tmp-<host>-<pid>`` exists; afterwards exactly the .bin/.idx pair."""
     prefix = tmp_path / "data"
     builder, documents = start_builder(prefix)
-    assert sorted(os.listdir(tmp_path)) == [f"data.bin.tmp-{os.getpid()}"]
+    assert sorted(os.listdir(tmp_path)) == [temporary_path(bin_path(prefix)).name]
+    assert temporary_path(bin_path(prefix)).name.startswith("data.bin.tmp-")
+    assert temporary_path(bin_path(prefix)).name.endswith(f"-{os.getpid()}")
     builder.finalize(idx_path(prefix))
     assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.idx"]
     assert_pair_holds(prefix, documents)
@@ -519,6 +521,37 @@ def test_finalize_replaces_an_older_pair(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["data.bin", "data.idx"]
     assert IndexedDataReader(prefix).dtype == np.uint16
     assert_pair_holds(prefix, documents)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_is_a_data_file_error_naming_the_file(tmp_path):
+    """A write that fails (the temporary .bin is a link to /dev/full, which fails writes with ENOSPC as a full disk
+    does) is a DataFileError naming the final file and the fix; abort removes the temporary."""
+    prefix = tmp_path / "data"
+    temporary_path(bin_path(prefix)).symlink_to("/dev/full")
+    builder = IndexedDatasetBuilder(bin_path(prefix), dtype=np.int32)
+    with pytest.raises(DataFileError, match=r"cannot write .*data\.bin: No space left on device; free space"):
+        builder.add_document(np.arange(1 << 16), [1 << 16])
+        builder.finalize(idx_path(prefix))
+    builder.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_files_are_opened_only_while_written(tmp_path):
+    """``release_file`` closes the .bin between writes (the next write reopens it), so many builders can be open
+    within the open-file limit; the pair is the same as if it had stayed open."""
+    reference, documents = start_builder(tmp_path / "reference")
+    reference.finalize(idx_path(tmp_path / "reference"))
+    builder = IndexedDatasetBuilder(bin_path(tmp_path / "released"), dtype=np.int32)
+    for document in documents:
+        builder.release_file()
+        builder.add_document(document, [len(document)])
+    builder.finalize(idx_path(tmp_path / "released"))
+    for suffix in (".bin", ".idx"):
+        assert (
+            Path(f"{tmp_path / 'released'}{suffix}").read_bytes()
+            == Path(f"{tmp_path / 'reference'}{suffix}").read_bytes()
+        )
 
 
 # -- int64 offsets ---------------------------------------------------------------------------------------------

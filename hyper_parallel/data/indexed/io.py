@@ -1,16 +1,26 @@
-"""Writer of Megatron-compatible ``.idx``/``.bin`` pairs.
+"""Writer of Megatron-compatible ``.idx``/``.bin`` pairs, and the temporary names outputs are written under.
 
 Owns: appending token sequences and documents, merging existing pairs, and writing the index. Files are
 byte-identical to megatron-core's ``IndexedDatasetBuilder`` for the same calls. Unlike it, the metadata lives
 in growable numpy arrays (not Python lists), token ids that do not fit the dtype are refused, and outputs are
-written under temporary names and renamed only by ``finalize``, so an interrupted run leaves no file that
-looks finished. Not responsible for: tokenization or record parsing (``tools.offline_preparation``).
+written under temporary names (``<name>.tmp-<host>-<pid>``) and renamed only when complete, the ``.idx`` last,
+so an interrupted run leaves no file that looks finished. The ``.bin`` is opened only while data is written
+to it, so that many builders can be open at once within the open-file limit. Write errors (a full disk, a
+read-only directory) are ``DataFileError``s naming the file. Temporaries of a process that died are
+recognised by their name and removed by ``remove_stale_temporaries``.
+Not responsible for: tokenization or record parsing (``tools.offline_preparation``), what the companion files
+written beside a pair contain (``indexed.pair_metadata``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
 import shutil
+import socket
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +29,81 @@ from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.idx_format import IdxHeader, code_for_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
 
-__all__ = ["IndexedDatasetBuilder", "temporary_path"]
+__all__ = ["IndexedDatasetBuilder", "output_error", "remove_stale_temporaries", "temporary_path", "write_atomically"]
+
+# The host is part of temporary names: on a shared file system a process id says nothing about other machines.
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())[:40] or "host"
+_TEMPORARY_MARK = ".tmp-"
+
+_FIXES = {
+    errno.ENOSPC: "free space on that file system or write the output elsewhere",
+    errno.EDQUOT: "free space within your disk quota or write the output elsewhere",
+    errno.EACCES: "make the directory writable or write the output elsewhere",
+    errno.EPERM: "make the directory writable or write the output elsewhere",
+    errno.EROFS: "the file system is read-only: write the output elsewhere",
+    errno.EMFILE: "raise the open-file limit (ulimit -n)",
+    errno.ENOTDIR: "a parent of the path is a file: choose another output location",
+}
 
 
 def temporary_path(path: str | os.PathLike) -> Path:
-    """The name a file is written under until it is complete."""
+    """The name a file is written under until it is complete: ``<name>.tmp-<host>-<pid>``."""
     path = Path(path)
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f"{path.name}{_TEMPORARY_MARK}{_HOST}-{os.getpid()}")
+
+
+def output_error(path: str | os.PathLike, error: OSError) -> DataFileError:
+    """A ``DataFileError`` for a failed write of ``path``, saying what to do about the cause."""
+    fix = _FIXES.get(error.errno, "check that the output location is writable and has space")
+    return DataFileError(f"cannot write {path}: {error.strerror or error}; {fix}")
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` under its temporary name, then rename it into place."""
+    temporary = temporary_path(path)
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise output_error(path, error) from None
+
+
+def _process_is_alive(pid: int) -> bool:
+    if os.name == "nt":
+        return True  # os.kill would terminate the process there, not probe it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(final_paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Remove the temporaries of ``final_paths`` left by dead processes of this host; returns what was removed.
+
+    A temporary is stale when its name is ``<final name>.tmp-<this host>-<pid>`` and no process ``pid`` runs.
+    Temporaries of live processes (a concurrent run) and of other hosts are left alone.
+    """
+    wanted: dict[Path, set[str]] = {}
+    for path in map(Path, final_paths):
+        wanted.setdefault(path.parent, set()).add(path.name)
+    removed = []
+    for directory, names in wanted.items():
+        try:
+            entries = list(os.scandir(directory))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            final, mark, owner = entry.name.rpartition(_TEMPORARY_MARK)
+            host, _, pid = owner.rpartition("-")
+            if not mark or final not in names or host != _HOST or not pid.isdigit() or _process_is_alive(int(pid)):
+                continue
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(Path(entry.path))
+    return removed
 
 
 class _GrowableArray:
@@ -80,6 +158,9 @@ class IndexedDatasetBuilder:
         builder = IndexedDatasetBuilder("corpus_text_document.bin", dtype=numpy.uint16)
         builder.add_document(numpy.array([5, 6, 7, 0]), lengths=[4])
         builder.finalize("corpus_text_document.idx")
+
+    ``finalize`` is ``seal`` (write the index and companion files under temporary names) then ``publish``
+    (rename them into place, the ``.idx`` last); callers publishing several pairs together seal them all first.
     """
 
     def __init__(self, bin_path: str | os.PathLike, dtype=np.int32, multimodal: bool = False) -> None:
@@ -88,12 +169,15 @@ class IndexedDatasetBuilder:
         code_for_dtype(self.dtype)  # fail now, not at finalize
         self.multimodal = multimodal
         self._bin_tmp = temporary_path(self.bin_path)
-        self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed by finalize or abort
+        self._bin_file = None  # open only while writing: see release_file
+        self._open_bin("wb")
         self._lengths = _GrowableArray(np.int32)
         self._document_indices = _GrowableArray(np.int64, (0,))
         self._modes = _GrowableArray(np.int8) if multimodal else None
         self._integer_limits = np.iinfo(self.dtype) if np.issubdtype(self.dtype, np.integer) else None
         self._range_check_by_dtype: dict[np.dtype, bool] = {}  # input dtype -> whether values need checking
+        self._sealed: dict[Path, Path] = {}  # temporary -> final name, in publication order (the .idx last)
+        self._done = False
 
     # -- adding data ------------------------------------------------------------------------------------------
 
@@ -125,8 +209,29 @@ class IndexedDatasetBuilder:
                 )
         return array.astype(self.dtype)
 
+    def _open_bin(self, mode: str = "ab"):
+        if self._bin_file is None:
+            try:
+                self._bin_file = open(self._bin_tmp, mode)  # noqa: SIM115 - closed by release_file, seal or abort
+            except OSError as error:
+                raise output_error(self.bin_path, error) from None
+        return self._bin_file
+
+    def release_file(self) -> None:
+        """Close the ``.bin`` until the next write (which reopens it), to bound the number of open files."""
+        if self._bin_file is not None:
+            file, self._bin_file = self._bin_file, None
+            try:
+                file.close()
+            except OSError as error:
+                raise output_error(self.bin_path, error) from None
+
     def _write(self, array: np.ndarray) -> None:
-        self._bin_file.write(np.ascontiguousarray(array).data)  # the array's memory, no bytes copy
+        file = self._bin_file or self._open_bin()
+        try:
+            file.write(np.ascontiguousarray(array).data)  # the array's memory, no bytes copy
+        except OSError as error:
+            raise output_error(self.bin_path, error) from None
 
     @staticmethod
     def _check_lengths(total: int, smallest: int, tokens: int) -> None:
@@ -199,18 +304,45 @@ class IndexedDatasetBuilder:
     def add_index(self, path_prefix: str | os.PathLike) -> None:
         """Append every sequence and document of another pair (same dtype), copying its ``.bin``."""
         other = IndexedDataReader(path_prefix, multimodal=self.multimodal)
-        if other.dtype != self.dtype:
+        self._check_mergeable(path_prefix, other.dtype)
+        self._append_index(other.sequence_lengths, other.document_indices, other.sequence_modes)
+        self._copy_bin(data_file_paths(path_prefix)[1])
+
+    def add_builder(self, other: IndexedDatasetBuilder) -> None:
+        """Append everything another builder (same dtype) holds, copying its temporary ``.bin``.
+
+        Used to merge partitions that were never published; ``other`` stays usable (sealed or aborted later).
+        """
+        self._check_mergeable(other.bin_path, other.dtype)
+        if other.multimodal != self.multimodal:
+            raise ValueError(f"cannot merge {other.bin_path} into {self.bin_path}: only one of them is multimodal")
+        other.release_file()
+        self._append_index(
+            other._lengths.view(), other._document_indices.view(), None if other._modes is None else other._modes.view()
+        )
+        self._copy_bin(other._bin_tmp)
+
+    def _check_mergeable(self, source, dtype: np.dtype) -> None:
+        if dtype != self.dtype:
             raise DataFileError(
-                f"cannot merge '{path_prefix}' (dtype {other.dtype}) into {self.bin_path} (dtype {self.dtype}); "
+                f"cannot merge '{source}' (dtype {dtype}) into {self.bin_path} (dtype {self.dtype}); "
                 "all merged datasets must share one token dtype"
             )
+
+    def _append_index(self, lengths: np.ndarray, document_indices: np.ndarray, modes: np.ndarray | None) -> None:
         offset = len(self._lengths)
-        self._lengths.extend(other.sequence_lengths)
-        self._document_indices.extend(other.document_indices[1:] + offset)
+        self._lengths.extend(lengths)
+        self._document_indices.extend(document_indices[1:] + offset)
         if self._modes is not None:
-            self._modes.extend(other.sequence_modes)
-        with open(data_file_paths(path_prefix)[1], "rb") as source:
-            shutil.copyfileobj(source, self._bin_file, length=16 << 20)
+            self._modes.extend(modes)
+
+    def _copy_bin(self, source_path: Path) -> None:
+        target = self._bin_file or self._open_bin()
+        try:
+            with open(source_path, "rb") as source:
+                shutil.copyfileobj(source, target, length=16 << 20)
+        except OSError as error:
+            raise output_error(self.bin_path, error) from None
 
     # -- finishing --------------------------------------------------------------------------------------------
 
@@ -218,36 +350,72 @@ class IndexedDatasetBuilder:
     def num_sequences(self) -> int:
         return len(self._lengths)
 
-    def finalize(self, idx_path: str | os.PathLike) -> None:
-        """Write the index and move both files to their final names."""
+    def finalize(self, idx_path: str | os.PathLike, companions: Mapping[Path, bytes] | None = None) -> None:
+        """Write the index and move the files to their final names (see ``seal`` and ``publish``)."""
+        self.seal(idx_path, companions)
+        self.publish()
+
+    def seal(self, idx_path: str | os.PathLike, companions: Mapping[Path, bytes] | None = None) -> None:
+        """Complete every file under its temporary name; nothing is published yet.
+
+        Args:
+            idx_path: where the ``.idx`` goes.
+            companions: other files published with the pair (final path -> contents), such as its metadata.
+        """
         idx_path = Path(idx_path)
-        self._bin_file.close()
+        companions = {Path(path): data for path, data in (companions or {}).items()}
+        self.release_file()
+        # Publication order, and what abort removes from now on: companions, the .bin, the .idx last.
+        self._sealed = {temporary_path(path): path for path in companions}
+        self._sealed[self._bin_tmp] = self.bin_path
+        self._sealed[temporary_path(idx_path)] = idx_path
+        for path, data in companions.items():
+            self._write_temporary(path, [data])
+        self._write_temporary(idx_path, self._index_parts())
+
+    def _index_parts(self) -> Iterator:
         lengths = self._lengths.view()
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         document_indices = self._document_indices.view()
-        header = IdxHeader(self.dtype, len(lengths), len(document_indices))
-        idx_tmp = temporary_path(idx_path)
-        with open(idx_tmp, "wb") as f:
-            f.write(header.pack())
-            f.write(lengths.tobytes())
-            f.write(pointers.tobytes())
-            f.write(document_indices.tobytes())
-            if self._modes is not None:
-                f.write(self._modes.view().tobytes())
-        # Remove a stale index first: at no moment can a new .bin pair with an old .idx.
-        idx_path.unlink(missing_ok=True)
-        os.replace(self._bin_tmp, self.bin_path)
-        os.replace(idx_tmp, idx_path)
+        yield IdxHeader(self.dtype, len(lengths), len(document_indices)).pack()
+        yield from (lengths, pointers, document_indices)
+        if self._modes is not None:
+            yield self._modes.view()
+
+    @staticmethod
+    def _write_temporary(path: Path, parts: Iterable) -> None:
+        try:
+            with open(temporary_path(path), "wb") as f:
+                for part in parts:
+                    f.write(part)
+        except OSError as error:
+            raise output_error(path, error) from None
+
+    def publish(self) -> None:
+        """Rename the sealed files into place: companions, then the ``.bin``, then the ``.idx``."""
+        assert self._sealed, "publish() needs seal() first"
+        idx_path = next(reversed(self._sealed.values()))
+        try:
+            # Remove a stale index first: at no moment can a new .bin or companion pair with an old .idx.
+            idx_path.unlink(missing_ok=True)
+            for temporary, path in self._sealed.items():
+                os.replace(temporary, path)
+        except OSError as error:
+            raise output_error(idx_path, error) from None
+        self._done = True
 
     def abort(self) -> None:
         """Discard everything written so far."""
-        self._bin_file.close()
-        self._bin_tmp.unlink(missing_ok=True)
+        with contextlib.suppress(DataFileError):  # a full disk fails the last flush too; the file is closed anyway
+            self.release_file()
+        for temporary in [self._bin_tmp, *self._sealed]:
+            temporary.unlink(missing_ok=True)
+        self._done = True
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._bin_file.closed:  # an exception, or a block that never called finalize
+        if not self._done:  # an exception, or a block that never called finalize
             self.abort()
