@@ -97,6 +97,7 @@ def offline_tool(
         append_eod=True,
         add_special_tokens=False,
         workers=os.cpu_count() or 1,
+        overwrite=True,  # every timed round writes the same prefix
     )
 
     def prepare() -> Any:

@@ -8,6 +8,7 @@ import datasets
 import pytest
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.pair_metadata import read_pair_metadata
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.huggingface_offline import load_hf_dataset, main, run_huggingface_offline
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
@@ -68,6 +69,17 @@ def test_saved_dataset_matches_the_jsonl_output(tmp_path, tokenizer, saved_datas
     assert pair_bytes(summary.outputs["text"]) == jsonl_reference
     assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, [r["text"] for r in RECORDS])
     assert summary.records == len(RECORDS)
+
+
+def test_metadata_and_existing_outputs_as_for_local_files(tmp_path, saved_dataset):
+    """``prepare-hf`` writes the same ``.meta.json`` beside its pair as ``prepare`` does for the same tokenizer, and
+    refuses to replace existing outputs without ``overwrite``."""
+    summary = run_hf(saved_dataset, tmp_path / "hf")
+    local = prepare(write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "local")
+    assert read_pair_metadata(summary.outputs["text"]) == read_pair_metadata(local.outputs["text"]) is not None
+    with pytest.raises(DataConfigError, match=r"already has outputs .*hf_text_document\.idx.*--overwrite"):
+        run_hf(saved_dataset, tmp_path / "hf")
+    run_hf(saved_dataset, tmp_path / "hf", overwrite=True)
 
 
 def test_dataset_dict_split_is_selected(tmp_path, saved_dataset_dict, jsonl_reference):

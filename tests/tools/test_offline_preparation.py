@@ -22,9 +22,14 @@ from tokenizers.processors import TemplateProcessing
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
+from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
-from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
-from hyper_parallel.data.tools.offline_preparation import PreparationSummary, main, run_offline_preparation
+from hyper_parallel.data.tools.offline_config import MAX_PARTITIONS, TOKEN_DTYPES, OfflinePreparationConfig
+from hyper_parallel.data.tools.offline_preparation import (
+    PreparationSummary,
+    main,
+    run_offline_preparation,
+)
 
 EOS = 0  # <|endoftext|> of the bundled tokenizer
 IM_START = 2  # <|im_start|> of the bundled tokenizer, used as a BOS token below
@@ -33,6 +38,7 @@ _SOURCE_TEXT = (
     'was at Norland Park, in the centre of their property; "Marianne" said: it\'s naïve — café, 1811, 日本語!'
 )
 _WORDS = _SOURCE_TEXT.split()
+PAIR_FILES = ("bin", "idx", "meta.json")  # what preparation publishes per pair
 
 
 # -- shared helpers ----------------------------------------------------------------------------------------------
@@ -249,12 +255,25 @@ def test_token_dtype_override(tmp_path, tokenizer):
     assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, [r["text"] for r in records])
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "int8", "float32"])
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
 def test_token_dtype_that_cannot_hold_the_vocabulary_is_a_config_error(tmp_path, dtype):
     """A dtype that cannot hold every id of the 8192-token vocabulary is refused before anything is written."""
     data = write_jsonl(tmp_path / "in.jsonl", make_records(2, seed=7))
     with pytest.raises(DataConfigError, match=rf"token dtype {dtype} cannot hold the 8192 token ids.*--dtype"):
         prepare(data, tmp_path / "out", token_dtype=dtype)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("dtype", ["bogus", "float32"])
+def test_token_dtype_that_is_not_an_integer_type_is_the_normal_error(tmp_path, capsys, restore_package_logger, dtype):
+    """``--dtype bogus`` and ``--dtype float32`` exit with 2 and one line saying that the dtype must be an integer
+    type, listing the valid ones; no traceback, no file."""
+    data = write_jsonl(tmp_path / "in.jsonl", make_records(2, seed=7))
+    argv = ["--dataset-name-or-path", str(data), "--output-prefix", str(tmp_path / "out"), "--dtype", dtype]
+    assert main([*argv, "--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: token_dtype must be an integer type that .idx files store, one of {', '.join(TOKEN_DTYPES)}" in err
+    assert f"got '{dtype}'" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
@@ -497,10 +516,13 @@ def test_partitions_are_merged_in_partition_order(tmp_path, tokenizer, sequentia
             assert read_documents(prefix) == [documents[i] for i in group]
         else:
             assert not any(path.exists() for path in data_file_paths(prefix))
+    kept = [f"out_{p}_text_document.{ext}" for p in range(partitions) for ext in PAIR_FILES if keep_partition_files]
+    manifest = ["out_text_document.partitions.json"] if keep_partition_files else []
     assert sorted(p.name for p in tmp_path.glob("out*")) == sorted(
-        ["out_text_document.bin", "out_text_document.idx"]
-        + [f"out_{p}_text_document.{ext}" for p in range(partitions) for ext in ("bin", "idx") if keep_partition_files]
+        [f"out_text_document.{ext}" for ext in PAIR_FILES] + kept + manifest
     )
+    if keep_partition_files:
+        assert partition_prefixes(summary.outputs["text"]) == [str(tmp_path / f"out_{p}_text_document") for p in (0, 1)]
     assert leftover_files(tmp_path) == []
 
 
@@ -595,6 +617,37 @@ def test_cli_flags_reach_the_run(tmp_path, tokenizer, capsys, restore_package_lo
         assert read_documents(prefix) == encode_documents(tokenizer, [r[key] for r in records], append_eod=False)
 
 
+ALL_FLAGS = [
+    "--dataset-name-or-path",
+    "--output-prefix",
+    "--tokenizer-name-or-path",
+    "--json-keys",
+    "--append-eod",
+    "--add-special-tokens",
+    "--pack-to-seq-len",
+    "--text-template",
+    "--workers",
+    "--partitions",
+    "--keep-sequential-samples",
+    "--keep-partition-files",
+    "--skip-bad-records",
+    "--dtype",
+    "--overwrite",
+    "--log-interval",
+    "--chunk-size",
+]
+
+
+def test_help_lists_every_flag(capsys):
+    """``--help`` lists every option of the command, with the valid token dtypes."""
+    with pytest.raises(SystemExit) as exit_code:
+        main(["--help"])
+    assert exit_code.value.code == 0
+    out = capsys.readouterr().out
+    assert [flag for flag in ALL_FLAGS if flag not in out] == []
+    assert ", ".join(TOKEN_DTYPES) in " ".join(out.split())
+
+
 def test_missing_tokenizer_is_a_config_error_mentioning_offline(tmp_path):
     """A tokenizer path that does not exist is not fetched from the Hub (offline) but reported clearly."""
     data = write_jsonl(tmp_path / "in.jsonl", make_records(1, seed=0))
@@ -634,15 +687,12 @@ def test_failed_rerun_leaves_the_previous_output_intact(tmp_path, tokenizer):
 
     bad = write_lines(tmp_path / "bad.jsonl", [GOOD_LINE] * 6 + [b"{oops\n"])
     with pytest.raises(DataFileError, match=r"bad\.jsonl:line 7"):
-        prepare(bad, tmp_path / "out", partitions=2, chunk_size=2, workers=2)
+        prepare(bad, tmp_path / "out", partitions=2, chunk_size=2, workers=2, overwrite=True)
 
     assert pair_bytes(summary.outputs["text"]) == before
     assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, [r["text"] for r in records])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "bad.jsonl",
-        "good.jsonl",
-        "out_text_document.bin",
-        "out_text_document.idx",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"] + [
+        f"out_text_document.{ext}" for ext in PAIR_FILES
     ]
 
 
@@ -664,6 +714,8 @@ def test_failed_rerun_leaves_the_previous_output_intact(tmp_path, tokenizer):
         ({"chunk_size": 0}, r"chunk_size must be at least 1, got 0"),
         ({"log_interval": -1}, r"log_interval must be at least 1, got -1"),
         ({"pack_to_seq_len": 0}, r"pack_to_seq_len must be a positive token count, got 0"),
+        ({"partitions": MAX_PARTITIONS + 1}, rf"partitions must be at most {MAX_PARTITIONS}, got {MAX_PARTITIONS + 1}"),
+        ({"token_dtype": "float64"}, r"token_dtype must be an integer type .* one of uint8, .*int64; got 'float64'"),
         ({"output_prefix": ""}, r"output_prefix must not be empty"),
     ],
 )

@@ -12,7 +12,19 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.data.errors import DataConfigError
 
-__all__ = ["OfflinePreparationConfig", "add_preparation_arguments", "config_from_args", "parse_bool"]
+__all__ = [
+    "MAX_PARTITIONS",
+    "TOKEN_DTYPES",
+    "OfflinePreparationConfig",
+    "add_preparation_arguments",
+    "config_from_args",
+    "parse_bool",
+]
+
+# The integer dtypes an .idx file can hold tokens in (its float codes are not token dtypes).
+TOKEN_DTYPES = ("uint8", "int8", "int16", "uint16", "int32", "int64")
+# Partitions bound packing buffers; thousands already mean tiny partitions, and each one is a file while writing.
+MAX_PARTITIONS = 4096
 
 
 def parse_bool(value: str | bool) -> bool:
@@ -46,9 +58,12 @@ class OfflinePreparationConfig:
         workers: tokenizer processes.
         partitions: independent partitions (own packing buffer each), merged into the final prefix at the end.
         keep_sequential_samples: give partitions contiguous blocks of records instead of round-robin.
-        keep_partition_files: keep the per-partition outputs after merging.
+        keep_partition_files: keep the per-partition outputs after merging, listed by a manifest written last.
         skip_bad_records: count and skip malformed records instead of stopping at the first.
-        token_dtype: force the token dtype (e.g. ``"int32"``); default is Megatron's choice from the vocabulary.
+        token_dtype: force the token dtype, one of ``TOKEN_DTYPES``; default is Megatron's choice from the
+            vocabulary.
+        overwrite: replace existing outputs of the same prefix (they stay intact until the new ones are complete);
+            without it a run over existing outputs is refused before anything is tokenized.
         log_interval: log progress every this many documents.
         chunk_size: records handed to a worker at a time.
     """
@@ -67,6 +82,7 @@ class OfflinePreparationConfig:
     keep_partition_files: bool = False
     skip_bad_records: bool = False
     token_dtype: str | None = None
+    overwrite: bool = False
     log_interval: int = 1000
     chunk_size: int = 4096
 
@@ -87,10 +103,21 @@ class OfflinePreparationConfig:
             value = getattr(self, name)
             if value < 1:
                 raise DataConfigError(f"{name} must be at least 1, got {value}")
+        if self.partitions > MAX_PARTITIONS:
+            raise DataConfigError(
+                f"partitions must be at most {MAX_PARTITIONS}, got {self.partitions}; partitions only bound the "
+                "packing buffers, so use fewer"
+            )
         if self.pack_to_seq_len is not None and self.pack_to_seq_len < 1:
             raise DataConfigError(f"pack_to_seq_len must be a positive token count, got {self.pack_to_seq_len}")
+        if self.token_dtype is not None and str(self.token_dtype) not in TOKEN_DTYPES:
+            raise DataConfigError(
+                f"token_dtype must be an integer type that .idx files store, one of {', '.join(TOKEN_DTYPES)}; "
+                f"got {self.token_dtype!r}"
+            )
         if not self.output_prefix:
             raise DataConfigError("output_prefix must not be empty")
+        object.__setattr__(self, "output_prefix", os.path.expanduser(self.output_prefix))
 
     def output_prefix_for(self, key: str) -> str:
         """The final path prefix of the output for ``key``."""
@@ -135,7 +162,12 @@ def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-bad-records", action="store_true", help="count and skip malformed records instead of stopping"
     )
-    parser.add_argument("--dtype", dest="token_dtype", default=None, help="force the token dtype, e.g. int32")
+    parser.add_argument(
+        "--dtype", dest="token_dtype", default=None, help=f"force the token dtype: {', '.join(TOKEN_DTYPES)}"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing outputs of --output-prefix (default: refuse)"
+    )
     parser.add_argument("--log-interval", type=int, default=1000, help="log progress every N documents")
     parser.add_argument("--chunk-size", type=int, default=4096, help="at most this many records per worker task")
 
@@ -157,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
         keep_partition_files=args.keep_partition_files,
         skip_bad_records=args.skip_bad_records,
         token_dtype=args.token_dtype,
+        overwrite=args.overwrite,
         log_interval=args.log_interval,
         chunk_size=args.chunk_size,
     )

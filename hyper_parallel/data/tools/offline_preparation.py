@@ -11,30 +11,34 @@ document (one sequence per string, several for a list of strings), for GPTDatase
 concatenated and cut into records of N + 1 tokens, for GPTFromMRDataset; each partition packs on its own and
 drops its own tail.
 
-Owns: orchestration (worker processes, partitions, packing, merging, progress and the summary).
+Existing outputs are replaced only with ``--overwrite``. Ctrl-C (SIGINT) or SIGTERM stops the workers, removes
+the temporary files and exits with 130 or 143; a second signal exits at once, and the next run of the same
+prefix removes what was left. Workers also stop by themselves when the main process dies.
+
+Owns: orchestration (the tokenizer, the worker pool, progress, the summary) and the command line, including
+what signals do.
 Not responsible for: parsing records (``offline_encoding``), finding files (``text.online.online_utils``),
-the file format (``indexed.io``).
+output names, partitions and publication (``offline_outputs``), the file format (``indexed.io``).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import contextlib
+import os
+import signal
 import sys
+import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
-from hyper_parallel.data.indexed.indexed_data_reader import data_file_paths
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.indexed.pair_metadata import PairMetadata, vocabulary_fingerprint
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.online.online_utils import (
     RecordChunk,
@@ -49,14 +53,15 @@ from hyper_parallel.data.tools.offline_config import (
 )
 from hyper_parallel.data.tools.offline_encoding import (
     EncodedChunk,
-    EncodedDocuments,
     EncodingSettings,
     encode_chunk_in_worker,
     init_worker,
     template_fields,
 )
+from hyper_parallel.data.tools.offline_outputs import Outputs, plan_outputs
+from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
-__all__ = ["PreparationSummary", "RecordSource", "main", "run_offline_preparation"]
+__all__ = ["Interrupted", "PreparationSummary", "RecordSource", "main", "run_cli", "run_offline_preparation"]
 
 logger = get_logger("hyper_parallel.data.tools.offline_preparation")
 _MAX_LOGGED_BAD_RECORDS = 5
@@ -113,139 +118,6 @@ class PreparationSummary:
         lines = [f"  {name:<{width}}  {value:>16}  {extra}".rstrip() for name, value, extra in rows]
         lines += [f"  output [{key}]: {prefix}.{{bin,idx}}" for key, prefix in self.outputs.items()]
         return "\n".join(lines)
-
-
-# -- writing: one writer per (key, partition) --------------------------------------------------------------------
-
-
-class _PartitionWriter:
-    """Writes one partition of one key; with packing, keeps the token carry-over of this partition only."""
-
-    def __init__(self, prefix: str, dtype: np.dtype, pack_to_seq_len: int | None) -> None:
-        self.prefix = prefix
-        idx_path, bin_path = data_file_paths(prefix)
-        self.idx_path = idx_path
-        self.builder = IndexedDatasetBuilder(bin_path, dtype=dtype)
-        self.record_length = None if pack_to_seq_len is None else pack_to_seq_len + 1
-        self.carry = np.empty(0, dtype=dtype)
-        self.documents = 0
-        self.tokens = 0
-
-    def add(self, documents: EncodedDocuments) -> None:
-        if self.record_length is None:
-            self.builder.add_documents(documents.tokens, documents.sequence_lengths, documents.sequences_per_document)
-            self.documents += len(documents.sequences_per_document)
-            self.tokens += len(documents.tokens)
-            return
-        stream = np.concatenate((self.carry, documents.tokens)) if len(self.carry) else documents.tokens
-        full = len(stream) // self.record_length
-        if full:
-            used = full * self.record_length
-            self.builder.add_documents(stream[:used], np.full(full, self.record_length, np.int64))
-            self.documents += full
-            self.tokens += used
-        self.carry = stream[full * self.record_length :].copy()
-
-    def finalize(self) -> int:
-        """Publish the files; returns the tail tokens dropped by packing."""
-        self.builder.finalize(self.idx_path)
-        return len(self.carry)
-
-    def abort(self) -> None:
-        self.builder.abort()
-
-
-class _KeyOutput:
-    """All partitions of one json key, merged into ``final_prefix`` at the end."""
-
-    def __init__(self, config: OfflinePreparationConfig, key: str, dtype: np.dtype) -> None:
-        self.final_prefix = config.output_prefix_for(key)
-        self.dtype = dtype
-        self.keep_partition_files = config.keep_partition_files
-        if config.partitions == 1:
-            prefixes = [self.final_prefix]
-        else:
-            prefixes = [f"{config.output_prefix}_{p}_{key}_document" for p in range(config.partitions)]
-        self.partitions = [_PartitionWriter(prefix, dtype, config.pack_to_seq_len) for prefix in prefixes]
-        self.published: list[str] = []
-
-    def add(self, documents: EncodedDocuments, partition_of_document: np.ndarray | None) -> None:
-        if partition_of_document is None:
-            self.partitions[0].add(documents)
-            return
-        for p in np.unique(partition_of_document):
-            self.partitions[p].add(documents.select(partition_of_document == p))
-
-    def finalize(self) -> int:
-        dropped = 0
-        for writer in self.partitions:
-            dropped += writer.finalize()
-            self.published.append(writer.prefix)
-        if len(self.partitions) > 1:
-            merged = IndexedDatasetBuilder(data_file_paths(self.final_prefix)[1], dtype=self.dtype)
-            with merged:
-                for prefix in self.published:
-                    merged.add_index(prefix)
-                merged.finalize(data_file_paths(self.final_prefix)[0])
-            if not self.keep_partition_files:
-                for prefix in self.published:
-                    for path in data_file_paths(prefix):
-                        path.unlink(missing_ok=True)
-        return dropped
-
-    def abort(self) -> None:
-        for writer in self.partitions:
-            if writer.prefix not in self.published:
-                writer.abort()
-
-    @property
-    def documents(self) -> int:
-        return sum(w.documents for w in self.partitions)
-
-    @property
-    def tokens(self) -> int:
-        return sum(w.tokens for w in self.partitions)
-
-    @property
-    def sequences(self) -> int:
-        return sum(w.builder.num_sequences for w in self.partitions)
-
-
-class _Outputs:
-    """Every key's output, and the assignment of records (by global index) to partitions."""
-
-    def __init__(self, config: OfflinePreparationConfig, dtype: np.dtype, total_records: int | None) -> None:
-        self.by_key = {key: _KeyOutput(config, key, dtype) for key in config.json_keys}
-        self.partitions = config.partitions
-        # Contiguous blocks of ceil(records / partitions) with keep_sequential_samples, else round-robin.
-        self.block = None
-        if config.partitions > 1 and config.keep_sequential_samples:
-            self.block = max(1, -(-(total_records or 0) // config.partitions))
-        self.next_record = 0
-
-    def _partitions_of(self, documents: EncodedDocuments) -> np.ndarray | None:
-        if self.partitions == 1:
-            return None
-        records = self.next_record + documents.record_positions
-        if self.block is None:
-            return records % self.partitions
-        return np.minimum(records // self.block, self.partitions - 1)
-
-    def add(self, encoded: EncodedChunk) -> None:
-        for key, documents in encoded.documents.items():
-            self.by_key[key].add(documents, self._partitions_of(documents))
-        self.next_record += encoded.records
-
-    def finalize(self) -> int:
-        """Publish every output; returns the tail tokens dropped by packing."""
-        return sum(out.finalize() for out in self.by_key.values())
-
-    def abort(self) -> None:
-        for out in self.by_key.values():
-            out.abort()
-
-    def total(self, attribute: str) -> int:
-        return sum(getattr(out, attribute) for out in self.by_key.values())
 
 
 # -- progress ---------------------------------------------------------------------------------------------------
@@ -318,29 +190,8 @@ def _token_dtype(config: OfflinePreparationConfig, vocab_size: int) -> np.dtype:
     return dtype
 
 
-def _submit_in_order(pool, chunks: Iterable[RecordChunk], window: int) -> Iterator[tuple[RecordChunk, EncodedChunk]]:
-    """Encode chunks on the pool, at most ``window`` in flight (bounded memory), yielding results in order.
-
-    If the consumer stops early (an error), chunks not yet started are cancelled; running ones finish, so no
-    worker is killed mid-write (killing one can leave the pool's result queue locked).
-    """
-    pending: deque = deque()
-    try:
-        for chunk in chunks:
-            pending.append((chunk, pool.submit(encode_chunk_in_worker, chunk)))
-            if len(pending) >= window:
-                chunk, future = pending.popleft()
-                yield chunk, future.result()
-        while pending:
-            chunk, future = pending.popleft()
-            yield chunk, future.result()
-    finally:
-        for _, future in pending:
-            future.cancel()
-
-
 def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSource | None = None) -> PreparationSummary:
-    """Tokenize every record of the input and write one ``.bin``/``.idx`` pair per json key.
+    """Tokenize every record of the input and write one ``.bin``/``.idx`` pair (and its metadata) per json key.
 
     Args:
         config: the validated options.
@@ -350,6 +201,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         What was written and how fast.
     """
     started = time.perf_counter()
+    plan = plan_outputs(config)
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
     if config.append_eod and tokenizer.eod is None:
         raise DataConfigError(
@@ -371,32 +223,30 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         add_special_tokens=config.add_special_tokens,
         token_dtype=dtype.str,
     )
-    Path(config.output_prefix).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-    outputs = _Outputs(config, dtype, source.total_records)
+    metadata = PairMetadata(
+        tokenizer_fingerprint=vocabulary_fingerprint(tokenizer.backend.get_vocab(with_added_tokens=True)),
+        vocab_size=tokenizer.vocab_size,
+        eod_id=tokenizer.eod,
+        token_dtype=str(dtype),
+        tokenizer=str(config.tokenizer_name_or_path),
+    )
     summary = PreparationSummary(
-        outputs={key: out.final_prefix for key, out in outputs.by_key.items()},
+        outputs={key: config.output_prefix_for(key) for key in config.json_keys},
         token_dtype=str(dtype),
         packed_to=config.pack_to_seq_len,
     )
     progress = _Progress(source.total_bytes, config.log_interval)
+    outputs = Outputs(config, plan, dtype, source.total_records, metadata)  # removes its files if it fails
     try:
-        with ProcessPoolExecutor(
-            config.workers,
-            mp_context=multiprocessing.get_context("spawn"),  # forking after tokenizer threads start can deadlock
-            initializer=init_worker,
-            initargs=(tokenizer.backend.to_str(), settings, config.skip_bad_records),
-        ) as pool:
-            encoded_chunks = _submit_in_order(pool, source.chunks, window=2 * config.workers + 2)
-            try:
-                for chunk, encoded in encoded_chunks:
-                    _count_bad_records(encoded, config.skip_bad_records, summary)
-                    outputs.add(encoded)
-                    summary.records += encoded.records
-                    summary.empty_documents += encoded.empty_documents
-                    summary.input_bytes = chunk.bytes_read
-                    progress.update(chunk.bytes_read, outputs.total("documents"), outputs.total("tokens"))
-            finally:
-                encoded_chunks.close()  # cancel queued work before the pool shuts down
+        initargs = (tokenizer.backend.to_str(), settings, config.skip_bad_records)
+        with OrderedWorkerPool(config.workers, encode_chunk_in_worker, init_worker, initargs) as pool:
+            for chunk, encoded in pool.imap(source.chunks):
+                _count_bad_records(encoded, config.skip_bad_records, summary)
+                outputs.add(encoded)
+                summary.records += encoded.records
+                summary.empty_documents += encoded.empty_documents
+                summary.input_bytes = chunk.bytes_read
+                progress.update(chunk.bytes_read, outputs.total("documents"), outputs.total("tokens"))
         summary.dropped_tail_tokens = outputs.finalize()
     except BaseException:
         outputs.abort()
@@ -438,16 +288,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_cli(run, summary_header: str) -> int:
-    """Shared tail of the preparation commands: run, print the summary, turn bad input into exit code 2."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread so that the run stops its workers and removes its files."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_the_run() -> Iterator[None]:
+    """The first SIGINT/SIGTERM raises ``Interrupted``; a second one exits at once, without cleaning up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame) -> None:
+        os.write(2, b"interrupted again: exiting now; the next run of this prefix removes the temporary files\n")
+        os._exit(128 + signum)
+
+    def stop(signum, frame) -> None:
+        for name in _STOP_SIGNALS:
+            signal.signal(name, exit_now)
+        raise Interrupted(signum)
+
+    previous = {name: signal.signal(name, stop) for name in _STOP_SIGNALS}
     try:
-        summary = run()
-    except (DataFileError, DataConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: no output was published (temporary files removed)", file=sys.stderr)
-        return 130
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(name, handler)
+
+
+def run_cli(run, summary_header: str) -> int:
+    """Shared tail of the preparation commands: run, print the summary, turn bad input into exit code 2.
+
+    Interrupts exit with 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM) once the workers are stopped
+    and the temporary files removed.
+    """
+    with _signals_stop_the_run():
+        try:
+            summary = run()
+        except (DataFileError, DataConfigError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        except WorkerPoolError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as interrupt:
+            print("interrupted: no output was published (temporary files removed)", file=sys.stderr, flush=True)
+            return 128 + getattr(interrupt, "signum", signal.SIGINT)
     print(summary_header)
     print(summary.table())
     return 0

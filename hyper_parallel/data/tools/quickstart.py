@@ -41,6 +41,7 @@ def run_quickstart(output_dir: str | os.PathLike, workers: int, preview_chars: i
         json_keys=("text",),
         append_eod=True,
         workers=workers,
+        overwrite=True,  # the quickstart's own output folder: a rerun replaces the previous run's pair
     )
     summary = run_offline_preparation(config)
     print(summary.table())
