@@ -31,6 +31,7 @@ from hyper_parallel.data.indexed.indexed_dataset import dataset_class, open_low_
 from hyper_parallel.data.indexed.indexed_helpers import blended_sample_counts, normalize_weights
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_simple_blended_dataset import SimpleBlendedDataset
+from hyper_parallel.data.indexed.pair_metadata import check_same_tokenizer
 
 __all__ = ["IndexedSplitBuilder"]
 
@@ -195,6 +196,12 @@ class IndexedSplitBuilder:
 
     # -- entry -------------------------------------------------------------------------------------------------
 
+    def _check_tokenizers(self, prefixes: Sequence[str]) -> None:
+        """Sources must share one tokenizer and dtype. fast_cache_load trusts the caches, and the build that wrote
+        them checked; it skips the check to keep start-up with many prefixes cheap."""
+        if not self.config.fast_cache_load:
+            check_same_tokenizer(prefixes)
+
     def build(self, data_path, sizes: Sizes | None = None) -> list:
         """Build ``[train, valid, test]`` (None for an absent split).
 
@@ -211,14 +218,15 @@ class IndexedSplitBuilder:
         if config.has_per_split_paths:
             result: list = [None] * 3
             paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
-            for i, path in enumerate(paths):
-                if path is None:
+            blends = [None if path is None else parse_blend(path) for path in paths]
+            self._check_tokenizers([prefix for blend in blends if blend is not None for prefix in blend.prefixes])
+            for i, blend in enumerate(blends):
+                if blend is None:
                     continue
                 matrix: Bookends = [None, None, None]
                 matrix[i] = (0.0, 1.0)
                 spoofed = [0, 0, 0]
                 spoofed[i] = sizes[i]
-                blend = parse_blend(path)
                 if len(blend.prefixes) == 1 and config.simple_blend == "no":
                     result[i] = self._splits_of(blend.prefixes[0], matrix, spoofed)[i]
                 else:
@@ -228,4 +236,6 @@ class IndexedSplitBuilder:
             raise DataConfigError("data_path is required unless mock_data or train/valid/test_data_path are set")
         if config.split is None:
             raise DataConfigError("split is required with data_path, e.g. split: '98, 1, 1'")
-        return self._blended_splits(parse_blend(data_path), split_matrix(config.split), sizes)
+        blend = parse_blend(data_path)
+        self._check_tokenizers(blend.prefixes)
+        return self._blended_splits(blend, split_matrix(config.split), sizes)
