@@ -18,7 +18,25 @@ class DataFileError(ValueError):
 
 
 class DataConfigError(ValueError):
-    """A configuration value is invalid or two settings contradict each other."""
+    """A configuration value is invalid or two settings contradict each other.
+
+    ``where`` is the YAML path of the config node the error is about (``dataset.data_transform``), empty until a
+    caller that knows it places the error there with ``within``; the message then starts with it.
+    """
+
+    where: str = ""
+
+    def within(self, path: str) -> DataConfigError:
+        """Place this error under the YAML path ``path``, in place (keeping its traceback); returns it to re-raise.
+
+        Each enclosing caller adds its own part: ``within("data_config")`` then ``within("dataset")`` gives
+        ``"dataset.data_config: <message>"``.
+        """
+        if path:
+            message = str(self)[len(self.where) + 2 :] if self.where else str(self)
+            self.where = f"{path}.{self.where}" if self.where else path
+            self.args = (f"{self.where}: {message}",)
+        return self
 
 
 class ResumeStateError(ValueError):

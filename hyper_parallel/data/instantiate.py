@@ -517,6 +517,8 @@ def _execute(plan: Any) -> Any:
         try:
             return plan.target(*args, **kwargs)
         except Exception as error:
+            if isinstance(error, DataConfigError):
+                error.within(plan.path)  # a target's config error is about this node: its message says where
             error.add_note(f"while building {_where(plan.path)} ({TARGET_KEY}: {plan.target_name})")
             raise
     if isinstance(plan, dict):

@@ -79,19 +79,23 @@ def test_sequence_alignment_is_the_lcm():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "named"),
     [
-        {"cp_size": 0},
-        {"tp_size": -1},
-        {"sequence_multiple": 0},
-        {"cp_size": 1.5},
-        {"cp_size": True},
-        {"sequence_parallel": "yes"},
+        ({"cp_size": 0}, ["cp_size must be an integer >= 1, got 0", "set cp_size to the context-parallel size"]),
+        ({"tp_size": -1}, ["tp_size must be an integer >= 1, got -1", "set tp_size to the tensor-parallel size"]),
+        ({"sequence_multiple": 0}, ["sequence_multiple must be", "got 0", "kernels need", "(1 for none)"]),
+        ({"cp_size": 1.5}, ["cp_size", "1.5", "(1 without context parallelism)"]),
+        ({"cp_size": True}, ["cp_size", "bool True", "context-parallel size"]),
+        ({"sequence_parallel": "yes"}, ["sequence_parallel must be true or false, got 'yes'", "tensor-parallel"]),
     ],
 )
-def test_sequence_alignment_rejects_bad_sizes(kwargs):
-    with pytest.raises(DataConfigError):
+def test_sequence_alignment_rejects_bad_sizes(kwargs, named):
+    """A bad alignment setting is a ``DataConfigError`` naming the setting, the value, what the setting is and its
+    valid values."""
+    with pytest.raises(DataConfigError) as error:
         sequence_alignment(**kwargs)
+    for text in named:
+        assert text in str(error.value)
 
 
 # -- TextPackingCollator ------------------------------------------------------------------------------------------
@@ -172,10 +176,22 @@ def test_packing_rejects_bad_batches(samples, match):
         TextPackingCollator(alignment=4)(samples)
 
 
-@pytest.mark.parametrize("kwargs", [{"alignment": 0}, {"alignment": 2.0}, {"pad_token_id": -1}, {"pad_token_id": "0"}])
-def test_collator_rejects_bad_settings(kwargs):
-    with pytest.raises(DataConfigError):
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"alignment": 0}, "set alignment to the multiple of the packed length, as sequence_alignment("),
+        ({"alignment": 2.0}, "build_online_text_collate_fn"),
+        ({"pad_token_id": -1}, "set pad_token_id to a token id of the vocabulary"),
+        ({"pad_token_id": "0"}, "so 0 works"),
+    ],
+)
+def test_collator_rejects_bad_settings(kwargs, fix):
+    """Each bad setting is a ``DataConfigError`` naming it, its value and the fix."""
+    ((name, value),) = kwargs.items()
+    with pytest.raises(DataConfigError) as error:
         TextPackingCollator(**kwargs)
+    assert f"{name} must be an integer" in str(error.value) and repr(value) in str(error.value)
+    assert fix in str(error.value)
 
 
 def test_text_collator_pickles():

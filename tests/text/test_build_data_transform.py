@@ -206,6 +206,35 @@ def test_invalid_options_are_config_errors(tokenizer, option):
         TextConversationTransform(tokenizer, chat_template="chatml", **option)
 
 
+@pytest.mark.parametrize(
+    ("data_type", "option", "named"),
+    [
+        ("plaintext", {"append_eos": "false"}, ["append_eos", "'false'", "true or false", "unquoted"]),
+        ("plaintext", {"append_eos": 0}, ["append_eos", "0", "true or false"]),
+        ("identity", {"labels_are_shifted": "no"}, ["labels_are_shifted", "'no'", "true or false"]),
+        ("identity", {"input_ids_key": 5}, ["input_ids_key must be a non-empty field name", "5"]),
+        ("identity", {"labels_key": ""}, ["labels_key must be a non-empty field name", "''"]),
+        ("conversation", {"role_key": None}, ["role_key must be a non-empty field name", "None"]),
+    ],
+)
+def test_quoted_flags_and_field_names_of_other_types_are_refused(tokenizer, data_type, option, named):
+    """A flag given as a string (``"false"`` would be true to Python) or a number, and a field name that is not a
+    non-empty string, are ``DataConfigError``s naming the option and the value, never silently reinterpreted."""
+    with pytest.raises(DataConfigError) as error:
+        extra = {"chat_template": "chatml"} if data_type == "conversation" else {}
+        build_llm_data_transform(data_type, tokenizer, max_seq_len=8, **extra, **option)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_misspelt_options_and_data_types_suggest_the_closest_name(tokenizer):
+    """An unknown option or data_type names the closest valid one."""
+    with pytest.raises(DataConfigError, match=r"\['max_seq_length'\] .*did you mean 'max_seq_len'\?"):
+        build_llm_data_transform("plaintext", tokenizer, max_seq_length=8)
+    with pytest.raises(DataConfigError, match=r"unknown data_type 'plain' \(did you mean 'plaintext'\?\)"):
+        build_llm_data_transform("plain", tokenizer, max_seq_len=8)
+
+
 def test_non_mapping_record_is_a_data_error(tokenizer):
     with pytest.raises(DataFileError, match=r"^record 17 of /data/train\.jsonl: expected a record with named"):
         PlaintextTransform(tokenizer, max_seq_len=8)("just text", WHERE)

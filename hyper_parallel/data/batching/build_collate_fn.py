@@ -63,12 +63,26 @@ def sequence_alignment(
         ``cp_size=2, tp_size=4, sequence_parallel=True`` gives 8; adding ``sequence_multiple=32`` gives 32, and
         ``sequence_multiple=12`` gives 24.
     """
-    cp = require_int("cp_size", cp_size, 1)
-    tp = require_int("tp_size", tp_size, 1)
-    multiple = require_int("sequence_multiple", sequence_multiple, 1)
+    cp = _setting(cp_size, "cp_size", "the context-parallel size of the trainer (1 without context parallelism)")
+    tp = _setting(tp_size, "tp_size", "the tensor-parallel size of the trainer (1 without tensor parallelism)")
+    multiple = _setting(
+        sequence_multiple, "sequence_multiple", "a multiple the attention kernels need, such as 32 (1 for none)"
+    )
     if not isinstance(sequence_parallel, bool | np.bool_):
-        raise DataConfigError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        raise DataConfigError(
+            f"sequence_parallel must be true or false, got {sequence_parallel!r} ({type(sequence_parallel).__name__});"
+            " set it as the trainer does: true when activations are split along the sequence across tensor-parallel"
+            " ranks"
+        )
     return math.lcm(cp * tp if sequence_parallel else cp, multiple)
+
+
+def _setting(value, name: str, meaning: str, minimum: int = 1) -> int:
+    """``require_int`` with the fix: what the setting is and which values are valid."""
+    try:
+        return require_int(name, value, minimum)
+    except DataConfigError as error:
+        raise DataConfigError(f"{error}; set {name} to {meaning}") from None
 
 
 def _field(sample: Any, key: str, index: int) -> np.ndarray:
@@ -122,8 +136,18 @@ class TextPackingCollator:
         Raises:
             DataConfigError: a setting is not a non-negative integer, or the alignment is 0.
         """
-        self.alignment = require_int("alignment", alignment, 1)
-        self.pad_token_id = require_int("pad_token_id", pad_token_id, 0)
+        self.alignment = _setting(
+            alignment,
+            "alignment",
+            "the multiple of the packed length, as sequence_alignment(cp_size=..., tp_size=..., sequence_parallel=..., "
+            "sequence_multiple=...) computes it (build_online_text_collate_fn does)",
+        )
+        self.pad_token_id = _setting(
+            pad_token_id,
+            "pad_token_id",
+            "a token id of the vocabulary (the padding carries no loss and is its own sequence, so 0 works)",
+            minimum=0,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id})"

@@ -27,12 +27,13 @@ Example (the Online mapping + dynamic batch pipeline)::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, instantiate, load_config
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 
@@ -41,6 +42,7 @@ __all__ = ["DataLoaders", "build_dataloaders"]
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed; numpy's generators take any seed >= 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,30 @@ def _as_splits(built) -> tuple:
             )
         return tuple(built)
     return (built, None, None)
+
+
+def _check_alignment(loader, collate_fn) -> None:
+    """Warn when a token budget is not a multiple of the packing alignment: padded rows would then exceed it."""
+    budget, alignment = getattr(loader, "token_budget", None), getattr(collate_fn, "alignment", None)
+    if budget is None or alignment is None or budget % alignment == 0:
+        return
+    # budget = micro_batch_size * max_seq_len is a multiple of the alignment when max_seq_len is a multiple of step
+    step = alignment // math.gcd(alignment, loader.micro_batch_size)
+    lower = loader.max_seq_len - loader.max_seq_len % step
+    suggestions = " or ".join(str(v) for v in (lower, lower + step) if v > 0)
+    logger.warning(
+        "the token budget %d (micro_batch_size %d x max_seq_len %d) is not a multiple of the packing alignment %d "
+        "(lcm of cp_size x tp_size with sequence_parallel, else cp_size, and sequence_multiple), so a padded "
+        "micro-batch can hold up to %d tokens; set max_seq_len (of the data transform or the dataloader) to a "
+        "multiple of %d, such as %s",
+        budget,
+        loader.micro_batch_size,
+        loader.max_seq_len,
+        alignment,
+        budget - budget % alignment + alignment,
+        step,
+        suggestions,
+    )
 
 
 def build_dataloaders(
@@ -90,6 +116,8 @@ def build_dataloaders(
     """
     if not isinstance(config, Mapping):
         config = load_config(config)
+    if require_int("seed", seed, 0) > MAX_SEED:
+        raise DataConfigError(f"seed must be an integer in [0, 2**64 - 1] (it seeds torch generators), got {seed}")
     for key in ("dataset", "dataloader"):
         if key not in config:
             raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
@@ -126,5 +154,7 @@ def build_dataloaders(
             path="dataloader",
         )
         logger.info("%s loader: %r", split, loader)
+        if all(built is None for built in loaders):
+            _check_alignment(loader, collate_fn)  # the same loader settings for every split: say it once
         loaders.append(loader)
     return DataLoaders(*loaders)

@@ -17,6 +17,7 @@ and warning. ``on_invalid_record="skip"`` turns a per-record ``DataFileError`` i
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 import string
@@ -62,6 +63,21 @@ def _positive_int(value, name: str, *, optional: bool) -> int | None:
             "set it to the model's context length in tokens, e.g. 4096"
         )
     return int(value)
+
+
+def _flag(value, name: str) -> bool:
+    # bool("false") is True: a quoted YAML value must not silently mean the opposite
+    if not isinstance(value, bool | np.bool_):
+        raise DataConfigError(
+            f"{name} must be true or false, got {value!r} ({type(value).__name__}); write it unquoted"
+        )
+    return bool(value)
+
+
+def _field_name(value, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise DataConfigError(f"{name} must be a non-empty field name, got {value!r}")
+    return value
 
 
 def _key_list(value, name: str) -> tuple[str, ...]:
@@ -212,7 +228,7 @@ class PlaintextTransform(_RecordTransform):
                     "positional fields such as {} or {0} are not supported"
                 )
         self.text_template = text_template
-        self.append_eos = bool(append_eos)
+        self.append_eos = _flag(append_eos, "append_eos")
         self.eos_token_id = self.tokenizer.eos_token_id if self.append_eos else None
         if self.append_eos and self.eos_token_id is None:
             logger.warning(
@@ -322,10 +338,7 @@ class TextConversationTransform(_RecordTransform):
         super().__init__(max_seq_len, on_invalid_record)
         self.tokenizer = _as_tokenizer(tokenizer, "conversation")
         self.text_keys = _key_list(text_keys, "text_keys")
-        for name, value in (("role_key", role_key), ("content_key", content_key)):
-            if not isinstance(value, str) or not value:
-                raise DataConfigError(f"{name} must be a non-empty field name, got {value!r}")
-        self.role_key, self.content_key = role_key, content_key
+        self.role_key, self.content_key = _field_name(role_key, "role_key"), _field_name(content_key, "content_key")
         self.role_map = _check_role_map(role_map)
         self.chat_template = build_chat_template(chat_template, self.tokenizer)
 
@@ -403,8 +416,9 @@ class IdentityDataTransform(_RecordTransform):
             on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
         """
         super().__init__(max_seq_len, on_invalid_record)
-        self.input_ids_key, self.labels_key = input_ids_key, labels_key
-        self.labels_are_shifted = bool(labels_are_shifted)
+        self.input_ids_key = _field_name(input_ids_key, "input_ids_key")
+        self.labels_key = _field_name(labels_key, "labels_key")
+        self.labels_are_shifted = _flag(labels_are_shifted, "labels_are_shifted")
 
     def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
         if record.get(self.input_ids_key) is None:
@@ -460,6 +474,11 @@ DATA_TRANSFORM_REGISTRY: dict[str, type[_RecordTransform]] = {
 _NEEDS_TOKENIZER = ("plaintext", "conversation")
 
 
+def _did_you_mean(value, names) -> str:
+    close = difflib.get_close_matches(value, list(names), n=1) if isinstance(value, str) else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwargs) -> _RecordTransform:
     """Build a record transform by name: the ``data_transform._target_`` of YAML configs.
 
@@ -474,12 +493,18 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
     """
     transform_class = DATA_TRANSFORM_REGISTRY.get(data_type) if isinstance(data_type, str) else None
     if transform_class is None:
-        raise DataConfigError(f"unknown data_type {data_type!r}; use one of {', '.join(DATA_TRANSFORM_REGISTRY)}")
+        raise DataConfigError(
+            f"unknown data_type {data_type!r}{_did_you_mean(data_type, DATA_TRANSFORM_REGISTRY)}; use one of "
+            f"{', '.join(DATA_TRANSFORM_REGISTRY)}"
+        )
     parameters = inspect.signature(transform_class.__init__).parameters
     options = [name for name, parameter in parameters.items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(kwargs) - set(options))
     if unknown:
-        raise DataConfigError(f"unknown option(s) {unknown} for data_type '{data_type}'; its options are {options}")
+        raise DataConfigError(
+            f"unknown option(s) {unknown} for data_type '{data_type}'{_did_you_mean(unknown[0], options)}; its "
+            f"options are {options}. Fix or remove the key"
+        )
     missing = [name for name in options if name not in kwargs and parameters[name].default is inspect.Parameter.empty]
     if missing:
         raise DataConfigError(f"data_type '{data_type}' requires the option(s) {missing}, e.g. max_seq_len: 4096")

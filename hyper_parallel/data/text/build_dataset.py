@@ -1,17 +1,20 @@
 """Public entry points that build datasets from configs (the ``dataset._target_`` of a pipeline config).
 
 Owns: turning a YAML-friendly ``data_config`` mapping and a tokenizer (or its path) into datasets, for the Online
-path (``build_online_text_dataset``) and the Indexed path (``build_indexed_text_dataset``). Not responsible for:
-how the datasets are built (``text.online`` sources, ``indexed.indexed_split_builder``).
+path (``build_online_text_dataset``) and the Indexed path (``build_indexed_text_dataset``); a config error in
+``data_config`` or a ``data_transform`` mapping names that key as its YAML path (``instantiate`` prefixes the
+node's own path, e.g. ``dataset.data_config: ...``). Not responsible for: how the datasets are built
+(``text.online`` sources, ``indexed.indexed_split_builder``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_split_builder import IndexedSplitBuilder
 from hyper_parallel.data.text.build_data_transform import build_llm_data_transform
@@ -25,12 +28,26 @@ __all__ = ["build_indexed_text_dataset", "build_online_text_dataset"]
 logger = get_logger("hyper_parallel.data.text.build_dataset")
 
 
-def _as_config(data_config: IndexedDataConfig | Mapping) -> IndexedDataConfig:
-    if isinstance(data_config, IndexedDataConfig):
+@contextmanager
+def _located(key: str) -> Iterator[None]:
+    """A ``DataConfigError`` raised inside is about the argument ``key``: place it there (``data_config: ...``)."""
+    try:
+        yield
+    except DataConfigError as error:
+        error.within(key)
+        raise
+
+
+def _as_config(data_config, config_class: type[IndexedDataConfig | OnlineDataConfig]):
+    """``data_config`` as ``config_class``, from an instance or a mapping of its fields (as in YAML)."""
+    if isinstance(data_config, config_class):
         return data_config
-    if isinstance(data_config, Mapping):
-        return IndexedDataConfig.from_mapping(dict(data_config))
-    raise DataConfigError(f"data_config must be a mapping or IndexedDataConfig, got {type(data_config).__name__}")
+    if data_config is not None and not isinstance(data_config, Mapping):
+        raise DataConfigError(
+            f"data_config must be a mapping of {config_class.__name__} fields, got {type(data_config).__name__}"
+        )
+    with _located("data_config"):
+        return config_class.from_mapping(dict(data_config or {}))
 
 
 def build_indexed_text_dataset(
@@ -51,7 +68,7 @@ def build_indexed_text_dataset(
         tokenizer: a loaded tokenizer (anything with ``eod``/``eos_token_id`` and ``pad``/``pad_token_id``), or the
             path of a local Hugging Face tokenizer.
         synchronize: with a process group, rank 0 builds the index caches while the others wait; every rank must
-            call this function.
+            call this function. A failure on any rank then raises on every rank.
 
     Returns:
         ``(train, valid, test)``; each sample is a dict with ``tokens``, ``labels``, ``loss_mask`` (and the LTR
@@ -59,7 +76,7 @@ def build_indexed_text_dataset(
     """
     if data_config is None:
         raise DataConfigError("data_config is required (at least seq_length)")
-    config = _as_config(data_config)
+    config = _as_config(data_config, IndexedDataConfig)
     if tokenizer is None:
         raise DataConfigError(
             "a tokenizer is required: the samples' EOD and pad ids come from it. Pass tokenizer=<path of a Hugging "
@@ -107,9 +124,16 @@ def build_online_text_dataset(
             "data_transform is required, e.g. {_target_: hyper_parallel.data.text.build_data_transform."
             "build_llm_data_transform, data_type: plaintext, max_seq_len: 4096}"
         )
-    config = data_config if isinstance(data_config, OnlineDataConfig) else OnlineDataConfig.from_mapping(data_config)
+    config = _as_config(data_config, OnlineDataConfig)
+    seed = require_int("seed", seed, 0)  # seeds numpy generators, which take non-negative seeds
     if isinstance(data_transform, Mapping):
-        data_transform = build_llm_data_transform(tokenizer=tokenizer, **data_transform)
+        with _located("data_transform"):
+            data_transform = build_llm_data_transform(**{"tokenizer": tokenizer, **data_transform})
+    if not callable(data_transform):
+        raise DataConfigError(
+            f"data_transform must be a transform or a mapping of build_llm_data_transform options (data_type, "
+            f"max_seq_len, ...), got {type(data_transform).__name__} {data_transform!r}"
+        )
 
     def build(path):
         source = open_online_source(path, config, dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)

@@ -48,14 +48,12 @@ class OnlineDataConfig:
     def __post_init__(self) -> None:
         if self.dataset_type not in DATASET_TYPES:
             raise DataConfigError(
-                f"data_config.dataset_type is {self.dataset_type!r}; use 'mapping' (random access, streaming=False) "
-                "or 'iterable' (streaming=True)"
+                f"dataset_type is {self.dataset_type!r}; use 'mapping' (random access, streaming=False) or "
+                "'iterable' (streaming=True)"
             )
-        if not isinstance(self.shuffle_buffer_size, int) or self.shuffle_buffer_size < 0:
-            raise DataConfigError(
-                f"data_config.shuffle_buffer_size is {self.shuffle_buffer_size!r}; use a record count >= 0 "
-                "(0 keeps the file order)"
-            )
+        size = self.shuffle_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:  # a bool is an int to Python
+            raise DataConfigError(f"shuffle_buffer_size is {size!r}; use a record count >= 0 (0 keeps the file order)")
 
     @classmethod
     def from_mapping(cls, values: Mapping | None) -> OnlineDataConfig:
