@@ -635,14 +635,16 @@ def test_error_inside_a_target_keeps_its_type_and_gains_a_note(log):
 
 
 def test_library_validation_error_gains_a_note():
-    """A ``DataConfigError`` from a library class (``seq_length: 0``) keeps its message and gains the path."""
+    """A ``DataConfigError`` from a library class (``seq_length: 0``) starts with the node's YAML path and gains a
+    note naming the target."""
     config = load_config_text(
         "data_config:\n  _target_: hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig\n  seq_length: 0\n"
     )
 
-    with pytest.raises(DataConfigError, match="seq_length must be a positive integer, got 0") as error:
+    with pytest.raises(DataConfigError) as error:
         instantiate(config, path="dataset")
 
+    assert str(error.value) == "dataset.data_config: seq_length must be an integer >= 1, got 0"
     assert error.value.__notes__ == [
         "while building dataset.data_config "
         "(_target_: hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataL
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
 
 from .resume_check import check_exact_resume
@@ -140,3 +143,113 @@ def test_pipeline_configs_missing_a_node_or_returning_odd_splits_are_refused(tmp
         build_dataloaders(two, tokenizer=tokenizer_path)
     with pytest.raises(DataConfigError, match="returned 2 datasets"):
         build_dataloaders(two, tokenizer=tokenizer_path, allowed_prefixes=("hyper_parallel.", "builtins."))
+
+
+# -- errors name their YAML path ------------------------------------------------------------------------------------
+
+
+def with_changes(tmp_path, plaintext_path, hf_cache_dir, *, transform=None, data_config=None) -> dict:
+    """The Online mapping config, loaded, with keys of ``data_transform`` and ``data_config`` replaced or added."""
+    path = online_config(tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="FixedBatchDataLoader")
+    config = load_config(path)
+    config["dataset"]["data_transform"].update(transform or {})
+    config["dataset"]["data_config"].update(data_config or {})
+    return config
+
+
+@pytest.mark.parametrize(
+    ("transform", "data_config", "start", "named"),
+    [
+        ({"max_seq_length": 64}, None, "dataset.data_transform: ", ["['max_seq_length']", "'max_seq_len'"]),
+        ({"data_type": "plain"}, None, "dataset.data_transform: ", ["unknown data_type 'plain'", "plaintext"]),
+        ({"text_keys": 5}, None, "dataset.data_transform: ", ["text_keys must be", "got 5"]),
+        ({"max_seq_len": 0}, None, "dataset.data_transform: ", ["max_seq_len must be a positive integer", "got 0"]),
+        (None, {"dataset_type": "map"}, "dataset.data_config: ", ["dataset_type is 'map'", "'iterable'"]),
+        (None, {"shuffle": True}, "dataset.data_config: ", ["unknown data_config keys ['shuffle']", "cache_dir"]),
+    ],
+    ids=["unknown_option", "data_type", "text_keys", "max_seq_len", "dataset_type", "unknown_key"],
+)
+def test_online_config_errors_name_their_yaml_path(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, transform, data_config, start, named
+):
+    """Errors about ``data_transform`` options and ``data_config`` keys, raised while the ``dataset`` node is built,
+    start with their YAML path, as errors about misspelt node keys do."""
+    config = with_changes(tmp_path, plaintext_path, hf_cache_dir, transform=transform, data_config=data_config)
+    with pytest.raises(DataConfigError) as error:
+        build_dataloaders(config, tokenizer=tokenizer_path)
+    message = str(error.value)
+    assert message.startswith(start), message
+    for text in named:
+        assert text in message
+
+
+def test_a_data_transform_mapping_without_target_names_its_yaml_path(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    """A ``data_transform`` given as options only (no ``_target_``) names the same path."""
+    config = with_changes(tmp_path, plaintext_path, hf_cache_dir, transform={"max_seq_length": 64})
+    del config["dataset"]["data_transform"]["_target_"]
+    with pytest.raises(DataConfigError, match=r"^dataset\.data_transform: unknown option\(s\) \['max_seq_length'\]"):
+        build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+@pytest.mark.parametrize(
+    ("data_config", "named"),
+    [
+        ({"seq_length": True}, "seq_length must be an integer >= 1, got the bool True"),
+        ({"split": "98,1,abc"}, "split '98,1,abc': part 3 ('abc') is not a non-negative decimal number"),
+        ({"random_seed": 2**32}, "random_seed must be an integer in [0, 2**32 - 1]"),
+        ({"mock_data": "false"}, "mock_data must be true or false, got 'false'"),
+        ({"sequence_length": 32}, "unknown data_config key(s) ['sequence_length']"),
+    ],
+    ids=["seq_length_bool", "split", "seed", "quoted_flag", "unknown_key"],
+)
+def test_indexed_data_config_errors_name_their_yaml_path(tmp_path, tokenizer_path, data_config, named):
+    """The same for the Indexed ``data_config``, given as a mapping or (for values; a misspelt key of a node is
+    refused before anything is built, by the key's own path) as an ``IndexedDataConfig`` node."""
+    settings = {**INDEXED_CONFIG["dataset"]["data_config"], **data_config}
+    forms = [settings]
+    if "sequence_length" not in data_config:
+        forms.append({"_target_": "hyper_parallel.data.indexed.indexed_data_config.IndexedDataConfig", **settings})
+    for form in forms:
+        config = {**INDEXED_CONFIG, "dataset": {**INDEXED_CONFIG["dataset"], "data_config": form}}
+        with pytest.raises(DataConfigError, match=rf"^dataset\.data_config: {re.escape(named)}"):
+            build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
+def test_runtime_seed_out_of_range_is_refused(tmp_path, tokenizer_path, seed):
+    """The runtime seed seeds torch and numpy generators: an integer in [0, 2**64 - 1], or a ``DataConfigError``."""
+    with pytest.raises(DataConfigError, match=r"^seed must be an integer"):
+        build_dataloaders(INDEXED_CONFIG, tokenizer=tokenizer_path, seed=seed)
+
+
+# -- CP/TP alignment ------------------------------------------------------------------------------------------------
+
+
+def test_a_token_budget_off_the_packing_alignment_names_the_fix(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
+):
+    """A token budget that is not a multiple of the CP/TP alignment lets padded micro-batches exceed it: a warning
+    names the budget, the alignment and the max_seq_len values that fix it (micro_batch_size 2 x max_seq_len 62
+    with cp 8: multiples of 4, so 60 or 64)."""
+    config = online_config(
+        tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="DynamicBatchDataLoader"
+    )
+    config.write_text(config.read_text().replace("max_seq_len: 64", "max_seq_len: 62"))
+
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        loaders = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=8)
+    warnings = [r.getMessage() for r in caplog.records if "packing alignment" in r.getMessage()]
+    assert len(warnings) == 1
+    assert (
+        "token budget 124 (micro_batch_size 2 x max_seq_len 62) is not a multiple of the packing alignment 8"
+        in (warnings[0])
+    )
+    assert "up to 128 tokens" in warnings[0] and "multiple of 4, such as 60 or 64" in warnings[0]
+    assert max(len(batch["input_ids"][0]) for batch in loaders.train) <= 128
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=2)
+    assert not [r for r in caplog.records if "packing alignment" in r.getMessage()]

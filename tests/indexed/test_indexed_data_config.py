@@ -5,6 +5,7 @@ sequences file."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -44,6 +45,22 @@ from hyper_parallel.data.indexed.indexed_data_config import (
         ({"defer_npy_index_mmap": True}, ["defer_npy_index_mmap", "data_cache_path"]),
         ({"mock_data": True, "is_dataset_from_mr": True}, ["mock_data", "is_dataset_from_mr"]),
         ({"split": "1, 2, 3, 4"}, ["split", "'1, 2, 3, 4'"]),
+        ({"seq_length": True}, ["seq_length", "bool True"]),
+        ({"seq_length": 4096.5}, ["seq_length", "4096.5"]),
+        ({"seq_length": "4096"}, ["seq_length", "'4096'"]),
+        ({"random_seed": True}, ["random_seed", "bool True"]),
+        ({"random_seed": 1.5}, ["random_seed", "1.5"]),
+        ({"random_seed": "7"}, ["random_seed", "'7'"]),
+        ({"random_seed": 2**40}, ["random_seed", str(2**40), "2**32 - 1", "RandomState"]),
+        ({"mid_level_dataset_surplus": True}, ["mid_level_dataset_surplus", "True"]),
+        ({"mid_level_dataset_surplus": "0.1"}, ["mid_level_dataset_surplus", "'0.1'"]),
+        ({"mid_level_dataset_surplus": float("inf")}, ["mid_level_dataset_surplus", "inf"]),
+        ({"mock_data": "false"}, ["mock_data", "'false'", "true or false", "unquoted"]),
+        ({"add_extra_token_to_sequence": 0}, ["add_extra_token_to_sequence", "0", "true or false"]),
+        ({"data_cache_path": 5}, ["data_cache_path", "5", "path"]),
+        ({"per_dataset_sequences_path": ["a.json"]}, ["per_dataset_sequences_path", "['a.json']", "path"]),
+        ({"train_data_path": 7}, ["train_data_path", "7", "path"]),
+        ({"split": "98,1,abc"}, ["split", "'98,1,abc'", "one to three non-negative numbers"]),
     ],
     ids=[
         "seq_length_0",
@@ -59,6 +76,22 @@ from hyper_parallel.data.indexed.indexed_data_config import (
         "defer_without_cache",
         "mock_with_mr",
         "bad_split",
+        "seq_length_bool",
+        "seq_length_fractional",
+        "seq_length_string",
+        "seed_bool",
+        "seed_float",
+        "seed_string",
+        "seed_above_randomstate",
+        "surplus_bool",
+        "surplus_string",
+        "surplus_infinite",
+        "flag_quoted_string",
+        "flag_integer",
+        "cache_path_number",
+        "sequences_path_list",
+        "data_path_number",
+        "split_with_a_word",
     ],
 )
 def test_invalid_settings_are_refused_naming_the_field(settings, named):
@@ -91,6 +124,13 @@ def test_boundary_settings_are_accepted(settings):
     config = IndexedDataConfig(**{"seq_length": 8, **settings})
     for name, value in settings.items():
         assert getattr(config, name) == value
+
+
+def test_integer_settings_are_stored_as_python_ints():
+    """numpy integers are accepted as counts and seeds and stored as Python ints (cache keys are JSON)."""
+    config = IndexedDataConfig(seq_length=np.int64(16), random_seed=np.uint32(2**32 - 1))
+    assert type(config.seq_length) is int and config.seq_length == 16
+    assert type(config.random_seed) is int and config.random_seed == 2**32 - 1
 
 
 def test_nan_surplus_is_refused_naming_the_field():
@@ -156,6 +196,50 @@ def test_parse_split_refuses_invalid_strings_naming_them(split, reason):
     with pytest.raises(DataConfigError, match=reason) as error:
         parse_split(split)
     assert f"split {split!r}" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("split", "reason"),
+    [
+        ("98,1,abc", "part 3 ('abc') is not a non-negative decimal number"),
+        ("nan,1,1", "part 1 ('nan') is not a non-negative decimal number"),
+        ("inf,1,1", "part 1 ('inf') is not a non-negative decimal number"),
+        ("-1,1,1", "part 1 ('-1') is not a non-negative decimal number"),
+        ("1e-3, 1, 1", "part 1 ('1e-3') is not a non-negative decimal number"),
+        ("98%,1%,1%", "part 1 ('98%') is not a non-negative decimal number"),
+        ("98,,1", "part 2 is empty"),
+        ("98,1,1,", "part 4 is empty"),
+        (",98,1", "part 1 is empty"),
+        ("5,4,3,2,1", "has 5 parts"),
+        ("9" * 400, "too large"),
+    ],
+)
+def test_parse_split_refuses_what_megatron_reads_silently(split, reason):
+    """Where megatron-core drops what is not a number (``"98,1,abc"`` would become ``98, 1, 0``, ``"nan,1,1"``
+    ``1, 1, 0``, ``"98,,1"`` ``98, 1, 0``), each case is a ``DataConfigError`` naming ``split``, its value, the
+    offending part and the accepted form."""
+    with pytest.raises(DataConfigError, match=re.escape(reason)) as error:
+        parse_split(split)
+    message = str(error.value)
+    assert f"split {split!r}" in message
+    assert "one to three non-negative numbers separated by commas, such as '98, 1, 1'" in message
+
+
+@pytest.mark.parametrize("split", [98, 0.5, ["98", "1", "1"], None])
+def test_parse_split_refuses_a_value_that_is_not_a_string(split):
+    """A YAML number or list as ``split`` is a ``DataConfigError`` naming its type and saying to quote it."""
+    with pytest.raises(DataConfigError, match="split must be a string") as error:
+        parse_split(split)
+    assert repr(split) in str(error.value) and "quote it" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "split", ["98 , 1 , 1", "  969, 30, 1  ", "98:1:1", "1.5/2.5", "07, 2, 1", "1.,2.,3.", "100", "\t50\t50\n"]
+)
+def test_split_forms_megatron_accepts_keep_their_megatron_value(split):
+    """Separators with spaces around them, colons, a trailing dot, leading zeros or a single number are read as
+    megatron-core reads them: the same split matrix, bit for bit."""
+    assert split_matrix(split) == convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
 
 
 def test_parse_split_refuses_a_malformed_number_naming_the_split():

@@ -1,6 +1,7 @@
 """Specification of ``build_indexed_text_dataset`` on bad input: every mistake is a ``DataConfigError`` or
 ``DataFileError`` that names what is wrong (the prefix, the key, the source and its counts), never a hang; and the
-accepted forms of ``data_config``, ``tokenizer`` and per-split paths."""
+accepted forms of ``data_config``, ``tokenizer`` and per-split paths. Also the arguments of
+``build_online_text_dataset``: errors in ``data_config`` or a ``data_transform`` mapping name that key."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset
-from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
+from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 
 SETTINGS = {"seq_length": SEQ_LENGTH, "split": "90, 8, 2"}
@@ -105,6 +106,34 @@ def test_per_split_path_for_train_only(tmp_path, corpus, tokenizer):
     assert type(train) is GPTDataset and valid is None and test is None
     whole = build_indexed_text_dataset(corpus, cached(tmp_path, "whole", split="1, 0, 0"), [150, None, None], tokenizer)
     assert_same_datasets(train, whole[0])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "named"),
+    [
+        ([-1, None, None], ["train_valid_test_num_samples[0] (train samples)", "-1"]),
+        ([100, True, None], ["train_valid_test_num_samples[1] (valid samples)", "bool True"]),
+        ([100, 10, 2.5], ["train_valid_test_num_samples[2] (test samples)", "2.5"]),
+        ([100, "10", 5], ["train_valid_test_num_samples[1] (valid samples)", "'10'"]),
+        ("100", ["train_valid_test_num_samples must be a list of three sample counts", "'100'"]),
+        (100, ["train_valid_test_num_samples must be a list of three sample counts", "100"]),
+    ],
+    ids=["negative", "bool", "float", "string_entry", "string", "number"],
+)
+def test_sample_counts_out_of_range_are_named(corpus, tokenizer, sizes, named):
+    """A sample count that is negative, a bool, a float or a string, or sizes that are not a list, is a
+    ``DataConfigError`` naming the entry and its split."""
+    with pytest.raises(DataConfigError) as error:
+        build_indexed_text_dataset(corpus, SETTINGS, sizes, tokenizer)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_sample_counts_accept_zero_none_and_numpy_integers(tmp_path, corpus, tokenizer):
+    """0 samples and numpy integers are valid counts, stored as Python ints (cache keys are JSON)."""
+    splits = build_indexed_text_dataset(corpus, cached(tmp_path), np.array([40, 0, 3]), tokenizer)
+    assert [split.num_samples for split in splits] == [40, 0, 3]
+    assert all(type(split.num_samples) is int for split in splits)
 
 
 @pytest.mark.parametrize("sizes", [[100, 10], [100, 10, 5, 1], []])
@@ -278,3 +307,101 @@ def test_unweighted_blend_with_an_empty_split_names_the_source(tmp_path, tokeniz
     with pytest.raises(DataConfigError) as error:
         build_splits([full, tail], tokenizer, None, split="90, 0, 10", data_cache_path=str(tmp_path))
     assert tail in str(error.value) and "test" in str(error.value)
+
+
+# -- seq_length against the data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [None, [10, None, None]], ids=["one_epoch", "requested"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_seq_length_larger_than_every_split_is_refused(tmp_path, tokenizer, sizes, lazy):
+    """A ``seq_length`` no split can fill is a ``DataConfigError`` naming seq_length, each split's token count and the
+    largest valid seq_length, raised before any index is built (one-epoch splits would be empty; requested samples
+    would repeat the split many times over, and a huge seq_length would exhaust memory)."""
+    prefix = write_documents_of_total(tmp_path / "small_text_document", 300)
+    config = {"seq_length": 10**9, "split": "90, 5, 5", "data_cache_path": str(tmp_path / "cache")}
+
+    def build():
+        splits = build_indexed_text_dataset(prefix, {**config, "data_lazy_load": lazy}, sizes, tokenizer)
+        return [len(split) for split in splits]  # a lazy build opens the data here
+
+    error = raises_within(30, build, DataConfigError)
+    message = str(error)
+    assert f"seq_length {10**9} is larger than every split of {prefix}" in message
+    assert "needs 1000000001 tokens" in message and "train 300, valid 0, test 0 tokens" in message
+    assert "lower seq_length to at most 299" in message
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_seq_length_larger_than_a_per_split_source_is_refused(tmp_path, corpus, tokenizer):
+    """A per-split source shorter than one sample is refused the same way, naming that source."""
+    small = write_documents_of_total(tmp_path / "small_text_document", 20)
+    settings = cached(tmp_path, seq_length=32, split=None, train_data_path=corpus, valid_data_path=small)
+
+    with pytest.raises(DataConfigError, match=f"larger than every split of {small}: .* valid 20 tokens"):
+        build_indexed_text_dataset(None, settings, [20, 1, None], tokenizer)
+
+
+def test_seq_length_that_fits_one_split_builds(tmp_path, tokenizer):
+    """One split holding a sample's tokens is enough: the others may be smaller, as in megatron-core."""
+    prefix = write_documents_of_total(tmp_path / "small_text_document", 300)
+    config = {"seq_length": 200, "split": "90, 5, 5", "data_cache_path": str(tmp_path / "cache")}
+
+    train, valid, test = build_indexed_text_dataset(prefix, config, None, tokenizer)
+    assert len(train) == 1 and len(valid) == 0 and len(test) == 0
+
+
+# -- build_online_text_dataset arguments -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def online_jsonl(tmp_path) -> str:
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(f'{{"text": "record {i}"}}' for i in range(4)) + "\n", encoding="utf-8")
+    return str(path)
+
+
+PLAINTEXT = {"data_type": "plaintext", "max_seq_len": 16}
+
+
+@pytest.mark.parametrize(
+    ("data_transform", "data_config", "start", "named"),
+    [
+        ({**PLAINTEXT, "max_seq_length": 16}, None, "data_transform: ", ["'max_seq_length'", "'max_seq_len'"]),
+        ({**PLAINTEXT, "data_type": "plain"}, None, "data_transform: ", ["unknown data_type 'plain'", "'plaintext'"]),
+        ({**PLAINTEXT, "text_keys": 5}, None, "data_transform: ", ["text_keys must be", "5"]),
+        ({**PLAINTEXT, "append_eos": "false"}, None, "data_transform: ", ["append_eos", "'false'", "true or false"]),
+        (PLAINTEXT, {"shuffle": True}, "data_config: ", ["unknown data_config keys ['shuffle']", "dataset_type"]),
+        (PLAINTEXT, {"dataset_type": "map"}, "data_config: ", ["dataset_type is 'map'", "'mapping'"]),
+        (PLAINTEXT, {"shuffle_buffer_size": True}, "data_config: ", ["shuffle_buffer_size is True", ">= 0"]),
+        (PLAINTEXT, [("dataset_type", "mapping")], "", ["data_config must be a mapping", "got list"]),
+        ("plaintext", None, "", ["data_transform must be a transform or a mapping", "'plaintext'"]),
+    ],
+    ids=[
+        "unknown_option",
+        "unknown_data_type",
+        "text_keys_type",
+        "quoted_flag",
+        "unknown_key",
+        "dataset_type",
+        "buffer_size_bool",
+        "config_not_a_mapping",
+        "transform_not_callable",
+    ],
+)
+def test_online_argument_errors_name_their_key(online_jsonl, tokenizer, data_transform, data_config, start, named):
+    """A ``DataConfigError`` in a ``data_transform`` mapping or in ``data_config`` starts with that argument's name
+    (``instantiate`` adds the node's path in front: ``dataset.data_config: ...``) and names the value and the fix."""
+    with pytest.raises(DataConfigError) as error:
+        build_online_text_dataset(online_jsonl, data_transform, data_config, tokenizer)
+    message = str(error.value)
+    assert message.startswith(start) and not message[len(start) :].startswith(("data_config: ", "data_transform: "))
+    for text in named:
+        assert text in message
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "7"])
+def test_online_seed_must_be_a_non_negative_integer(online_jsonl, tokenizer, seed):
+    """The seed of the stream's shuffle is an integer >= 0; anything else is a ``DataConfigError`` naming it."""
+    with pytest.raises(DataConfigError, match=r"^seed must be an integer >= 0"):
+        build_online_text_dataset(online_jsonl, PLAINTEXT, {"dataset_type": "iterable"}, tokenizer, seed=seed)

@@ -12,11 +12,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 
 __all__ = [
     "SPLIT_NAMES",
@@ -24,6 +24,7 @@ __all__ = [
     "IndexedDataConfig",
     "parse_blend",
     "parse_split",
+    "sample_counts",
     "split_matrix",
     "split_range",
 ]
@@ -31,6 +32,8 @@ __all__ = [
 SPLIT_NAMES = ("train", "valid", "test")
 SIMPLE_BLEND_MODES = ("no", "inter", "intra")
 DataPath = str | os.PathLike | Sequence[str | os.PathLike]
+# numpy's legacy RandomState, which orders samples as megatron-core does, takes seeds in [0, 2**32 - 1].
+MAX_RANDOM_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,7 @@ class IndexedDataConfig:
     per_dataset_sequences_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.seq_length, int) or self.seq_length < 1:
-            raise DataConfigError(f"seq_length must be a positive integer, got {self.seq_length!r}")
+        self._check_types()
         if self.simple_blend not in SIMPLE_BLEND_MODES:
             raise DataConfigError(f"simple_blend must be one of {SIMPLE_BLEND_MODES}, got {self.simple_blend!r}")
         if self.simple_blend != "no" and not self.is_dataset_from_mr:
@@ -121,10 +123,6 @@ class IndexedDataConfig:
                 f"simple_blend: {self.simple_blend!r} works on offline-packed records only; set "
                 "is_dataset_from_mr: true, or use simple_blend: 'no' for variable-length documents"
             )
-        if not math.isfinite(self.mid_level_dataset_surplus) or self.mid_level_dataset_surplus < 0:
-            raise DataConfigError(f"mid_level_dataset_surplus must be >= 0, got {self.mid_level_dataset_surplus}")
-        if not 0 <= self.random_seed < 2**32:
-            raise DataConfigError(f"random_seed must be in [0, 2**32), got {self.random_seed}")
         if self.split is not None and not self.has_per_split_paths:
             split_matrix(self.split)  # validates
         if (self.fast_cache_load or self.defer_npy_index_mmap) and self.data_cache_path is None:
@@ -136,6 +134,33 @@ class IndexedDataConfig:
             raise DataConfigError(
                 "mock_data makes variable-length documents; it cannot be used with is_dataset_from_mr"
             )
+
+    def _check_types(self) -> None:
+        """Numbers, flags and paths of the right type and range; integers stored as Python ints (cache keys)."""
+        object.__setattr__(self, "seq_length", require_int("seq_length", self.seq_length, 1))
+        seed = require_int("random_seed", self.random_seed, 0)
+        if seed > MAX_RANDOM_SEED:
+            raise DataConfigError(
+                f"random_seed must be an integer in [0, 2**32 - 1] (numpy's legacy RandomState orders the samples, "
+                f"as megatron-core), got {seed}; choose a smaller seed"
+            )
+        object.__setattr__(self, "random_seed", seed)
+        surplus = self.mid_level_dataset_surplus
+        is_number = isinstance(surplus, int | float) and not isinstance(surplus, bool)
+        if not is_number or not math.isfinite(surplus) or surplus < 0:
+            raise DataConfigError(
+                f"mid_level_dataset_surplus must be a number >= 0 (a fraction such as 0.005), got {surplus!r}"
+            )
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                # YAML's quoted "false" is a non-empty string, which Python would take as true
+                raise DataConfigError(
+                    f"{field.name} must be true or false, got {value!r} ({type(value).__name__}); write it unquoted"
+                )
+            path_types = str | os.PathLike | list | tuple if field.type == "DataPath | None" else str | os.PathLike
+            if field.name.endswith("_path") and value is not None and not isinstance(value, path_types):
+                raise DataConfigError(f"{field.name} must be a path (a string), got {value!r} ({type(value).__name__})")
 
     @property
     def has_per_split_paths(self) -> bool:
@@ -153,6 +178,24 @@ class IndexedDataConfig:
     def extra_token(self) -> int:
         """1 when samples read one extra token for the shifted labels, else 0."""
         return int(self.add_extra_token_to_sequence)
+
+    def check_sample_fits(self, prefix: str, split_tokens: dict[str, int]) -> None:
+        """Refuse a ``seq_length`` larger than every split of ``prefix``, given the tokens of each present split.
+
+        No split could then hold one sample: one-epoch splits would be empty, and requested samples would each
+        repeat the split several times (megatron-core's arithmetic), so it is a configuration mistake.
+        """
+        needed = self.seq_length + self.extra_token
+        most = max(split_tokens.values(), default=needed)
+        if most >= needed:
+            return
+        counts = ", ".join(f"{name} {tokens}" for name, tokens in split_tokens.items())
+        fix = f"lower seq_length to at most {most - self.extra_token}, or " if most > self.extra_token else ""
+        raise DataConfigError(
+            f"seq_length {self.seq_length} is larger than every split of {prefix}: one sample needs {needed} tokens "
+            f"(seq_length + add_extra_token_to_sequence) but the splits hold {counts} tokens; {fix}add documents "
+            "to the prefix"
+        )
 
     @classmethod
     def from_mapping(cls, values: dict) -> IndexedDataConfig:
@@ -183,20 +226,57 @@ class IndexedDataConfig:
 # -- split ---------------------------------------------------------------------------------------------------------
 
 
+_SPLIT_FORM = "one to three non-negative numbers separated by commas, such as '98, 1, 1' or '969, 30, 1'"
+_SPLIT_SEPARATOR = re.compile(r"\s*[,;/:]\s*|\s+")
+_SPLIT_NUMBER = re.compile(r"[0-9]+\.?[0-9]*|\.[0-9]+")  # ASCII digits only, as megatron-core reads
+
+
 def parse_split(split: str) -> list[float]:
-    """``"98, 1, 1"`` to normalised proportions ``[0.98, 0.01, 0.01]``; any separator works, missing values are 0."""
-    try:
-        values = [float(v) for v in re.findall(r"[.0-9]+", split)]
-    except ValueError:
-        raise DataConfigError(f"split {split!r} holds a malformed number; write it like '98, 1, 1'") from None
-    if not values or len(values) > 3 or re.search(r"-\s*[.0-9]", split):
-        raise DataConfigError(f"split {split!r} must hold one to three non-negative numbers, such as '98, 1, 1'")
-    values += [0.0] * (3 - len(values))
+    """``"98, 1, 1"`` to normalised proportions ``[0.98, 0.01, 0.01]``; missing trailing values are 0.
+
+    The numbers are those megatron-core reads from its accepted strings, normalised the same way, but every part
+    must be a plain decimal number: megatron-core silently drops what is not (``"98,1,abc"`` becomes ``98, 1, 0``
+    and ``"nan,1,1"`` becomes ``1, 1, 0``), here it is an error naming the part. Commas, semicolons, slashes,
+    colons or spaces separate the parts.
+    """
+    if not isinstance(split, str):
+        raise DataConfigError(
+            f"split must be a string of {_SPLIT_FORM}, got {split!r} ({type(split).__name__}); quote it in YAML"
+        )
+    parts = _SPLIT_SEPARATOR.split(split.strip())
+    for position, part in enumerate(parts, 1):
+        if not _SPLIT_NUMBER.fullmatch(part):
+            what = "is empty" if not part else f"({part!r}) is not a non-negative decimal number"
+            raise DataConfigError(f"split {split!r}: part {position} {what}; write {_SPLIT_FORM}")
+    if len(parts) > 3:
+        raise DataConfigError(f"split {split!r} has {len(parts)} parts; write {_SPLIT_FORM}")
+    values = [float(part) for part in parts] + [0.0] * (3 - len(parts))
     total = sum(values)
     if total <= 0:
         raise DataConfigError(f"split {split!r} gives every split a share of 0; give the train split a share")
+    if not math.isfinite(total):
+        raise DataConfigError(f"split {split!r} holds a number too large for a float; write {_SPLIT_FORM}")
     # float64 division as numpy does it, so boundaries match megatron-core bit for bit
     return [v / total for v in values]
+
+
+def sample_counts(sizes: Iterable[int | None] | None) -> list[int | None]:
+    """``train_valid_test_num_samples`` checked: three entries, each a sample count >= 0 or None (one epoch of that
+    split); None alone means one epoch of every split."""
+    if sizes is None:
+        return [None, None, None]
+    if isinstance(sizes, str | bytes | Mapping) or not isinstance(sizes, Iterable):
+        raise DataConfigError(
+            f"train_valid_test_num_samples must be a list of three sample counts (train, valid, test; null for one "
+            f"epoch), got {sizes!r}"
+        )
+    sizes = list(sizes)
+    if len(sizes) != 3:
+        raise DataConfigError(f"train_valid_test_num_samples must have three entries, got {sizes}")
+    return [
+        None if count is None else require_int(f"train_valid_test_num_samples[{index}] ({name} samples)", count, 0)
+        for index, (name, count) in enumerate(zip(SPLIT_NAMES, sizes, strict=True))
+    ]
 
 
 def split_matrix(split: str) -> list[tuple[float, float] | None]:

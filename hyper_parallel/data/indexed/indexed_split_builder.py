@@ -23,6 +23,7 @@ from hyper_parallel.data.indexed.indexed_data_config import (
     Blend,
     IndexedDataConfig,
     parse_blend,
+    sample_counts,
     split_matrix,
     split_range,
 )
@@ -48,6 +49,7 @@ class _Source:
     prefix: str | None
     config: IndexedDataConfig
     tokenizer: object
+    matrix: Bookends
     listed: tuple[int, int] | None = None  # (sequence_count, document_count) from per_dataset_sequences_path
     known_count: int | None = None  # no need to open the .idx for splits
     _data: object = None
@@ -58,6 +60,7 @@ class _Source:
             data = open_low_level(self.prefix, self.config, self.tokenizer)
             self._check_listed_counts(data)  # before anything is sized from them
             self._data = data
+            self._check_sample_fits()
         return self._data
 
     def _check_listed_counts(self, reader) -> None:
@@ -74,6 +77,15 @@ class _Source:
                 "sequences. Rerun `python -m hyper_parallel.data.tools.build_sequences_per_dataset` with this "
                 "run's data paths."
             )
+
+    def _check_sample_fits(self) -> None:
+        """Before any index is built: some split of a document prefix must hold one sample's tokens."""
+        if self.prefix is None or self.config.is_dataset_from_mr:
+            return  # mock documents are plenty; packed records are checked record by record
+        lengths = self._data.sequence_lengths
+        ranges = {name: split_range(b, len(lengths)) for name, b in zip(SPLIT_NAMES, self.matrix, strict=True) if b}
+        tokens = {name: int(lengths[begin:end].sum(dtype=np.int64)) for name, (begin, end) in ranges.items()}
+        self.config.check_sample_fits(self.prefix, tokens)
 
     def __len__(self) -> int:
         """Sequences of the prefix, from the counts file, the header alone, or the mock data."""
@@ -105,7 +117,7 @@ class IndexedSplitBuilder:
 
     # -- mid-level ---------------------------------------------------------------------------------------------
 
-    def _source(self, prefix: str | None) -> _Source:
+    def _source(self, prefix: str | None, matrix: Bookends) -> _Source:
         listed = None
         if self._sequences is not None and prefix is not None:
             if prefix not in self._sequences:
@@ -114,7 +126,7 @@ class IndexedSplitBuilder:
                     f"{self.config.per_dataset_sequences_path}; rebuild it for this data_path"
                 )
             listed = self._sequences[prefix]
-        return _Source(prefix, self.config, self.tokenizer, listed)
+        return _Source(prefix, self.config, self.tokenizer, matrix, listed)
 
     def _mid_level(self, source: _Source, bookend, split_index: int, num_samples: int | None):
         split = SPLIT_NAMES[split_index]
@@ -132,7 +144,7 @@ class IndexedSplitBuilder:
         return build()
 
     def _splits_of(self, prefix: str | None, matrix: Bookends, sizes: Sizes) -> list:
-        source = self._source(prefix)
+        source = self._source(prefix, matrix)
         return [None if matrix[i] is None else self._mid_level(source, matrix[i], i, sizes[i]) for i in range(3)]
 
     # -- blends ------------------------------------------------------------------------------------------------
@@ -209,9 +221,7 @@ class IndexedSplitBuilder:
             data_path: a prefix, a directory or a blend list; ignored with per-split paths or mock data.
             sizes: samples per split; None (or a None entry) means one epoch of that split.
         """
-        sizes = list(sizes) if sizes is not None else [None, None, None]
-        if len(sizes) != 3:
-            raise DataConfigError(f"train_valid_test_num_samples must have three entries, got {sizes}")
+        sizes = sample_counts(sizes)
         config = self.config
         if config.mock_data:
             return self._splits_of(None, split_matrix("1,1,1"), sizes)  # upstream forces this split for mock data
