@@ -21,6 +21,7 @@ restored loader therefore yields exactly the batches an uninterrupted run would 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -28,16 +29,30 @@ import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn, build_online_text_collate_fn
 from hyper_parallel.data.batching.read_tracking import KeyBatch, MappingKeys, StreamKeys, TrackedDataLoader
+from hyper_parallel.data.batching.worker_errors import CollateInWorker, FetchInWorker
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.parallel.batch_sampler import build_dataset_batch_sampler
+from hyper_parallel.data.resume_checks import (
+    check_same_data,
+    check_state_type,
+    dataset_identity,
+    state_field,
+    transform_changes,
+    transform_identity,
+)
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
 
 __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "TextTokenBatcher", "calculate_num_micro_batches"]
 
 logger = get_logger(__name__)
 
-_STATE_VERSION = 1
+# Version 2 records the data and the transform the state was saved over; version 1 states (without them) are read
+# with a warning, since their layout is otherwise the same.
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+# The envelope fields every loader state has, and their types (the loader and source type are compared first).
+_ENVELOPE_FIELDS = (("dp_rank", int), ("dp_world_size", int), ("micro_batch_size", int), ("source", Mapping))
 # The dynamic loader reads about this many records per DataLoader fetch (amortising per-fetch costs).
 _RECORDS_PER_READ = 32
 
@@ -193,6 +208,8 @@ class _Loader:
             if prefetch_factor is not None:
                 options["prefetch_factor"] = prefetch_factor
         worker_dataset = _OneSamplePerRecord(source.dataset) if one_sample_per_record else source.dataset
+        if num_workers > 0:  # the library's errors reach the caller as they would without workers
+            worker_dataset, worker_collate_fn = FetchInWorker(worker_dataset), CollateInWorker(worker_collate_fn)
         self._tracked = TrackedDataLoader(source, worker_dataset, worker_collate_fn, options, batches_per_read)
 
     @property
@@ -203,7 +220,14 @@ class _Loader:
         """Start ``epoch`` from its beginning (no-op when already in it)."""
         self._tracked.set_epoch(epoch)
 
+    @cached_property
+    def _identities(self) -> tuple[dict | None, dict | None]:
+        """What this loader reads (its data identity) and how records become samples (the transform's identity)."""
+        transform = transform_identity(self.dataset.transform) if _is_online(self.dataset) else None
+        return dataset_identity(self.dataset), transform
+
     def _state(self, source_state: dict, **extra) -> dict:
+        data, transform = self._identities
         return {
             "version": _STATE_VERSION,
             "loader": type(self).__name__,
@@ -211,23 +235,65 @@ class _Loader:
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "micro_batch_size": self.micro_batch_size,
+            "data": data,
+            "transform": transform,
             "source": source_state,
             **extra,
         }
 
-    def _check_state(self, state: Mapping) -> None:
+    def _check_state(self, state: Mapping, fields: tuple[tuple[str, type | tuple], ...] = ()) -> None:
+        """Check the loader's part of a state: the envelope, the data it was saved over, and ``fields``. The read
+        tracker checks its part (and has the sampler or the stream check theirs) before anything is restored."""
         version = state.get("version") if isinstance(state, Mapping) else None
-        if version != _STATE_VERSION:
+        if isinstance(version, bool) or version not in _READABLE_VERSIONS:
             raise ResumeStateError(
                 f"loader state version {version!r} is not supported (expected {_STATE_VERSION}); it was not saved "
                 "by this loader or by a compatible release"
             )
+        where = "the loader state"
         for key, expected in (("loader", type(self).__name__), ("source_type", self.source_type)):
-            if state[key] != expected:
+            if state_field(state, key, str, where) != expected:
                 raise ResumeStateError(
                     f"the state was saved by a {state[key]} loader but this is a {expected} one; resume with the "
                     "same loader and source type, or start without the state"
                 )
+        for key, expected in (*_ENVELOPE_FIELDS, *fields):
+            state_field(state, key, expected, where)
+        data, transform = self._identities
+        if version == _STATE_VERSION:
+            check_same_data(state_field(state, "data", (Mapping, None), where), data, f"{where}['data']")
+            saved_transform = state_field(state, "transform", (Mapping, None), where)
+            changes = transform_changes(saved_transform, transform or {}, f"{where}['transform']")
+            if transform and changes:
+                logger.warning(
+                    "%r: the data transform changed since the state was saved (%s); batches from here on follow the "
+                    "new one",
+                    self,
+                    "; ".join(changes),
+                )
+        else:
+            logger.warning(
+                "%r: the state was saved by an older release (version %s) that did not record the data it read, so "
+                "it cannot be checked against this data; save a new state to get the check",
+                self,
+                version,
+            )
+
+    def _nothing_delivered(self, records: int, epoch: int) -> ValueError:
+        """The error for a whole epoch without a batch: iterating on would yield nothing, epoch after epoch."""
+        source = getattr(self.dataset, "description", None) or repr(self.dataset)
+        rank = f"DP rank {self.dp_rank} of {self.dp_world_size}"
+        if records:
+            return DataFileError(
+                f"every one of the {records} records of {source} that {rank} read in epoch {epoch} was skipped as "
+                "invalid or gave no sample (the warnings name them), so no batch would ever come; fix the data, or "
+                "the data_transform settings that reject the records (text_keys, data_type, text_template)"
+            )
+        return DataConfigError(
+            f"{rank} got no batch of {source} in epoch {epoch}: its share of the data is smaller than one "
+            f"micro-batch of {self.micro_batch_size} records; use fewer DP ranks, a smaller micro_batch_size, "
+            "drop_last false, or more data"
+        )
 
 
 class FixedBatchDataLoader(_Loader):
@@ -280,9 +346,15 @@ class FixedBatchDataLoader(_Loader):
         )
 
     def __iter__(self) -> Iterator:
-        for _, batch in self._tracked.batches():
+        whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.source.epoch
+        records = delivered = 0
+        for pulled, batch in self._tracked.batches():
+            records += len(pulled.keys)
             if batch is not None:
+                delivered += 1
                 yield batch
+        if whole_epoch and not delivered:
+            raise self._nothing_delivered(records, epoch)
 
     def __len__(self) -> int:
         """Batches left in the current epoch (mapping sources)."""
@@ -293,7 +365,7 @@ class FixedBatchDataLoader(_Loader):
         return self._state(self._tracked.state_dict())
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Continue after the batches ``state`` describes.
+        """Continue after the batches ``state`` describes; a refused state changes nothing.
 
         With a mapping source the DP size may differ from the saved one when the global batch size is the same
         and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses).
@@ -307,6 +379,34 @@ class FixedBatchDataLoader(_Loader):
             f"FixedBatchDataLoader({self.dataset!r}, micro_batch_size={self.micro_batch_size}, "
             f"dp {self.dp_rank}/{self.dp_world_size})"
         )
+
+
+# The dynamic loader's own state fields, and their types.
+_DYNAMIC_FIELDS = (
+    ("token_budget", int),
+    ("min_buffered_samples", int),
+    ("flushing", bool),
+    ("buffer", list),
+    ("buffer_tokens", int),
+)
+
+
+def _saved_sample(sample, name: str) -> dict:
+    """A buffered stream sample from a state: ``input_ids`` and ``labels``, integer lists of one non-zero length."""
+    check_state_type(sample, Mapping, name)
+    arrays = {}
+    for key in ("input_ids", "labels"):
+        values = state_field(sample, key, list, name)
+        array = np.asarray(values)
+        if array.ndim != 1 or not len(array) or array.dtype.kind not in "iu":
+            raise ResumeStateError(
+                f"{name}['{key}'] must be a non-empty list of token ids; the checkpoint is damaged: restore the "
+                "state as saved, or start without it"
+            )
+        arrays[key] = array.astype(np.int64)
+    if len(arrays["input_ids"]) != len(arrays["labels"]):
+        raise ResumeStateError(f"{name} has {len(arrays['input_ids'])} input_ids but {len(arrays['labels'])} labels")
+    return arrays
 
 
 class TextTokenBatcher:
@@ -448,23 +548,31 @@ class DynamicBatchDataLoader(_Loader):
         self._reading = None
         tracked = self._tracked
         self._epoch = tracked.replay_epoch if tracked.replay else tracked.source.epoch
+        whole_epoch = not self._flushing and not len(batcher) and tracked.reads_whole_epoch()
+        epoch, records, delivered = self._epoch, 0, 0
         if not self._flushing:
             while batcher.is_ready():  # a restored buffer may already hold whole batches
+                delivered += 1
                 yield self._collate(batcher.pop_micro_batch())
             # Records enter the buffer one at a time, so the batches do not depend on how records are read.
             for pulled, per_record in self._tracked.batches():
                 self._reading, self._absorbed = pulled, 0
+                records += len(pulled.keys)
                 for key, samples in zip(pulled.keys, per_record, strict=True):
                     for window, sample in enumerate(samples):
                         batcher.put((key, window) if mapping else None, sample)
                     self._absorbed += 1
                     while batcher.is_ready():
+                        delivered += 1
                         yield self._collate(batcher.pop_micro_batch())
                 self._reading = None
             self._flushing = True
         while len(batcher):
+            delivered += 1
             yield self._collate(batcher.pop_micro_batch())
         self._flushing, self._epoch = False, None
+        if whole_epoch and not delivered:
+            raise self._nothing_delivered(records, epoch)
 
     def state_dict(self) -> dict:
         """The source position plus the unconsumed token buffer (plain Python containers)."""
@@ -488,12 +596,12 @@ class DynamicBatchDataLoader(_Loader):
         )
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Continue exactly where ``state`` was saved, buffer included.
+        """Continue exactly where ``state`` was saved, buffer included; a refused state changes nothing.
 
         The DP size may change only at an epoch boundary with an empty buffer: each rank packs its own share of
         the data, so the packs of a different DP size are different batches.
         """
-        self._check_state(state)
+        self._check_state(state, _DYNAMIC_FIELDS)
         for key in ("token_budget", "min_buffered_samples"):
             if state[key] != getattr(self.batcher, key):
                 raise ResumeStateError(
@@ -515,16 +623,20 @@ class DynamicBatchDataLoader(_Loader):
                 f"the state belongs to DP rank {state['dp_rank']} but this loader is rank {self.dp_rank}; each "
                 "rank must load its own state"
             )
-        self._tracked.load_state_dict(state["source"])
-        self._reading, self._flushing, self._epoch = None, bool(state["flushing"]), None
-        self.batcher.clear()
-        for entry in self._restore_buffer(state["buffer"]):
-            self.batcher.put(*entry)
-        if self.batcher.buffered_tokens != state["buffer_tokens"]:
+        self._tracked.check_state(state["source"])
+        entries = list(self._restore_buffer(state["buffer"]))
+        tokens = sum(len(sample["input_ids"]) for _, sample in entries)
+        if tokens != state["buffer_tokens"]:
             raise ResumeStateError(
-                f"the restored token buffer holds {self.batcher.buffered_tokens} tokens but the state recorded "
-                f"{state['buffer_tokens']}: the data files or the transform changed since the state was saved"
+                f"the restored token buffer holds {tokens} tokens but the state recorded {state['buffer_tokens']}: "
+                "the data files or the transform changed since the state was saved"
             )
+        # Everything is checked: restore.
+        self._tracked.load_state_dict(state["source"])
+        self._reading, self._flushing, self._epoch = None, state["flushing"], None
+        self.batcher.clear()
+        for entry in entries:
+            self.batcher.put(*entry)
         logger.info(
             "%r restored: %d buffered samples, %d key batches to read again",
             self,
@@ -533,13 +645,31 @@ class DynamicBatchDataLoader(_Loader):
         )
 
     def _restore_buffer(self, buffer: list) -> Iterator[tuple]:
+        """The buffered ``(key, sample)`` pairs ``buffer`` describes, checked; reads the records of a mapping
+        source again."""
+        where = "the loader state['buffer']"
         if self.source_type != "mapping":
-            for sample in buffer:
-                yield None, {key: np.asarray(values, dtype=np.int64) for key, values in sample.items()}
+            for position, sample in enumerate(buffer):
+                yield None, _saved_sample(sample, f"{where}[{position}]")
             return
+        for position, key in enumerate(buffer):
+            check_state_type(key, (list, tuple), f"{where}[{position}]")
+            if len(key) != 2 or not all(isinstance(part, int) and not isinstance(part, bool) for part in key):
+                raise ResumeStateError(
+                    f"{where}[{position}] must be a [record index, window] pair of integers, got {key!r}; the "
+                    "checkpoint is damaged: restore the state as saved, or start without it"
+                )
+        source = self._tracked.source
+        source.check_keys([index for index, _ in buffer], where)
         indices = list(dict.fromkeys(index for index, _ in buffer))  # each buffered record once, in order
-        records = dict(zip(indices, self._tracked.source.dataset.__getitems__(indices), strict=True))
-        for index, window in buffer:
+        records = dict(zip(indices, source.dataset.__getitems__(indices), strict=True)) if indices else {}
+        for position, (index, window) in enumerate(buffer):
+            if not 0 <= window < len(records[index]):
+                raise ResumeStateError(
+                    f"{where}[{position}] is window {window} of record {index}, which now gives "
+                    f"{len(records[index])} windows: the data files or the transform changed since the state was "
+                    "saved; resume with the same data and data_transform, or start without the state"
+                )
             yield (index, window), records[index][window]
 
     def __repr__(self) -> str:

@@ -12,19 +12,24 @@ State of a ``TrackedDataLoader``::
      "replay_epoch": the epoch they belong to (if the source has moved past it, the replay ends the epoch)}
 
 A mapping source rewinds its sampler to the state before the oldest unconsumed batch (so the replay holds only
-keys of partly consumed reads); a stream cannot rewind, so every unconsumed record is replayed.
+keys of partly consumed reads); a stream cannot rewind, so every unconsumed record is replayed. A state is checked
+whole before anything is restored: the tracker checks ``replay`` and ``replay_epoch``, each key source its keys,
+and the sampler or stream its position.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.utils.data
 
+from hyper_parallel.data.batching.worker_errors import raise_worker_failure
+from hyper_parallel.data.errors import ResumeStateError
+from hyper_parallel.data.resume_checks import check_state_type, state_field
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset
 
 __all__ = ["KeyBatch", "MappingKeys", "StreamKeys", "TrackedDataLoader"]
@@ -67,6 +72,20 @@ class MappingKeys:
         """The state to restore and the key batches to read again first."""
         return (unconsumed[0].sampler_state if unconsumed else self.sampler.state_dict()), []
 
+    def check_position(self, state: Mapping) -> int:
+        """Check a saved sampler state; returns the epoch it resumes in."""
+        return self.sampler.check_state(state)[0]
+
+    def check_keys(self, keys: list, name: str) -> None:
+        size = len(self.dataset)
+        for position, index in enumerate(keys):
+            check_state_type(index, int, f"{name}[{position}]")
+            if not 0 <= index < size:
+                raise ResumeStateError(
+                    f"{name}[{position}] is record {index}, but the dataset has {size} records; the state was saved "
+                    "over other data: resume with the same data, or start without the state"
+                )
+
     def restore(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
@@ -76,6 +95,9 @@ class MappingKeys:
 
     def at_epoch_start(self, state: dict) -> bool:
         return state["consumed_samples"] == 0
+
+    def in_fresh_epoch(self) -> bool:
+        return self.sampler.consumed_samples == 0
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -110,6 +132,19 @@ class StreamKeys:
     def position(self, unconsumed: list[KeyBatch]) -> tuple[dict, list[list]]:
         return self.stream.state_dict(), [pulled.keys for pulled in unconsumed]
 
+    def check_position(self, state: Mapping) -> int:
+        """Check a saved stream cursor; returns the epoch it resumes in."""
+        self.stream.check_state(state)
+        return state["epoch"]
+
+    def check_keys(self, keys: list, name: str) -> None:
+        for position, key in enumerate(keys):
+            check_state_type(key, (list, tuple), f"{name}[{position}]")
+            if len(key) != 2:
+                raise ResumeStateError(f"{name}[{position}] must be a (position, record) pair, got {len(key)} items")
+            check_state_type(key[0], int, f"{name}[{position}][0]")
+            check_state_type(key[1], Mapping, f"{name}[{position}][1]")
+
     def restore(self, state: dict) -> None:
         self.stream.load_state_dict(state)
 
@@ -119,6 +154,9 @@ class StreamKeys:
 
     def at_epoch_start(self, state: dict) -> bool:
         return False  # a stream is split by the DP size, so its state never moves to another DP size
+
+    def in_fresh_epoch(self) -> bool:
+        return self.stream.position == 0
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
@@ -174,14 +212,20 @@ class TrackedDataLoader:
     def rewind(self, partly_consumed: KeyBatch | None = None) -> None:
         """After an abandoned iteration: continue after what the caller consumed."""
         if self.unconsumed or partly_consumed:
-            self.load_state_dict(self.state_dict(partly_consumed))
+            self._restore(self.state_dict(partly_consumed))
 
     def batches(self) -> Iterator[tuple[KeyBatch, object]]:
         """``(key batch, DataLoader output)`` pairs from the current position to the end of the epoch."""
         self.rewind()
         self._generation += 1
         for output in self.loader:
+            raise_worker_failure(output)  # before taking the keys: as without workers, they stay unconsumed
             yield self.unconsumed.popleft(), output
+
+    def reads_whole_epoch(self) -> bool:
+        """Whether the next ``batches()`` reads the source's current epoch from its beginning."""
+        self.rewind()
+        return not self.replay and self.source.in_fresh_epoch()
 
     def state_dict(self, partly_consumed: KeyBatch | None = None) -> dict:
         """The position after what the caller consumed.
@@ -197,7 +241,30 @@ class TrackedDataLoader:
         replay_epoch = pending[0].epoch if pending else self.replay_epoch
         return {"position": position, "replay": replay, "replay_epoch": replay_epoch if replay else None}
 
+    def check_state(self, state: Mapping) -> None:
+        """Refuse a malformed state, or one the source cannot continue, naming the key and what it must be."""
+        where = "the loader state['source']"
+        check_state_type(state, Mapping, where)
+        epoch = self.source.check_position(state_field(state, "position", Mapping, where))
+        replay = state_field(state, "replay", list, where)
+        for position, keys in enumerate(replay):
+            check_state_type(keys, list, f"{where}['replay'][{position}]")
+            self.source.check_keys(keys, f"{where}['replay'][{position}]")
+        replay_epoch = state_field(state, "replay_epoch", (int, None), where)
+        # The replayed keys belong to the position's epoch, or end the one before (the source moved on): any other
+        # epoch would silently skip or repeat one.
+        if replay and (replay_epoch is None or not epoch - 1 <= replay_epoch <= epoch):
+            raise ResumeStateError(
+                f"{where}['replay_epoch'] is {replay_epoch!r}, but the replayed keys must belong to the position's "
+                f"epoch {epoch} or the one before; the state is damaged: restore it as saved, or start without it"
+            )
+
     def load_state_dict(self, state: dict) -> None:
+        """Continue after what ``state`` describes (checked whole first: a refused state changes nothing)."""
+        self.check_state(state)
+        self._restore(state)
+
+    def _restore(self, state: dict) -> None:
         self._generation += 1
         self.unconsumed.clear()
         self.source.restore(state["position"])

@@ -302,11 +302,12 @@ class DatasetBatchSampler:
             return f"not a multiple of micro_batch_size x dp_world_size = {micro_step} (nor the epoch end)"
         return None
 
-    def _set_position(self, epoch: int, consumed: int) -> None:
+    def _normalized(self, epoch: int, consumed: int) -> tuple[int, int]:
         # The epoch's end is the next epoch's start: store it that way so no empty epoch is ever iterated.
-        if consumed >= self.epoch_len:
-            epoch, consumed = epoch + 1, 0
-        self._epoch, self._consumed = epoch, consumed
+        return (epoch + 1, 0) if consumed >= self.epoch_len else (epoch, consumed)
+
+    def _set_position(self, epoch: int, consumed: int) -> None:
+        self._epoch, self._consumed = self._normalized(epoch, consumed)
         self._generation += 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -401,11 +402,22 @@ class DatasetBatchSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the position of ``state``, after checking it describes the same data order.
+        """Restore the position of ``state``, after checking it (``check_state``); a refused state changes nothing.
+
+        Raises:
+            ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
+        """
+        self._set_position(*self.check_state(state))
+
+    def check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """Check that ``state`` describes the same data order and a position this sampler can continue from.
 
         The DP size and micro batch size may differ from the saved ones (same global batch size) when the state
         is at an optimizer-step boundary: global batch ``g`` is the same positions for every layout. With data
         sharding the DP size must match, since each rank's bucket depends on it.
+
+        Returns:
+            The ``(epoch, consumed_samples)`` the state resumes at (the end of an epoch is the next one's start).
 
         Raises:
             ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
@@ -459,7 +471,7 @@ class DatasetBatchSampler:
                 f"global_batch_size {self.global_batch_size}), and the rest of that step is split differently "
                 "between ranks; resume with the saved layout, or from a checkpoint taken at a step boundary"
             )
-        self._set_position(epoch, consumed)
+        return self._normalized(epoch, consumed)
 
 
 def build_dataset_batch_sampler(**options: Any) -> DatasetBatchSampler:

@@ -40,6 +40,13 @@ class TransformDataset(torch.utils.data.Dataset):
     def max_seq_len(self) -> int | None:
         return getattr(self.transform, "max_seq_len", None)
 
+    @property
+    def description(self) -> str:
+        return self.source.description
+
+    def data_identity(self) -> dict:
+        return self.source.data_identity()
+
     def __len__(self) -> int:
         return len(self.source)
 
@@ -92,6 +99,13 @@ class IterableTransformDataset(torch.utils.data.IterableDataset):
     @property
     def max_seq_len(self) -> int | None:
         return getattr(self.transform, "max_seq_len", None)
+
+    @property
+    def description(self) -> str:
+        return self.stream.description
+
+    def data_identity(self) -> dict | None:
+        return self.stream.data_identity()
 
     def record_transform(self) -> StreamRecordTransform:
         return StreamRecordTransform(

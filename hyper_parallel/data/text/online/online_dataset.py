@@ -1,8 +1,8 @@
 """Choose and open the Online source: mapping (``streaming=False``) or iterable (``streaming=True``).
 
 Owns: ``OnlineDataConfig`` (the ``data_config`` of ``build_online_text_dataset``) and opening the source it
-describes, with rank 0 writing the Hugging Face Arrow cache first when ranks share storage. Not responsible for:
-transforms, sampling or batching.
+describes, with rank 0 writing the Hugging Face Arrow cache first when ranks share storage, and the list of files
+the source reads (their identity goes into loader states). Not responsible for: transforms, sampling or batching.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.parallel.build_barrier import rank_zero_first
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
-from hyper_parallel.data.text.online.online_utils import open_hf_dataset
+from hyper_parallel.data.text.online.online_utils import is_saved_hf_dataset, open_hf_dataset, resolve_data_files
 
 __all__ = ["OnlineDataConfig", "open_online_source"]
 
@@ -66,6 +67,14 @@ class OnlineDataConfig:
         return cls(**values)
 
 
+def _source_files(data_path: str | os.PathLike) -> list[Path]:
+    """The files a source reads: the data files the path names, or every file of a ``save_to_disk`` directory."""
+    path = Path(os.fspath(data_path)).expanduser()
+    if path.is_dir() and is_saved_hf_dataset(path):
+        return sorted(item for item in path.rglob("*") if item.is_file())
+    return resolve_data_files(data_path)[0]
+
+
 def open_online_source(
     data_path: str | os.PathLike,
     config: OnlineDataConfig,
@@ -82,11 +91,13 @@ def open_online_source(
 
     # A mapping source writes an Arrow cache: let rank 0 write it while the other ranks wait, then reuse it.
     hf_dataset, description = load() if streaming else rank_zero_first(load)
+    files = _source_files(data_path)
     if not streaming:
-        return OnlineMappingDataset(hf_dataset, description)
+        return OnlineMappingDataset(hf_dataset, description, files=files)
     return OnlineIterableDataset(
         hf_dataset,
         description,
+        files=files,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         shuffle_buffer_size=config.shuffle_buffer_size,

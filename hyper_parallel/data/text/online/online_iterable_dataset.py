@@ -1,8 +1,9 @@
 """The Online iterable source: a Hugging Face stream (``streaming=True``), sharded by DP rank and buffer-shuffled.
 
 Owns: reading records one after another, giving each DP rank a disjoint share (together they cover the data),
-shuffling with a seeded bounded buffer, epochs, and a cursor that can be saved and restored exactly, the shuffle
-buffer included. Not responsible for: tokenization (the transform) or batching (the loaders).
+shuffling with a seeded bounded buffer, epochs, a cursor that can be saved, checked and restored exactly (the
+shuffle buffer included), and the identity of the files read. Not responsible for: tokenization (the transform) or
+batching (the loaders).
 
 How a stream is read::
 
@@ -15,13 +16,24 @@ How a stream is read::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from hyper_parallel.data.errors import DataFileError, ResumeStateError
+from hyper_parallel.data.resume_checks import check_state_type, data_identity, file_entries, state_field
 
 __all__ = ["OnlineIterableDataset"]
 
 _STATE_VERSION = 1
+# Cursor fields that must equal this stream's settings, and why.
+_SETTINGS = (
+    ("dp_world_size", "each DP rank reads its own share of a stream, so the shares would differ"),
+    ("dp_rank", "the state holds another rank's cursor and buffer"),
+    ("seed", "the shuffle order depends on it"),
+    ("shuffle_buffer_size", "the shuffle order depends on it"),
+)
 
 
 class OnlineIterableDataset:
@@ -33,6 +45,7 @@ class OnlineIterableDataset:
         dp_rank, dp_world_size: this rank's share of the stream.
         shuffle_buffer_size: records held for shuffling; 0 keeps the file order.
         seed: seeds the shuffle (with the epoch and the DP rank).
+        files: the files the stream reads, whose identity loader states record.
     """
 
     def __init__(
@@ -40,6 +53,7 @@ class OnlineIterableDataset:
         hf_dataset,
         description: str,
         *,
+        files: Sequence[str | os.PathLike] = (),
         dp_rank: int = 0,
         dp_world_size: int = 1,
         shuffle_buffer_size: int = 10_000,
@@ -51,6 +65,8 @@ class OnlineIterableDataset:
         self.dp_world_size = dp_world_size
         self.shuffle_buffer_size = shuffle_buffer_size
         self.seed = seed
+        self.files = list(files)
+        self._identity: dict | None = None
         self._start_epoch(0)
 
     # Cursor --------------------------------------------------------------------------------------------------
@@ -65,11 +81,11 @@ class OnlineIterableDataset:
         self._records = None
         self._shard = None
 
-    def _rank_share(self):
+    def _rank_share(self, restore: bool = True):
         from datasets.distributed import split_dataset_by_node
 
         shard = split_dataset_by_node(self.hf_dataset, rank=self.dp_rank, world_size=self.dp_world_size)
-        if self._source_state is not None:
+        if restore and self._source_state is not None:
             shard.load_state_dict(self._source_state)
         return shard
 
@@ -146,33 +162,83 @@ class OnlineIterableDataset:
             "rng": self._rng.bit_generator.state,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: Mapping) -> None:
+        """Refuse a cursor this stream cannot continue: malformed, of another version, rank or shuffle."""
+        where = "the stream cursor"
+        check_state_type(state, Mapping, where)
         if state.get("version") != _STATE_VERSION:
             raise ResumeStateError(
                 f"stream state version {state.get('version')!r} is not supported (expected {_STATE_VERSION}); "
                 "it was saved by an incompatible release"
             )
-        for key, why in (
-            ("dp_world_size", "each DP rank reads its own share of a stream, so the shares would differ"),
-            ("dp_rank", "the state holds another rank's cursor and buffer"),
-            ("seed", "the shuffle order depends on it"),
-            ("shuffle_buffer_size", "the shuffle order depends on it"),
-        ):
-            if state[key] != getattr(self, key):
+        for key, why in _SETTINGS:
+            if state_field(state, key, int, where) != getattr(self, key):
                 raise ResumeStateError(
                     f"cannot resume the stream of {self.description}: the state has {key}={state[key]!r} but this "
                     f"run has {getattr(self, key)!r}, and {why}. Resume with the same value, or start a new epoch "
                     "without the state"
                 )
+        for key in ("epoch", "position"):
+            if state_field(state, key, int, where) < 0:
+                raise ResumeStateError(f"{where}['{key}'] is {state[key]}; it counts from 0")
+        state_field(state, "source_exhausted", bool, where)
+        if state_field(state, "source_state", (Mapping, None), where) is not None:
+            _check_like(state["source_state"], self._rank_share(restore=False).state_dict(), f"{where}['source_state']")
+        buffer = state_field(state, "buffer", list, where)
+        if len(buffer) > self.shuffle_buffer_size:
+            raise ResumeStateError(
+                f"{where}['buffer'] holds {len(buffer)} records, more than the shuffle buffer's "
+                f"{self.shuffle_buffer_size}; the state belongs to another stream"
+            )
+        for index, record in enumerate(buffer):
+            check_state_type(record, Mapping, f"{where}['buffer'][{index}]")
+        rng = state_field(state, "rng", Mapping, where)
+        try:
+            np.random.default_rng(0).bit_generator.state = rng  # a scratch generator: nothing changes on failure
+        except (TypeError, ValueError, KeyError) as error:
+            raise ResumeStateError(f"{where}['rng'] is not a numpy PCG64 generator state ({error})") from None
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from the cursor ``state`` (checked first: a refused state changes nothing)."""
+        self.check_state(state)
         self._start_epoch(int(state["epoch"]))
         self.position = int(state["position"])
         self._source_state = state["source_state"]
-        self._source_exhausted = bool(state["source_exhausted"])
+        self._source_exhausted = state["source_exhausted"]
         self._buffer = list(state["buffer"])
         self._rng.bit_generator.state = state["rng"]
+
+    def data_identity(self) -> dict | None:
+        """The identity (paths, sizes, modification times) of the files read, taken when first asked; None when
+        the files are not known."""
+        if self._identity is None and self.files:
+            self._identity = data_identity(self.description, file_entries(self.files))
+        return self._identity
 
     def __repr__(self) -> str:
         return (
             f"OnlineIterableDataset({self.description}, dp {self.dp_rank}/{self.dp_world_size}, "
             f"shuffle buffer {self.shuffle_buffer_size}, epoch {self.epoch})"
         )
+
+
+def _check_like(value, template, name: str) -> None:
+    """Check a saved Hugging Face stream state against the layout of a fresh one (``template``), before it is
+    handed to ``datasets``, which would fail on a malformed one only later, mid-read, with a bare KeyError."""
+    if template is None:  # e.g. "previous_state": None at first, a nested state later
+        check_state_type(value, (Mapping, None), name)
+    elif isinstance(template, Mapping):
+        check_state_type(value, Mapping, name)
+        for key, inner in template.items():
+            if key not in value:
+                raise ResumeStateError(
+                    f"{name} has no {key!r}; the state was saved by another release of datasets or is damaged"
+                )
+            _check_like(value[key], inner, f"{name}[{key!r}]")
+    elif isinstance(template, str) and value != template:
+        raise ResumeStateError(
+            f"{name} is {value!r} but this stream's is {template!r}: the state was saved over data read another way "
+            "(another file format or release of datasets); resume with the same data and release"
+        )
+    else:
+        check_state_type(value, bool if isinstance(template, bool) else type(template), name)

@@ -1,14 +1,19 @@
 """The Online mapping source: a finite, random-access Hugging Face dataset read by index (``streaming=False``).
 
-Owns: ``dataset[index]`` over a ``datasets.Dataset`` and naming a record in messages. Order, DP assignment and
-resume belong to the batch sampler (``parallel.batch_sampler``); tokenization to the transform.
+Owns: ``dataset[index]`` over a ``datasets.Dataset``, naming a record in messages, and the identity of the data
+(the Hugging Face fingerprint and the files' sizes and modification times). Order, DP assignment and resume belong
+to the batch sampler (``parallel.batch_sampler``); tokenization to the transform.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch.utils.data
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.resume_checks import data_identity, file_entries
 
 __all__ = ["OnlineMappingDataset"]
 
@@ -19,11 +24,14 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
     Args:
         hf_dataset: a ``datasets.Dataset`` (memory-mapped Arrow, cheap to send to worker processes).
         description: where the records come from, used in messages.
+        files: the files behind the dataset, whose identity loader states record.
     """
 
-    def __init__(self, hf_dataset, description: str) -> None:
+    def __init__(self, hf_dataset, description: str, *, files: Sequence[str | os.PathLike] = ()) -> None:
         self.hf_dataset = hf_dataset
         self.description = description
+        self.files = list(files)
+        self._identity: dict | None = None
 
     def __len__(self) -> int:
         return len(self.hf_dataset)
@@ -44,6 +52,16 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
         for index in indices:
             self._check_range(index)
         return self.hf_dataset.__getitems__([int(index) for index in indices])
+
+    def data_identity(self) -> dict:
+        """The Hugging Face fingerprint (it changes with the files and how they are read) and the files' identity,
+        taken when first asked."""
+        if self._identity is None:
+            fingerprint = getattr(self.hf_dataset, "_fingerprint", None)
+            self._identity = data_identity(
+                self.description, {"Hugging Face fingerprint": fingerprint, **file_entries(self.files)}
+            )
+        return self._identity
 
     def where(self, index: int) -> str:
         """``record N of <source>``, for messages."""
