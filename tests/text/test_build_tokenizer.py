@@ -78,10 +78,25 @@ def test_directory_without_tokenizer_json_is_a_config_error(tmp_path):
         build_tokenizer(tmp_path)
 
 
-def test_missing_path_is_not_fetched_when_offline(tmp_path):
-    """A name that is not a local path is a clear DataConfigError while the Hub is offline."""
+@pytest.mark.parametrize("name", ["no-such-model", "org/no-such-model"])
+def test_hub_name_is_not_fetched_when_offline(name):
+    """A Hub repository id that is not a local path is a clear DataConfigError while the Hub is offline."""
     with pytest.raises(DataConfigError, match=r"Downloading from the Hugging Face Hub is disabled \(offline\)"):
-        build_tokenizer(tmp_path / "missing")
+        build_tokenizer(name)
+
+
+@pytest.mark.parametrize("name", ["{tmp}/missing", "{tmp}/a/b/tokenizer.json", "./missing", "a/b/c", "tok/"])
+def test_missing_path_is_no_such_file(tmp_path, monkeypatch, name):
+    """Anything path-like that does not exist is "no such file or directory", naming it and its first missing
+    part, never a Hub download hint."""
+    monkeypatch.chdir(tmp_path)
+    name = name.format(tmp=tmp_path)
+    with pytest.raises(DataConfigError) as error:
+        build_tokenizer(name)
+    message = str(error.value)
+    assert message.startswith(f"no such file or directory: {name}") and "Hub" not in message
+    if name.endswith("tokenizer.json"):
+        assert f"({tmp_path / 'a'} does not exist)" in message
 
 
 @pytest.mark.parametrize(
@@ -124,3 +139,29 @@ def test_bare_tokenizer_json_finds_a_common_eos(tmp_path, words, eod):
     tokenizer = build_tokenizer(write_word_level(tmp_path / "tokenizer.json", words))
     assert tokenizer.eod == eod
     assert tokenizer.encode("hello world") == [1, words.index("world") if "world" in words else 0]
+
+
+def test_directory_holding_only_tokenizer_json_finds_a_common_eos(tmp_path):
+    """A directory with tokenizer.json and no special-token files is bare too: its EOS comes from common names."""
+    write_word_level(tmp_path / "tokenizer.json", ["[UNK]", "hello", "</s>"])
+    assert build_tokenizer(tmp_path).eod == 2
+
+
+def test_eos_help_lists_the_special_tokens_and_names_the_likely_eos(tmp_path):
+    """Without an EOS, ``eos_help`` lists the special tokens (ids included) and shows the tokenizer_config.json
+    that names the end-like one; a tokenizer without special tokens says so."""
+    backend = Tokenizer.from_file(str(write_word_level(tmp_path / "tokenizer.json", ["[UNK]", "hello"])))
+    backend.add_special_tokens(["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
+    assert tokenizer.eod is None
+    help_text = tokenizer.eos_help()
+    assert "'<｜begin▁of▁sentence｜>' (id 2), '<｜end▁of▁sentence｜>' (id 3)" in help_text
+    assert (
+        f'name the EOS in {tmp_path / "tokenizer_config.json"}, e.g. {{"eos_token": "<｜end▁of▁sentence｜>"}}'
+        in help_text
+    )
+    assert help_text.endswith(f"pass the directory {tmp_path}")
+
+    plain = build_tokenizer(write_word_level(tmp_path / "plain.json", ["[UNK]", "hello"]))
+    assert "no special tokens" in plain.eos_help()

@@ -1,8 +1,9 @@
 """Tokenizer adapter: load a local Hugging Face tokenizer and expose what the data pipeline needs.
 
-Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids, its vocabulary size and a
-content fingerprint for cache keys. A local tokenizer is read with ``tokenizers`` alone (fast start-up);
-``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for chat templates).
+Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids (and how to name a missing
+EOS), its vocabulary size and a content fingerprint for cache keys. A local tokenizer is read with ``tokenizers``
+alone (fast start-up); ``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for
+chat templates).
 Not responsible for: chat templates (``chat_template``) or record transforms.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,6 +26,11 @@ BUNDLED_TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "token
 # Tried in order for the end-of-document token of a bare tokenizer.json that has no config beside it.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 _SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# Special tokens whose name suggests an end of text (e.g. DeepSeek's "<｜end▁of▁sentence｜>"), offered as the EOS.
+_EOS_LIKE = re.compile(r"end|eos|eot", re.IGNORECASE)
+_LISTED_SPECIAL_TOKENS = 8
+# What a Hugging Face Hub repository id looks like: "gpt2" or "org/name", nothing path-like.
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,21 @@ class TextTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def eos_help(self) -> str:
+        """For a tokenizer without EOS: the special tokens it has, and how to name one of them the EOS."""
+        special = sorted((i, t.content) for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        if not special:
+            return "it has no special tokens at all; use a tokenizer saved with its special tokens"
+        listed = ", ".join(f"{token!r} (id {i})" for i, token in special[:_LISTED_SPECIAL_TOKENS])
+        more = f" and {len(special) - _LISTED_SPECIAL_TOKENS} more" if len(special) > _LISTED_SPECIAL_TOKENS else ""
+        eos_like = next((token for _, token in special if _EOS_LIKE.search(token)), "<the EOS token>")
+        path = Path(self.name_or_path)
+        directory = path if path.is_dir() else path.parent
+        return (
+            f"its special tokens are {listed}{more}; name the EOS in {directory / 'tokenizer_config.json'}, "
+            f"e.g. {json.dumps({'eos_token': eos_like}, ensure_ascii=False)}, and pass the directory {directory}"
+        )
+
 
 def _token_content(value) -> str | None:
     """A special token as written in a config: a string or an AddedToken dict with ``content``."""
@@ -83,10 +105,12 @@ def _token_content(value) -> str | None:
 
 def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]:
     names: dict[str, str | None] = {"eos": None, "pad": None, "bos": None}
+    bare = True  # no file beside tokenizer.json names the special tokens
     for file_name in _SPECIAL_TOKEN_FILES if directory else ():
         path = directory / file_name
         if not path.is_file():
             continue
+        bare = False
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
@@ -95,7 +119,7 @@ def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]
             ) from None
         for role in names:
             names[role] = names[role] or _token_content(config.get(f"{role}_token"))
-    if names["eos"] is None and directory is None:
+    if names["eos"] is None and bare:
         vocab = backend.get_vocab(with_added_tokens=True)
         names["eos"] = next((t for t in _EOS_CANDIDATES if t in vocab), None)
     ids = {}
@@ -104,6 +128,18 @@ def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]
         if token is not None and ids[role] is None:
             raise DataConfigError(f"the {role} token {token!r} named in {directory} is not in the vocabulary")
     return ids
+
+
+def _missing_path_error(name: str, path: Path) -> DataConfigError:
+    """``name`` (``path`` once expanded) does not exist: say so, naming its first missing part."""
+    missing = path
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    detail = "" if missing == path else f" ({missing} does not exist)"
+    return DataConfigError(
+        f"no such file or directory: {name}{detail}; pass an existing tokenizer directory (holding tokenizer.json) "
+        "or a tokenizer.json file"
+    )
 
 
 def _hub_error(name: str) -> DataConfigError:
@@ -132,8 +168,10 @@ def build_tokenizer(name_or_path: str | os.PathLike) -> TextTokenizer:
     """Load a tokenizer from a Hugging Face tokenizer directory or a ``tokenizer.json`` file.
 
     Special tokens come from ``tokenizer_config.json``/``special_tokens_map.json`` beside ``tokenizer.json``;
-    a bare ``tokenizer.json`` gets its EOS from common names such as ``<|endoftext|>`` or ``</s>``.
-    A Hub name is tried only when ``HF_HUB_OFFLINE`` is not set; otherwise it is a clear error at once.
+    a bare ``tokenizer.json`` (a file, or a directory without those files) gets its EOS from common names such
+    as ``<|endoftext|>`` or ``</s>``. A name that is not a local path is taken for a Hub repository id
+    (``gpt2``, ``org/name``) and tried only when ``HF_HUB_OFFLINE`` is not set; anything path-like that does
+    not exist (absolute, ``./dir``, ``a/b/c``, ``dir/``, ``*.json``) is a "no such file or directory" error.
     """
     from tokenizers import Tokenizer
 
@@ -150,8 +188,10 @@ def build_tokenizer(name_or_path: str | os.PathLike) -> TextTokenizer:
         if path.suffix != ".json":
             raise DataConfigError(f"tokenizer file {path} is not a tokenizer.json; pass it or its directory")
         tokenizer_file, directory = path, None
-    else:
+    elif _HUB_NAME.fullmatch(name) and not name.endswith(".json"):
         return _from_transformers(name)
+    else:
+        raise _missing_path_error(name, path)
     try:
         backend = Tokenizer.from_file(str(tokenizer_file))
     except Exception as error:  # noqa: BLE001 - the Rust loader raises a bare Exception

@@ -205,8 +205,8 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
     if config.append_eod and tokenizer.eod is None:
         raise DataConfigError(
-            f"tokenizer {config.tokenizer_name_or_path} has no EOS token to append; set eos_token in its "
-            "tokenizer_config.json, or pass --append-eod false"
+            f"tokenizer {config.tokenizer_name_or_path} has no EOS token to append; {tokenizer.eos_help()}; "
+            "or pass --append-eod false"
         )
     if config.pack_to_seq_len is not None and not config.append_eod:
         logger.warning(
