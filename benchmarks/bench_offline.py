@@ -13,6 +13,8 @@ import gzip
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
@@ -120,6 +122,66 @@ def check_output(prefix: str, summary: Any, expected: np.ndarray, documents: int
     assert np.array_equal(written, expected), "offline preparation output differs from the bare encoding + EOD"
 
 
+LARGE_RECORD_MB_FULL = 50
+LARGE_RECORD_MB_QUICK = 5
+
+# Prepares a one-line input (so that the baselines hold every import and a started worker), then the large
+# record, and prints how much the peak RSS of the main process and of the worker grew.
+_PEAK_MEMORY_SCRIPT = """
+import json, resource, sys
+from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+from hyper_parallel.data.tools.offline_preparation import run_offline_preparation
+
+def peaks():
+    return [resource.getrusage(who).ru_maxrss * 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+
+if __name__ == "__main__":
+    work, tokenizer = sys.argv[1], sys.argv[2]
+    for name in ("small", "large"):
+        before = peaks()
+        data, prefix = f"{work}/{name}.jsonl", f"{work}/{name}"
+        run_offline_preparation(
+            OfflinePreparationConfig(dataset_name_or_path=data, output_prefix=prefix, tokenizer_name_or_path=tokenizer)
+        )
+    print(json.dumps([after - start for after, start in zip(peaks(), before)]))
+"""
+
+
+def large_record_row(context: BenchContext, tokenizer_path: Path) -> Row:
+    """Peak memory growth while preparing one JSONL record of random words, as a multiple of its size."""
+    megabytes = LARGE_RECORD_MB_QUICK if context.quick else LARGE_RECORD_MB_FULL
+    rng = np.random.default_rng(8)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocabulary = np.array(["".join(rng.choice(letters, rng.integers(2, 10))) for _ in range(5000)], dtype=object)
+    text = " ".join(rng.choice(vocabulary, megabytes * 1_000_000 // 5))[: megabytes * 1_000_000]
+    work = context.workdir / "large_record"
+    work.mkdir()
+    (work / "large.jsonl").write_text(json.dumps({JSON_KEY: text}) + "\n", encoding="utf-8")
+    (work / "small.jsonl").write_text(json.dumps({JSON_KEY: "a small record"}) + "\n", encoding="utf-8")
+    script = work / "peak_memory.py"
+    script.write_text(_PEAK_MEMORY_SCRIPT, encoding="utf-8")
+    log(f"one record of {megabytes} MB: peak memory in a subprocess")
+    result = subprocess.run(
+        [sys.executable, str(script), str(work), str(tokenizer_path)], capture_output=True, text=True, check=True
+    )
+    main_growth, worker_growth = json.loads(result.stdout.strip().splitlines()[-1])
+    size = (work / "large.jsonl").stat().st_size
+    for path in work.iterdir():
+        path.unlink()
+    return Row.compare(
+        "offline prep: one large record, peak memory",
+        worker_growth / 1e6,
+        size / 1e6,
+        "MB",
+        higher_is_better=False,
+        note=(
+            f"ours: peak RSS growth of the worker preparing a single {size / 1e6:.0f} MB JSONL record (main process: "
+            f"{main_growth / 1e6:.0f} MB); ref: the record's size, so the ratio is the multiple (about 170 when the "
+            "tokenizer encoded the record whole)"
+        ),
+    )
+
+
 def run(context: BenchContext) -> list[Row]:
     """Reference and ours in interleaved rounds on identical texts; ours is checked token for token."""
     from tokenizers import Tokenizer
@@ -206,4 +268,5 @@ def run(context: BenchContext) -> list[Row]:
             higher_is_better=False,
             note="ours: a run on a one-document input (process pool start, tokenizer load); ref: the full run above",
         ),
+        large_record_row(context, BUNDLED_TOKENIZER_PATH),
     ]

@@ -1,7 +1,8 @@
 """Raw records to token arrays: the work that offline preparation runs in its worker processes.
 
 Owns: decoding and parsing one chunk of raw records, picking or rendering the text of each json key,
-batch-tokenizing it, appending EOD and reporting empty and malformed records with their location.
+batch-tokenizing it (a very long text in pieces, with the ids of the whole), appending EOD and reporting empty
+and malformed records with their location.
 Not responsible for: reading files (``text.online.online_utils``), partitions, packing or writing.
 Kept free of heavy imports so that worker processes start quickly.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import string
 from dataclasses import dataclass, field
 from itertools import chain
@@ -18,9 +20,27 @@ import numpy as np
 
 from hyper_parallel.data.text.online.online_utils import RecordChunk
 
-__all__ = ["EncodedChunk", "EncodedDocuments", "EncodingSettings", "encode_chunk", "template_fields"]
+__all__ = [
+    "EncodedChunk",
+    "EncodedDocuments",
+    "EncodingSettings",
+    "encode_chunk",
+    "encode_texts",
+    "template_fields",
+]
 
 _FIX = "fix the record, or pass --skip-bad-records to count and skip such records"
+
+# A tokenizer holds about 170 bytes per character of a text while encoding it (offsets, alignments, token
+# strings), so a text longer than this is encoded in pieces of about this many characters, one at a time.
+PIECE_CHARS = 1 << 17
+# Characters each side of a cut that are encoded to check that the cut leaves the token ids unchanged.
+_CUT_CONTEXT = 256
+# Cuts tried per piece before the rest of the text is encoded whole, for a text where cuts keep changing the
+# ids (e.g. around added tokens that strip the spaces beside them).
+_CUT_TRIES = 32
+# A whitespace character after a non-whitespace one: where pre-tokenizers start a new word.
+_CUT_CANDIDATE = re.compile(r"(?<=\S)\s")
 
 
 @dataclass(frozen=True)
@@ -102,15 +122,30 @@ def _parse(chunk: RecordChunk, position: int) -> dict:
     return record
 
 
+def _check_unicode(text: str, field: str) -> None:
+    """Refuse a lone surrogate (e.g. the JSON escape ``"\\ud800"`` without its pair): no tokenizer can encode it."""
+    if text.isascii():  # O(1) in CPython
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _BadRecord(
+            f"{field} holds a lone surrogate {text[error.start]!r} at character {error.start}: half of a UTF-16 pair "
+            "(often a JSON escape such as \\ud800 without its partner), which is not valid Unicode"
+        ) from None
+
+
 def _texts(record: dict, settings: EncodingSettings) -> list[list[str]]:
     """One list of strings (sentences) per json key."""
     if settings.text_template is not None:
         try:
-            return [[settings.text_template.format_map(record)]]
+            text = settings.text_template.format_map(record)
         except (KeyError, IndexError) as error:
             raise _BadRecord(
                 f"missing key {error} used by --text-template; the record has keys {sorted(record)}"
             ) from None
+        _check_unicode(text, "the text rendered by --text-template")
+        return [[text]]
     texts = []
     for key in settings.json_keys:
         if key not in record:
@@ -119,12 +154,92 @@ def _texts(record: dict, settings: EncodingSettings) -> list[list[str]]:
         if value is None:
             texts.append([])
         elif isinstance(value, str):
+            _check_unicode(value, f"key '{key}'")
             texts.append([value])
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            for item, text in enumerate(value):
+                _check_unicode(text, f"key '{key}' item {item}")
             texts.append(value)
         else:
             raise _BadRecord(f"key '{key}' holds {type(value).__name__}, expected a string or a list of strings")
     return texts
+
+
+# -- encoding, long texts in pieces ------------------------------------------------------------------------------
+
+
+def _cut_keeps_ids(tokenizer, text: str, cut: int) -> bool:
+    """Whether the text around ``cut`` encodes to the ids of its two sides encoded apart."""
+    left = text[max(0, cut - _CUT_CONTEXT) : cut]
+    right = text[cut : cut + _CUT_CONTEXT]
+    both, left_ids, right_ids = tokenizer.encode_batch_fast([left + right, left, right], add_special_tokens=False)
+    return both.ids == left_ids.ids + right_ids.ids
+
+
+def _next_cut(tokenizer, text: str, start: int) -> int | None:
+    """The first whitespace at or after ``start`` where cutting leaves the ids unchanged, or None."""
+    for tries, match in enumerate(_CUT_CANDIDATE.finditer(text, start)):
+        if tries == _CUT_TRIES:
+            return None
+        if _cut_keeps_ids(tokenizer, text, match.start()):
+            return match.start()
+    return None
+
+
+def _piece_bounds(tokenizer, text: str, piece_chars: int) -> list[int]:
+    """Where to cut ``text`` into pieces of about ``piece_chars`` characters; ``[0, len(text)]`` for one piece."""
+    bounds = [0]
+    while len(text) - bounds[-1] > piece_chars:
+        cut = _next_cut(tokenizer, text, bounds[-1] + piece_chars)
+        if cut is None:
+            break
+        bounds.append(cut)
+    bounds.append(len(text))
+    return bounds
+
+
+def _encode_in_pieces(tokenizer, text: str, add_special_tokens: bool, dtype: np.dtype, piece_chars: int):
+    """The ids of ``text`` encoded whole, computed piece by piece; the Encoding itself when it takes one piece.
+
+    Special tokens that the tokenizer adds around a text (e.g. a BOS) come from the first piece: those before its
+    first token of text (sequence id None) start the result, those after its last end it.
+    """
+    bounds = _piece_bounds(tokenizer, text, piece_chars)
+    if len(bounds) == 2:
+        return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+    first = tokenizer.encode_batch_fast([text[: bounds[1]]], add_special_tokens=add_special_tokens)[0]
+    in_text = np.flatnonzero([sequence is not None for sequence in first.sequence_ids])
+    if not in_text.size:  # no token of text to place the added ones around
+        return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+    ids = np.asarray(first.ids, dtype)
+    parts = [ids[: in_text[-1] + 1]]
+    for begin, end in zip(bounds[1:-1], bounds[2:], strict=True):
+        parts.append(np.asarray(tokenizer.encode_batch_fast([text[begin:end]], add_special_tokens=False)[0].ids, dtype))
+    parts.append(ids[in_text[-1] + 1 :])
+    return np.concatenate(parts)
+
+
+def encode_texts(
+    tokenizer, texts: list[str], add_special_tokens: bool, dtype: np.dtype, piece_chars: int = PIECE_CHARS
+) -> list:
+    """Encode ``texts`` with a ``tokenizers.Tokenizer``: one ``Encoding`` per text, or an id array for a long one.
+
+    Texts of more than ``piece_chars`` characters are encoded in pieces cut at whitespace, so that memory
+    follows the piece, not the text. A cut is taken only where encoding a window around it whole and in two
+    parts gives the same ids, so the ids equal those of the text encoded whole; a text with no such cut (or a
+    tokenizer that truncates or pads) is encoded whole.
+    """
+    long = [i for i, text in enumerate(texts) if len(text) > piece_chars]
+    if not long or tokenizer.truncation is not None or tokenizer.padding is not None:
+        return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+    encodings: list = [None] * len(texts)
+    short = [i for i, text in enumerate(texts) if len(text) <= piece_chars]
+    short_encodings = tokenizer.encode_batch_fast([texts[i] for i in short], add_special_tokens=add_special_tokens)
+    for i, encoding in zip(short, short_encodings, strict=True):
+        encodings[i] = encoding
+    for i in long:
+        encodings[i] = _encode_in_pieces(tokenizer, texts[i], add_special_tokens, dtype, piece_chars)
+    return encodings
 
 
 def _assemble(
@@ -136,7 +251,10 @@ def _assemble(
     ``a b 9 c 9``, sequence lengths ``[3, 2]`` and one sequence per document.
     """
     dtype = np.dtype(settings.token_dtype)
-    flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype, int(lengths.sum()))
+    if any(isinstance(e, np.ndarray) for e in encodings):  # a long text, already ids
+        flat = np.concatenate([e if isinstance(e, np.ndarray) else np.asarray(e.ids, dtype) for e in encodings])
+    else:
+        flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype, int(lengths.sum()))
     string_kept = (lengths > 0) & kept[string_documents]
     if not string_kept.all():
         flat = flat[np.repeat(string_kept, lengths)]
@@ -184,8 +302,11 @@ def encode_chunk(chunk: RecordChunk, tokenizer, settings: EncodingSettings, skip
             strings.extend(sentences)
             documents.extend([document] * len(sentences))
 
-    encodings = tokenizer.encode_batch_fast(
-        list(chain.from_iterable(per_key_strings)), add_special_tokens=settings.add_special_tokens
+    encodings = encode_texts(
+        tokenizer,
+        list(chain.from_iterable(per_key_strings)),
+        settings.add_special_tokens,
+        np.dtype(settings.token_dtype),
     )
     lengths = np.fromiter((len(e) for e in encodings), np.int64, len(encodings))
     bounds = np.cumsum([0] + [len(strings) for strings in per_key_strings])

@@ -2,7 +2,8 @@
 
 Owns: resolving a file, glob or directory into an ordered list of files of one format, and streaming raw
 records out of them in chunks with their line or row numbers, so that errors can name where a record came
-from. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
+from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
+the line. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
 consumed (often a worker process). Not responsible for: tokenization, transforms or sampling.
 """
 
@@ -13,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,8 @@ FILE_FORMATS = {
     ".txt": "text",
 }
 _GZIP_FORMATS = {"json", "csv", "text"}
+# What reading a truncated or damaged .gz raises: EOFError (no end marker), zlib.error, BadGzipFile (header, CRC).
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 # Our format name -> the Hugging Face ``datasets`` builder that reads it (the names happen to agree).
 _HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow", "text": "text"}
 _GLOB_CHARS = set("*?[")
@@ -154,6 +158,18 @@ def _open_lines(path: Path) -> tuple[BinaryIO, _CountingReader]:
     return stream, counter
 
 
+def _gzip_error(path: Path, error: Exception, last_line: int | None, counter: _CountingReader) -> DataFileError:
+    """The error for a ``.gz`` input that cannot be read to its end, saying how far reading got."""
+    state = "ends before its end marker (truncated)" if isinstance(error, EOFError) else f"is corrupt ({error})"
+    where = f"at byte {counter.count:,} of the compressed file"
+    if last_line is not None:
+        where = f"after line {last_line:,}, the last complete one ({where})"
+    return DataFileError(
+        f"{path}: the gzip data {state} {where}; the file is incomplete or damaged: download or compress it "
+        f"again (`gzip -t {path}` checks it)"
+    )
+
+
 def _line_chunks(path: Path, kind: RecordKind, chunk_size: int, chunk_bytes: int) -> Iterator[RecordChunk]:
     """Chunks of non-blank lines, numbered from 1, closed at ``chunk_size`` lines or ``chunk_bytes`` bytes."""
     stream, counter = _open_lines(path)
@@ -161,15 +177,19 @@ def _line_chunks(path: Path, kind: RecordKind, chunk_size: int, chunk_bytes: int
         items: list[bytes] = []
         locations: list[int] = []
         size = 0
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            items.append(line)
-            locations.append(number)
-            size += len(line)
-            if len(items) == chunk_size or size >= chunk_bytes:
-                yield RecordChunk(str(path), kind, items, locations, "line", counter.count)
-                items, locations, size = [], [], 0
+        number = 0
+        try:
+            for number, line in enumerate(stream, start=1):  # noqa: B007 - the last number names where a read failed
+                if not line.strip():
+                    continue
+                items.append(line)
+                locations.append(number)
+                size += len(line)
+                if len(items) == chunk_size or size >= chunk_bytes:
+                    yield RecordChunk(str(path), kind, items, locations, "line", counter.count)
+                    items, locations, size = [], [], 0
+        except _GZIP_ERRORS as error:
+            raise _gzip_error(path, error, number, counter) from None
         if items:
             yield RecordChunk(str(path), kind, items, locations, "line", counter.count)
 
@@ -177,7 +197,10 @@ def _line_chunks(path: Path, kind: RecordKind, chunk_size: int, chunk_bytes: int
 def _starts_with_array(path: Path) -> bool:
     stream, counter = _open_lines(path)
     with stream, counter._raw:
-        head = stream.read(4096).lstrip()
+        try:
+            head = stream.read(4096).lstrip()
+        except _GZIP_ERRORS as error:
+            raise _gzip_error(path, error, None, counter) from None
     return head.startswith(b"[")
 
 
@@ -185,7 +208,10 @@ def _json_array_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
     """A ``.json`` file holding one JSON array of records (read whole: such files are small by nature)."""
     stream, counter = _open_lines(path)
     with stream, counter._raw:
-        raw = stream.read()
+        try:
+            raw = stream.read()
+        except _GZIP_ERRORS as error:
+            raise _gzip_error(path, error, None, counter) from None
     try:
         records = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
@@ -202,15 +228,41 @@ def _json_array_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
         yield RecordChunk(str(path), "records", items, list(range(start, start + len(items))), "row", size)
 
 
+# Quoting errors of a strict CSV reader: an unbalanced quote either runs to the end of the file or, more often,
+# "closes" at the next quote, which is then followed by text instead of a delimiter.
+_CSV_QUOTE_FIX = (
+    'close the quote, or write a quote inside a quoted field twice (""); a field that contains quotes must '
+    "itself be quoted"
+)
+
+
+def _csv_error(path: Path, start: int, error: Exception) -> DataFileError:
+    """The error for a record starting on line ``start`` that the strict CSV reader refused."""
+    message = str(error)
+    if message == "unexpected end of data":
+        return DataFileError(
+            f"{path}:line {start}: a quoted field opened in the record starting on this line is never closed (the "
+            f"file ends inside it); {_CSV_QUOTE_FIX}"
+        )
+    if message.endswith("expected after '\"'"):
+        return DataFileError(
+            f"{path}:line {start}: unbalanced quote in the record starting on this line: its quoted field runs on "
+            f"to a later quote that is followed by text ({message}); {_CSV_QUOTE_FIX}"
+        )
+    return DataFileError(f"{path}:line {start}: malformed CSV ({message}); fix the file")
+
+
 def _csv_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
     import csv
 
     stream, counter = _open_lines(path)
     with stream, counter._raw:
         text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
-        reader = csv.DictReader(text)
+        # strict: a quote left open is an error rather than a field that silently swallows the following lines
+        reader = csv.DictReader(text, strict=True)
         items: list[dict] = []
         locations: list[int] = []
+        start = 1
         try:
             reader.fieldnames  # reads the header line, so line_num counts from it  # noqa: B018
             while True:
@@ -229,7 +281,9 @@ def _csv_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
                 "(e.g. `iconv -f latin1 -t utf-8`)"
             ) from None
         except csv.Error as error:
-            raise DataFileError(f"{path}:line {reader.line_num}: malformed CSV ({error}); fix the file") from None
+            raise _csv_error(path, start, error) from None
+        except _GZIP_ERRORS as error:
+            raise _gzip_error(path, error, reader.line_num, counter) from None
         if items:
             yield RecordChunk(str(path), "records", items, locations, "line", counter.count)
 
