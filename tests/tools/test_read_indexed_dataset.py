@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,10 +232,68 @@ def test_corrupt_document_indices_exit_2(dataset, capsys):
         f.write(np.int64(sequence_lengths.size + 1).tobytes())
     code, out, err = _run(capsys, prefix)
     assert code == 2 and out == ""
-    assert "document_indices" in err and "--verify" in err
+    assert "document_indices" in err
 
     code, out, _ = _run(capsys, prefix, "--verify")
     assert code == 1 and "document_indices" in out
+
+
+def _truncate_idx(prefix: Path) -> None:
+    with open(f"{prefix}.idx", "r+b") as f:
+        f.truncate(HEADER_SIZE + 30)
+
+
+def _bad_magic(prefix: Path) -> None:
+    with open(f"{prefix}.idx", "r+b") as f:
+        f.write(b"NOTANIDX")
+
+
+def _pointer_beyond_bin(prefix: Path) -> None:
+    """Sequence 5 points far past the end of the .bin (pointers follow the int32 lengths)."""
+    sequences = IndexedDataReader(prefix).sequence_lengths.size
+    with open(f"{prefix}.idx", "r+b") as f:
+        f.seek(HEADER_SIZE + 4 * sequences + 8 * 5)
+        f.write(np.int64(10**9).tobytes())
+
+
+def _bin_replaced_by_directory(prefix: Path) -> None:
+    Path(f"{prefix}.bin").unlink()
+    Path(f"{prefix}.bin").mkdir()
+
+
+CORRUPTIONS = {
+    "truncated idx": (_truncate_idx, "truncated"),
+    "bad header": (_bad_magic, "bad magic"),
+    "pointer beyond bin": (_pointer_beyond_bin, "lie outside"),
+    "bin is a directory": (_bin_replaced_by_directory, "is a directory"),
+}
+MODES = {
+    "summary": [],
+    "json": ["--json"],
+    "verify": ["--verify"],
+    "decode": ["--decode", "0,5"],
+    "histogram": ["--histogram", "{tmp}/lengths.png"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_pairs_exit_2_in_every_mode(dataset, tmp_path, capsys, corruption, mode):
+    """A corrupt pair is refused in every mode with an ``error: ...`` naming the file and the fault, never a
+    traceback, a summary of wrong numbers or a plot; ``--verify`` reports an index it can open as FAILED (exit 1)
+    and one it cannot open as an error."""
+    prefix, _, _ = dataset
+    corrupt, fault = CORRUPTIONS[corruption]
+    corrupt(prefix)
+    argv = [arg.format(tmp=tmp_path) for arg in MODES[mode]]
+    code, out, err = _run(capsys, prefix, *argv)
+    assert "Traceback" not in err
+    assert not (tmp_path / "lengths.png").exists()
+    if mode == "verify" and corruption == "pointer beyond bin":
+        assert code == 1 and out.startswith(f"FAILED: {prefix}.idx") and fault in out
+        return
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and str(prefix) in err and fault in err
 
 
 # -- histogram ---------------------------------------------------------------------------------------------------
@@ -267,6 +326,46 @@ def test_missing_prefix_exits_2(tmp_path, capsys):
     assert code == 2 and out == ""
     assert err.startswith(f"error: indexed dataset '{prefix}': missing")
     assert "Traceback" not in err
+
+
+def _pair(prefix: Path) -> None:
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
+        builder.add_documents(np.arange(10), [10])
+        builder.finalize(f"{prefix}.idx")
+
+
+@pytest.mark.parametrize(
+    ("given", "suggested"),
+    [
+        ("corpus", ["corpus_code_document", "corpus_text_document"]),  # the output prefix, not the pair's
+        # a typo: the closest names, best first
+        ("corpus_txt_document", ["corpus_text_document", "corpus_code_document", "other_text_document"]),
+        ("", ["corpus_code_document", "corpus_text_document", "other_text_document"]),  # the directory
+    ],
+)
+def test_wrong_prefix_lists_the_pairs_nearby(tmp_path, capsys, given, suggested):
+    """A prefix with no pair names the pairs it may have meant: those starting with it (the ``_text_document``
+    suffix left out), else the closest names, or the pairs of a directory."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for name in ("corpus_text_document", "corpus_code_document", "other_text_document"):
+        _pair(out_dir / name)
+    (out_dir / "corpus_lonely.idx").write_bytes(b"")  # half a pair is not offered
+    code, out, err = _run(capsys, f"{out_dir}/{given}")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("error: ") and "missing" in err
+    assert err.rstrip().endswith(f"Did you mean {' or '.join(str(out_dir / name) for name in suggested)}?")
+
+
+def test_wrong_prefix_suggestions_are_bounded(tmp_path, capsys):
+    """However many pairs match, only a few are listed; a prefix like nothing nearby gets no suggestion."""
+    for i in range(8):
+        _pair(tmp_path / f"corpus_{i}_text_document")
+    code, _, err = _run(capsys, tmp_path / "corpus")
+    assert code == 2 and err.count("corpus_") == 5
+
+    code, _, err = _run(capsys, tmp_path / "zzz")
+    assert code == 2 and "Did you mean" not in err
 
 
 @pytest.mark.parametrize("suffix", [".idx", ".bin"])

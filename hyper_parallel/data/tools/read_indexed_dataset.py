@@ -2,8 +2,9 @@
 
 Owns: the ``python -m hyper_parallel.data.tools.read_indexed_dataset PREFIX`` command, which prints a summary
 of a pair (counts, sizes, length statistics), decodes chosen sequences through a tokenizer, checks the pair's
-consistency and draws its sequence length histogram. Not responsible for: parsing or checking the files
-(``indexed.IndexedDataReader``), writing them (``indexed.io``) or loading tokenizers (``text.build_tokenizer``).
+consistency and draws its sequence length histogram, and names the pairs nearby when a prefix has none.
+Not responsible for: parsing or checking the files (``indexed.IndexedDataReader``), writing them
+(``indexed.io``) or loading tokenizers (``text.build_tokenizer``).
 
 Example::
 
@@ -13,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -31,6 +33,7 @@ _PROG = "python -m hyper_parallel.data.tools.read_indexed_dataset"
 _PERCENTILES = (50, 90, 99)
 _SHOWN_IDS = 64
 _HISTOGRAM_BINS = 100
+_SUGGESTED_PAIRS = 5
 
 _EXAMPLES = f"""\
 examples:
@@ -42,7 +45,9 @@ examples:
   {_PROG} data/corpus_text_document --histogram lengths.png
   {_PROG} data/vision_document --multimodal
 
-exit status: 0 on success, 1 when --verify finds problems, 2 on a usage error or a file that cannot be read.
+every mode checks the pair first: nothing is summarised, decoded or plotted from a corrupt one.
+exit status: 0 on success, 1 when --verify finds problems, 2 on a usage error, a pair that cannot be read, or
+(without --verify) an inconsistent one.
 """
 
 
@@ -154,6 +159,42 @@ def _resolve_prefix(path: str) -> str:
     return path
 
 
+def _pairs_in(directory: Path) -> list[str]:
+    """Names (without ``.idx``/``.bin``) of the pairs in ``directory``, sorted."""
+    try:
+        names = {entry.name for entry in os.scandir(directory)}
+    except OSError:
+        return []
+    return sorted(name[:-4] for name in names if name.endswith(".idx") and f"{name[:-4]}.bin" in names)
+
+
+def _nearby_pairs(prefix: str) -> list[str]:
+    """Prefixes of the pairs that ``prefix`` may have meant, at most a few: for a directory, the pairs in it;
+    else the pairs beside it whose name starts with its name (``out/corpus`` -> ``out/corpus_text_document``),
+    or failing that the closest names."""
+    path = Path(prefix)
+    if path.is_dir():
+        return [str(path / name) for name in _pairs_in(path)[:_SUGGESTED_PAIRS]]
+    pairs = _pairs_in(path.parent)
+    chosen = [name for name in pairs if name.startswith(path.name)]
+    if not chosen:
+        chosen = difflib.get_close_matches(path.name, pairs, n=_SUGGESTED_PAIRS, cutoff=0.6)
+    return [str(path.parent / name) for name in chosen[:_SUGGESTED_PAIRS]]
+
+
+def _open_reader(prefix: str, multimodal: bool) -> IndexedDataReader:
+    """Open the pair; when it does not exist, the error names the pairs nearby that may have been meant."""
+    try:
+        return IndexedDataReader(prefix, multimodal=multimodal)
+    except DataFileError as error:
+        if data_file_paths(prefix)[0].exists():
+            raise
+        nearby = _nearby_pairs(prefix)
+        if not nearby:
+            raise
+        raise DataFileError(f"{error} Did you mean {' or '.join(nearby)}?") from None
+
+
 # -- summary -----------------------------------------------------------------------------------------------------
 
 
@@ -170,17 +211,6 @@ def _stats(values: np.ndarray) -> dict | None:
     }
 
 
-def _checked_document_indices(reader: IndexedDataReader) -> np.ndarray:
-    """The document indices, refused when they could not be used to slice the sequences."""
-    documents = reader.document_indices
-    if documents.size == 0 or documents[0] < 0 or documents[-1] > len(reader) or np.any(np.diff(documents) < 0):
-        raise DataFileError(
-            f"indexed dataset '{reader.path_prefix}': its document_indices are not a non-decreasing list within "
-            f"[0, {len(reader)}], so document statistics cannot be computed; run with --verify for the details"
-        )
-    return documents
-
-
 def summarize(reader: IndexedDataReader) -> dict:
     """The numbers describing one pair, as plain JSON-ready values.
 
@@ -189,10 +219,11 @@ def summarize(reader: IndexedDataReader) -> dict:
     A document is empty when it holds no tokens.
 
     Raises:
-        DataFileError: the document indices are unusable (``reader.verify()`` explains why).
+        DataFileError: the pair is inconsistent (``reader.verify()``), so its numbers would be wrong.
     """
+    reader.verify()
     lengths = reader.sequence_lengths
-    documents = _checked_document_indices(reader)
+    documents = reader.document_indices
     sequences_per_document = np.diff(documents)
     # Token count of each document from the cumulative lengths: one vectorised pass, empty documents included.
     cumulative = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -377,8 +408,8 @@ def _run(reader: IndexedDataReader, args: argparse.Namespace) -> int:
             else:
                 print(f"FAILED: {error}")
             return 1
-    indices = _check_indices(reader, [i for group in args.decode for i in group])
     summary = summarize(reader)
+    indices = _check_indices(reader, [i for group in args.decode for i in group])
     if args.verify:
         report["verify"] = {"ok": True}
     if indices:
@@ -407,13 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 verification failed, 2 error)."""
     args = build_parser().parse_args(argv)
     try:
-        reader = IndexedDataReader(_resolve_prefix(args.prefix), multimodal=args.multimodal)
+        reader = _open_reader(_resolve_prefix(args.prefix), args.multimodal)
         try:
             return _run(reader, args)
         finally:
             reader.close()
     except (DataFileError, _UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # the files changed or became unreadable while being inspected
+        print(f"error: cannot read '{args.prefix}': {error}", file=sys.stderr)
         return 2
 
 
