@@ -190,6 +190,15 @@ def test_csv_unbalanced_quote_names_the_line_it_opened_on(tmp_path, capsys, case
     assert outputs(tmp_path) == []
 
 
+def test_csv_field_beyond_the_csv_reader_limit_says_what_to_use(tmp_path, capsys):
+    """A field longer than Python's CSV reader accepts names its line and the formats that take long records."""
+    data = tmp_path / "in.csv"
+    data.write_text('text\nshort\n"' + "word " * 30_000 + '"\n', encoding="utf-8")
+    code, _, err = prepare(capsys, data, tmp_path / "out")
+    assert code == 2
+    error_line(err, f"error: {data}:line 3: ", "longer than 131,072 characters", "as JSONL or Parquet")
+
+
 def test_csv_multi_line_quoted_fields_still_work(tmp_path, capsys, tokenizer):
     """Valid quoting (fields spanning lines, doubled quotes, delimiters inside quotes) is read as before."""
     texts = ["one line", "two\nlines", 'a "quoted" word', "comma, inside", "three\n\nlines"]

@@ -9,6 +9,7 @@ consumed (often a worker process). Not responsible for: tokenization, transforms
 
 from __future__ import annotations
 
+import csv
 import glob
 import gzip
 import io
@@ -249,12 +250,16 @@ def _csv_error(path: Path, start: int, error: Exception) -> DataFileError:
             f"{path}:line {start}: unbalanced quote in the record starting on this line: its quoted field runs on "
             f"to a later quote that is followed by text ({message}); {_CSV_QUOTE_FIX}"
         )
+    if message.startswith("field larger than field limit"):
+        return DataFileError(
+            f"{path}:line {start}: a field of the record starting on this line is longer than "
+            f"{csv.field_size_limit():,} characters, the limit of Python's CSV reader; write such long records as "
+            "JSONL or Parquet"
+        )
     return DataFileError(f"{path}:line {start}: malformed CSV ({message}); fix the file")
 
 
 def _csv_chunks(path: Path, chunk_size: int) -> Iterator[RecordChunk]:
-    import csv
-
     stream, counter = _open_lines(path)
     with stream, counter._raw:
         text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
