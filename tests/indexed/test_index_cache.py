@@ -106,7 +106,8 @@ def _files(directory: Path, pattern: str = "*") -> list[str]:
 
 
 def test_key_is_the_md5_of_the_description_and_the_readable_text_is_saved(tmp_path):
-    """The key is the MD5 of the compact JSON of the description; its indented JSON is saved beside the arrays."""
+    """The key is the MD5 of the compact JSON of the description; its indented JSON is saved beside the arrays,
+    with the manifest of each array."""
     description = {"class": "GPTDataset", "dataset_path": "/data/a", "num_samples": 10}
     cache = IndexCache(tmp_path, "GPTDataset", "train", description)
     compact = json.dumps(description, separators=(",", ":"))
@@ -117,7 +118,12 @@ def test_key_is_the_md5_of_the_description_and_the_readable_text_is_saved(tmp_pa
     np.testing.assert_array_equal(arrays["values"], np.arange(5))
     assert _files(tmp_path, "*.npy") == [f"{cache.key}-GPTDataset-train-values.npy"]
     saved = (tmp_path / f"{cache.key}-GPTDataset-train-description.txt").read_text(encoding="utf-8")
-    assert saved == json.dumps(description, indent=4)
+    assert saved.startswith('{\n    "description": {\n        "class": "GPTDataset",')
+    manifest = json.loads(saved)
+    assert manifest["description"] == description
+    values = manifest["arrays"]["values"]
+    assert (values["dtype"], values["shape"]) == (np.arange(5).dtype.str, [5])
+    assert values["file_bytes"] == cache.path("values").stat().st_size
 
 
 @pytest.mark.parametrize(
@@ -287,23 +293,22 @@ def test_read_only_directory_with_a_complete_cache_is_loaded(tmp_path, corpus, t
 # -- deferred mapping ---------------------------------------------------------------------------------------------
 
 
-def _replace_array(path: Path, array: np.ndarray) -> None:
-    """Swap the file for a new one (new inode), as a concurrent rebuild would."""
-    temporary = path.with_name(path.name + ".swap")
-    with open(temporary, "wb") as f:
-        np.save(f, array)
-    os.replace(temporary, path)
+def _republish(directory: Path, description: dict, arrays: dict[str, np.ndarray], kind: str = "GPTDataset") -> None:
+    """Publish the entry again with other arrays (new files, new manifest), as a concurrent rebuild would."""
+    cache = IndexCache(directory, kind, "train", description)
+    cache.path("description").unlink()
+    cache.get_or_build(tuple(arrays), lambda: arrays)
 
 
 def test_defer_maps_each_file_on_first_access(tmp_path):
-    """With ``defer`` a file is mapped when first read; without it, every file is mapped by ``load``."""
-    cache = IndexCache(tmp_path, "GPTDataset", "train", {"case": "defer"})
-    cache.get_or_build(_NAMES, _arrays)
-    eager = cache.load(_NAMES, defer=False)
-    deferred = cache.load(_NAMES, defer=True)
+    """With ``defer`` a file is mapped when first read; without it, every file is mapped when the entry loads."""
+    description = {"case": "defer"}
+    IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays)
+    eager = IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays)
+    deferred = IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays, defer=True)
     np.testing.assert_array_equal(deferred["first"], _arrays()["first"])  # mapped now
 
-    _replace_array(cache.path("second"), np.full(3, 7))
+    _republish(tmp_path, description, {**_arrays(), "second": np.full(3, 7)})
 
     np.testing.assert_array_equal(eager["second"], _arrays()["second"])  # mapped before the swap
     np.testing.assert_array_equal(deferred["second"], np.full(3, 7))  # mapped at this first access
@@ -319,8 +324,8 @@ def test_deferred_dataset_opens_its_indices_on_first_use(tmp_path, corpus, token
     assert len(deferred) == len(reference)
     assert building_messages(info_logs) == []
 
-    shuffle_path = next(cache.glob("*-GPTDataset-train-shuffle_index.npy"))
-    _replace_array(shuffle_path, np.asarray(reference.shuffle_index)[::-1].copy())
+    arrays = {name: np.asarray(getattr(reference, name)) for name in _INDEX_ARRAYS[:3]}
+    _republish(cache, reference.unique_identifiers, {**arrays, "shuffle_index": arrays["shuffle_index"][::-1]})
 
     np.testing.assert_array_equal(deferred.shuffle_index, np.asarray(reference.shuffle_index)[::-1])
     assert torch.equal(deferred[0]["tokens"], reference[len(reference) - 1]["tokens"])

@@ -1,28 +1,40 @@
 """On-disk caches of index arrays (document, sample, shuffle and blending indices).
 
-Owns: the cache key, the file names, atomic publication and loading. The key is the MD5 of a JSON description
-(saved beside the arrays, indented) that lists every setting that changes the arrays, unlike megatron-core's,
-whose key omits ``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices. Arrays are
-written under temporary names and renamed; the description is written last and marks the entry complete. One
-process builds while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
+Owns: the cache key, the file names, each entry's manifest, atomic publication, checked loading and the repair
+of a damaged entry. The key is the MD5 of a JSON description that lists every setting that changes the arrays
+and the identity of the data files behind them, unlike megatron-core's, whose key omits
+``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices. Arrays are written under
+temporary names and renamed; the description file, written last, marks the entry complete and holds the manifest:
+each array's dtype, shape, file size and the xxh3 checksums of its 64 KiB blocks. Loading compares every file's
+size with the manifest and the checksums of some or all blocks (``cache_verification``); a damaged entry is
+rebuilt with a warning naming the file, or refused with a ``DataFileError`` where the directory is read-only.
+One process builds while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
 Not responsible for: computing the arrays (``indexed_helpers``) or deciding what they mean (the datasets).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import math
+import mmap
 import os
+import random
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.parallel.build_barrier import build_once, process_group_ready
+from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once, process_group_ready
 
 __all__ = ["IndexCache", "LazyArrays", "writable_directory"]
 
@@ -32,33 +44,120 @@ logger = get_logger("hyper_parallel.data.indexed.index_cache")
 # microseconds at start-up with thousands of prefixes. Same output as ``json.dumps(d, separators=(",", ":"))``.
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 
+_BLOCK_BYTES = 1 << 16  # one checksum per block of the .npy file, header included
+_RANDOM_BLOCKS = 2  # blocks a "sampled" check reads besides the first and the last
+_RANDOM = random.Random()  # seeded per process, so that ranks and jobs check different blocks
+
+
+class _Unusable(Exception):
+    """Why an entry cannot be read as it is: not built yet (``damage`` None), or damaged."""
+
+    def __init__(self, path: str, damage: str | None = None) -> None:
+        super().__init__(path, damage)
+        self.path = path
+        self.damage = damage
+
+
+class _Request(NamedTuple):  # a NamedTuple: made once per source at start-up, and cheaper than a dataclass
+    """What a caller asked of one entry: its arrays, how to build them and how to read them."""
+
+    names: tuple[str, ...]
+    build: Callable[[], dict[str, np.ndarray]] | None  # None: only checked, never built
+    verification: str
+    lock_timeout: float
+    assume_complete: bool
+
+
+def _block_digests(header: bytes, array: np.ndarray) -> str:
+    """Base64 of the little-endian xxh3_64 of each ``_BLOCK_BYTES`` of the file ``header + array``, from memory."""
+    data = array.reshape(-1).view(np.uint8)
+    head = _BLOCK_BYTES - len(header)  # the first block holds the header and the first data bytes
+    digests = [xxh3_64_intdigest(header + data[:head].tobytes())]
+    digests += [xxh3_64_intdigest(data[start : start + _BLOCK_BYTES]) for start in range(head, data.size, _BLOCK_BYTES)]
+    return base64.b64encode(np.array(digests, dtype="<u8").tobytes()).decode("ascii")
+
+
+def _check_blocks(path: str, buffer: mmap.mmap, digests: np.ndarray, block_bytes: int, full: bool) -> None:
+    """Compare the checksums of every block (``full``), or of the first, the last and two random ones."""
+    blocks = len(digests)
+    if full or blocks <= 2 + _RANDOM_BLOCKS:
+        chosen = range(blocks)
+    else:
+        chosen = (0, blocks - 1, *_RANDOM.sample(range(1, blocks - 1), _RANDOM_BLOCKS))
+    view = memoryview(buffer)
+    for block in chosen:
+        start = block * block_bytes
+        if xxh3_64_intdigest(view[start : start + block_bytes]) != digests[block]:
+            end = min(start + block_bytes, len(buffer))
+            raise _Unusable(
+                path,
+                f"bytes {start} to {end} do not match their checksum in the manifest: the file was altered or "
+                "damaged after it was written",
+            )
+
 
 class LazyArrays(Mapping):
-    """Index arrays memory-mapped on first access (``defer_npy_index_mmap``).
+    """The arrays of one entry, each memory-mapped and checked against the manifest on its first access.
 
-    Args:
-        names: the arrays of the entry.
-        path_of: gives an array's file; called on its first access.
+    A problem found then (a file missing, cut short or altered) is repaired by rebuilding the entry under its
+    file lock, with a warning, or refused with a ``DataFileError`` (read-only directory; an entry missing under
+    ``fast_cache_load``). Pickled, it keeps no mapping: a DataLoader worker maps and checks the files itself.
     """
 
-    def __init__(self, names: tuple[str, ...], path_of: Callable[[str], str]) -> None:
-        self._names = names
-        self._path_of = path_of
+    def __init__(self, cache: IndexCache, request: _Request) -> None:
+        self._cache = cache
+        self._request = request
+        self._records: dict[str, dict] | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
+    def _map(self, name: str) -> np.ndarray:
+        if self._records is None:
+            self._records = self._cache._read_manifest(self._request.names)
+        return self._cache._map(name, self._records[name], self._request.verification)
+
+    def map_all(self) -> LazyArrays:
+        """Map and check every array now; a problem raises ``_Unusable``."""
+        for name in self._request.names:
+            if name not in self._arrays:
+                self._arrays[name] = self._map(name)
+        return self
+
+    def check_sizes(self) -> LazyArrays:
+        """Check the manifest and every file's size now, and leave the mapping for first access."""
+        self._records = self._cache._read_manifest(self._request.names)
+        for name in self._request.names:
+            self._cache._check_size(name, self._records[name])
+        return self
+
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._arrays:
-            if name not in self._names:
+        array = self._arrays.get(name)
+        if array is None:
+            if name not in self._request.names:
                 raise KeyError(name)
-            # A plain ndarray view: indexing a np.memmap subclass costs microseconds per call.
-            self._arrays[name] = np.load(self._path_of(name), mmap_mode="r", allow_pickle=False).view(np.ndarray)
-        return self._arrays[name]
+            try:
+                array = self._map(name)
+            except _Unusable as problem:
+                self._cache._repair(problem, self._request)
+                self._records = None
+                self._arrays.clear()  # arrays mapped before the repair may come from the damaged entry
+                try:
+                    array = self._map(name)
+                except _Unusable as again:
+                    raise DataFileError(
+                        f"{again.path}: {again.damage or 'missing'}, even after the index cache entry was rebuilt; "
+                        "check the file system of the cache directory, or set data_cache_path to another one"
+                    ) from None
+            self._arrays[name] = array
+        return array
 
     def __iter__(self):
-        return iter(self._names)
+        return iter(self._request.names)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._request.names)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_records": None, "_arrays": {}}
 
 
 def writable_directory(directory: Path) -> bool:
@@ -74,17 +173,23 @@ def writable_directory(directory: Path) -> bool:
 class IndexCache:
     """One cache entry: ``<dir>/<md5>-<kind>-<split>-{description.txt,<name>.npy}``.
 
+    The description file holds ``{"description": ..., "arrays": {name: manifest}}``, indented; each manifest
+    records the array's ``dtype``, ``shape``, ``file_bytes``, ``block_bytes`` and ``xxh3_64`` (base64 of the
+    blocks' little-endian checksums).
+
     Args:
         directory: the cache directory, or None to keep arrays in memory only.
         kind: the dataset class name, e.g. ``"GPTDataset"``.
         split: ``"train"``, ``"valid"`` or ``"test"``.
-        description: every setting that determines the arrays; serialised with ``json.dumps(indent=4)``.
+        description: every setting that determines the arrays.
     """
 
     def __init__(self, directory: str | os.PathLike | None, kind: str, split: str, description: dict) -> None:
         self.description = description
         self._directory_text = None if directory is None else os.fspath(directory)
         self._kind_split = f"{kind}-{split}"
+        self._problem: _Unusable | None = None  # what the last soundness check found
+        self._mapped: LazyArrays | None = None  # the arrays the last soundness check mapped
 
     @cached_property
     def key(self) -> str:
@@ -102,6 +207,7 @@ class IndexCache:
         return None if self._directory_text is None else Path(self._directory_text)
 
     def path(self, name: str) -> Path:
+        """The file of array ``name``, or of the description for ``"description"``."""
         assert self.directory is not None
         return Path(self._file(name))
 
@@ -109,16 +215,123 @@ class IndexCache:
         suffix = "txt" if name == "description" else "npy"
         return f"{self._directory_text}/{self._stem}-{name}.{suffix}"
 
-    def is_complete(self, names: tuple[str, ...]) -> bool:
-        return all(os.path.isfile(self._file(name)) for name in (*names, "description"))
+    # -- reading --------------------------------------------------------------------------------------------
+
+    def _read_manifest(self, names: tuple[str, ...]) -> dict[str, dict]:
+        """The manifests of ``names``; ``_Unusable`` if the entry is not built (no description) or damaged."""
+        path = self._file("description")
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except (FileNotFoundError, NotADirectoryError):  # not built, or no cache directory at all
+            raise _Unusable(path) from None
+        except OSError as error:
+            raise _Unusable(path, f"the description cannot be read ({error.strerror})") from None
+        try:
+            arrays = json.loads(text)["arrays"]
+            return {name: arrays[name] for name in names}
+        except (ValueError, KeyError, TypeError) as error:
+            raise _Unusable(
+                path, f"the description does not parse as an index cache manifest ({type(error).__name__}: {error})"
+            ) from None
+
+    def _record(self, name: str, record: dict) -> tuple[np.dtype, tuple[int, ...], int, int, np.ndarray]:
+        """``(dtype, shape, file_bytes, block_bytes, digests)`` of a manifest, or ``_Unusable`` naming it."""
+        try:
+            dtype = np.dtype(record["dtype"])
+            shape = tuple(int(n) for n in record["shape"])
+            file_bytes, block_bytes = int(record["file_bytes"]), int(record["block_bytes"])
+            digests = np.frombuffer(base64.b64decode(record["xxh3_64"], validate=True), dtype="<u8")
+            usable = dtype.kind in "biuf" and block_bytes > 0 and min(shape, default=0) >= 0
+            if usable and len(digests) == -(-file_bytes // block_bytes):
+                return dtype, shape, file_bytes, block_bytes, digests
+        except (KeyError, TypeError, ValueError, binascii.Error):
+            pass
+        raise _Unusable(self._file("description"), f"the manifest of {name} is malformed: {record!r:.200}")
+
+    def _check_size(self, name: str, record: dict) -> None:
+        file_bytes = self._record(name, record)[2]
+        path = self._file(name)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise _Unusable(path, "the array file is missing") from None
+        if size != file_bytes:
+            raise _Unusable(path, _size_damage(size, file_bytes))
+
+    def _map(self, name: str, record: dict, verification: str) -> np.ndarray:
+        """Map array ``name`` after checking its size and, unless ``verification`` is ``"sizes"``, checksums."""
+        dtype, shape, file_bytes, block_bytes, digests = self._record(name, record)
+        path = self._file(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _Unusable(path, "the array file is missing") from None
+        except OSError as error:
+            raise _Unusable(path, f"the array file cannot be opened ({error.strerror})") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != file_bytes:
+                raise _Unusable(path, _size_damage(size, file_bytes))
+            buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as error:  # a directory, or an empty file
+            raise _Unusable(path, f"the array file cannot be mapped ({error})") from None
+        finally:
+            os.close(fd)
+        if verification != "sizes":
+            _check_blocks(path, buffer, digests, block_bytes, full=verification == "full")
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        if nbytes > file_bytes:
+            raise _Unusable(self._file("description"), f"the manifest of {name} promises more bytes than its file")
+        # A plain ndarray view: indexing a np.memmap subclass costs microseconds per call.
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=file_bytes - nbytes).reshape(shape)
+
+    def _present(self, request: _Request, defer: bool) -> LazyArrays:
+        """The entry's arrays, checked now (or, deferred, the manifest and sizes now and the rest on first access)."""
+        arrays = LazyArrays(self, request)
+        return arrays.check_sizes() if defer else arrays.map_all()
+
+    def _sound(self, request: _Request, full: bool = False) -> bool:
+        """Whether the entry is complete and passes its checks (all of them with ``full``); keeps what it found."""
+        if full:
+            request = request._replace(verification="full")
+        try:
+            self._mapped = LazyArrays(self, request).map_all()
+        except _Unusable as problem:
+            self._problem, self._mapped = problem, None
+            return False
+        self._problem = None
+        return True
+
+    def is_complete(self, names: tuple[str, ...], verification: str = "sampled") -> bool:
+        """Whether the entry is published and every file matches its manifest."""
+        return self._sound(_Request(tuple(names), None, verification, DEFAULT_LOCK_TIMEOUT_S, False))
+
+    # -- writing --------------------------------------------------------------------------------------------
+
+    def _write_array(self, name: str, array: np.ndarray) -> dict:
+        """Write one array under a temporary name, rename it, and return its manifest."""
+        array = np.ascontiguousarray(array)
+        with self._temporary(name) as temporary, open(temporary, "w+b") as f:
+            np.save(f, array, allow_pickle=False)
+            file_bytes = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            header = f.read(file_bytes - array.nbytes)
+        return {
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+            "file_bytes": file_bytes,
+            "block_bytes": _BLOCK_BYTES,
+            "xxh3_64": _block_digests(header, array),
+        }
 
     def _publish(self, arrays: dict[str, np.ndarray]) -> None:
-        for name, array in arrays.items():
-            with self._temporary(name) as temporary, open(temporary, "wb") as f:
-                np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        records = {name: self._write_array(name, array) for name, array in arrays.items()}
         with self._temporary("description") as temporary:
             # last: marks the entry complete
-            temporary.write_text(json.dumps(self.description, indent=4), encoding="utf-8")
+            text = json.dumps({"description": self.description, "arrays": records}, indent=4)
+            temporary.write_text(text, encoding="utf-8")
 
     @contextmanager
     def _temporary(self, name: str) -> Iterator[Path]:
@@ -131,13 +344,50 @@ class IndexCache:
         finally:
             temporary.unlink(missing_ok=True)
 
-    def load(self, names: tuple[str, ...], defer: bool = False) -> Mapping[str, np.ndarray]:
-        """Memory-map the arrays now, or on first access with ``defer``."""
-        arrays = LazyArrays(names, self._file)
-        if not defer:
-            for name in names:
-                arrays[name]  # noqa: B018 - map now
-        return arrays
+    def _build_and_publish(self, request: _Request) -> None:
+        problem = self._problem
+        if problem is not None and problem.damage is not None:
+            logger.warning("%s: %s; rebuilding the %s indices", problem.path, problem.damage, self._stem)
+        logger.info("building the %s indices in %s", self._stem, self.directory)
+        self._publish(request.build())
+
+    # -- building and repairing -----------------------------------------------------------------------------
+
+    def _refusal(self, problem: _Unusable) -> DataFileError:
+        return DataFileError(
+            f"{problem.path}: {problem.damage}. The index cache entry {self._stem} is damaged and its directory "
+            f"{self.directory} is not writable, so it cannot be rebuilt here. Delete the entry's files "
+            f"({self._stem}-*) and rebuild them where the directory is writable (any build with the same settings, "
+            "or `python -m hyper_parallel.data.tools.prepare_cache`), or set data_cache_path to a writable directory"
+        )
+
+    def _build_under_lock(self, request: _Request, synchronize: bool, damaged: bool) -> None:
+        build_once(
+            lambda: self._sound(request, full=damaged),  # after damage, sampled blocks could miss it
+            lambda: self._build_and_publish(request),
+            self.directory / f"{self._stem}.lock",
+            synchronize=synchronize,
+            description=self.description,
+            lock_timeout=request.lock_timeout,
+        )
+
+    def _repair(self, problem: _Unusable, request: _Request) -> None:
+        """Rebuild an entry found missing or damaged when its arrays were first read, or refuse to."""
+        if problem.damage is None and request.assume_complete:
+            raise DataFileError(
+                f"{problem.path}: no such index cache entry, but fast_cache_load assumes that every entry exists. "
+                "Prepare the cache with `python -m hyper_parallel.data.tools.prepare_cache` and the same settings "
+                "and data files (their sizes and modification times are part of the key: data files copied or "
+                "rewritten since need a new cache), or set fast_cache_load: false to build missing entries"
+            )
+        if not writable_directory(self.directory):
+            if problem.damage is None:
+                raise DataFileError(
+                    f"{problem.path}: the index cache entry {self._stem} disappeared and {self.directory} is not "
+                    "writable, so it cannot be rebuilt; set data_cache_path to a writable directory"
+                )
+            raise self._refusal(problem)
+        self._build_under_lock(request, synchronize=False, damaged=problem.damage is not None)
 
     def get_or_build(
         self,
@@ -147,40 +397,69 @@ class IndexCache:
         assume_complete: bool = False,
         defer: bool = False,
         synchronize: bool = True,
+        verification: str = "sampled",
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
     ) -> Mapping[str, np.ndarray]:
         """Load the entry, building it first if needed (once, whoever else asks at the same time).
 
         Args:
             names: the arrays of the entry.
             build: computes them.
-            assume_complete: skip existence checks and waiting (``fast_cache_load``).
-            defer: map the files on first access (``defer_npy_index_mmap``).
+            assume_complete: skip existence checks and waiting (``fast_cache_load``); each array is still checked
+                when it is mapped.
+            defer: map (and check) each file on its first access (``defer_npy_index_mmap``).
             synchronize: hold other ranks while rank 0 builds (every rank must then call this).
+            verification: ``"sizes"``, ``"sampled"`` or ``"full"``: which checksums a load compares.
+            lock_timeout: seconds to wait for another process building the entry.
         """
         if self._directory_text is None:
             return build()
-        if assume_complete or (not (synchronize and process_group_ready()) and self.is_complete(names)):
-            # A complete entry never changes (it is published by renames), so reading it needs no lock.
-            return self.load(names, defer)
+        request = _Request(names, build, verification, lock_timeout, assume_complete)
+        if assume_complete:
+            arrays = LazyArrays(self, request)
+            if not defer:
+                for name in request.names:
+                    arrays[name]  # noqa: B018 - map (and check, or repair) now
+            return arrays
+        together = synchronize and process_group_ready()
+        damage = None
+        if not together:
+            # A sound entry never changes (it is published by renames), so reading it needs no lock.
+            try:
+                return self._present(request, defer)
+            except _Unusable as problem:
+                damage = problem if problem.damage else None
         if not writable_directory(self.directory):
-            if self.is_complete(names):
-                return self.load(names, defer)
-            logger.warning(
-                "cache directory %s is not writable; building the %s indices in memory (set data_cache_path to a "
-                "writable directory to build them once and share them)",
-                self.directory,
-                self._stem,
-            )
-            return build()
+            return self._read_only(request, defer, damage)
+        self._build_under_lock(request, together, damaged=damage is not None)
+        if self._mapped is not None and not defer:
+            return self._mapped
+        try:
+            return self._present(request, defer)
+        except _Unusable as problem:
+            raise DataFileError(
+                f"{problem.path}: {problem.damage or 'missing'} right after the index cache entry was published; "
+                "check the file system of the cache directory, or set data_cache_path to another one"
+            ) from None
 
-        def build_and_publish() -> None:
-            logger.info("building the %s indices in %s", self._stem, self.directory)
-            self._publish(build())
-
-        build_once(
-            lambda: self.is_complete(names),
-            build_and_publish,
-            self.directory / f"{self._stem}.lock",
-            synchronize=synchronize,
+    def _read_only(self, request: _Request, defer: bool, damage: _Unusable | None) -> Mapping[str, np.ndarray]:
+        """A directory that cannot be written: read a sound entry, refuse a damaged one, else build in memory."""
+        if damage is None:
+            try:
+                return self._present(request, defer)
+            except _Unusable as problem:
+                damage = problem if problem.damage else None
+        if damage is not None:
+            raise self._refusal(damage)
+        logger.warning(
+            "cache directory %s is not writable; building the %s indices in memory (set data_cache_path to a "
+            "writable directory to build them once and share them)",
+            self.directory,
+            self._stem,
         )
-        return self.load(names, defer)
+        return request.build()
+
+
+def _size_damage(size: int, file_bytes: int) -> str:
+    change = "cut short" if size < file_bytes else "extended"
+    return f"the file has {size} bytes but the manifest records {file_bytes}: it was {change} after it was written"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S
 
 __all__ = [
     "SPLIT_NAMES",
@@ -31,6 +32,7 @@ __all__ = [
 
 SPLIT_NAMES = ("train", "valid", "test")
 SIMPLE_BLEND_MODES = ("no", "inter", "intra")
+CACHE_VERIFICATIONS = ("sizes", "sampled", "full")
 DataPath = str | os.PathLike | Sequence[str | os.PathLike]
 # numpy's legacy RandomState, which orders samples as megatron-core does, takes seeds in [0, 2**32 - 1].
 MAX_RANDOM_SEED = 2**32 - 1
@@ -86,6 +88,10 @@ class IndexedDataConfig:
         defer_npy_index_mmap: map cached index files on first access.
         per_dataset_sequences_path: a JSON file of ``{prefix: [sequence_count, document_count]}`` read instead
             of every ``.idx`` header (``tools.build_sequences_per_dataset``).
+        cache_verification: what loading an index cache entry checks: ``"sizes"`` (every file's size against
+            the entry's manifest), ``"sampled"`` (also the checksums of each file's first and last 64 KiB blocks
+            and two random ones) or ``"full"`` (every block).
+        cache_lock_timeout: seconds to wait for another process building the same cache entry before giving up.
     """
 
     seq_length: int
@@ -113,9 +119,12 @@ class IndexedDataConfig:
     fast_cache_load: bool = False
     defer_npy_index_mmap: bool = False
     per_dataset_sequences_path: str | None = None
+    cache_verification: str = "sampled"
+    cache_lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._check_cache_settings()
         if self.simple_blend not in SIMPLE_BLEND_MODES:
             raise DataConfigError(f"simple_blend must be one of {SIMPLE_BLEND_MODES}, got {self.simple_blend!r}")
         if self.simple_blend != "no" and not self.is_dataset_from_mr:
@@ -166,12 +175,26 @@ class IndexedDataConfig:
     def has_per_split_paths(self) -> bool:
         return any(p is not None for p in (self.train_data_path, self.valid_data_path, self.test_data_path))
 
-    def cache_options(self, synchronize: bool) -> dict[str, bool]:
-        """How index caches are read: ``IndexCache.get_or_build`` keywords from the fast start-up settings."""
+    def _check_cache_settings(self) -> None:
+        if self.cache_verification not in CACHE_VERIFICATIONS:
+            raise DataConfigError(
+                f"cache_verification must be one of {CACHE_VERIFICATIONS}, got {self.cache_verification!r}"
+            )
+        timeout = self.cache_lock_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise DataConfigError(
+                f"cache_lock_timeout must be a number of seconds > 0 (default {DEFAULT_LOCK_TIMEOUT_S:g}), got "
+                f"{timeout!r}"
+            )
+
+    def cache_options(self, synchronize: bool) -> dict[str, bool | str | float]:
+        """How index caches are read: ``IndexCache.get_or_build`` keywords from the cache settings."""
         return {
             "assume_complete": self.fast_cache_load,
             "defer": self.defer_npy_index_mmap,
             "synchronize": synchronize and not self.fast_cache_load,
+            "verification": self.cache_verification,
+            "lock_timeout": float(self.cache_lock_timeout),
         }
 
     @property

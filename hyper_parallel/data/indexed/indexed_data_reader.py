@@ -234,6 +234,7 @@ class IndexedDataReader:
                     f"(last of {count} sequences). The .bin is truncated or belongs to another .idx; rebuild the pair."
                 )
         self._bin_size = bin_size
+        self._identity = (idx_size, idx_status.st_mtime_ns, bin_size, bin_status.st_mtime_ns)
         self._fd: int | None = None
         self._bin_view: memoryview | None = None
         self._bin_opened = False  # the .bin is opened, and the whole index checked, on the first read
@@ -329,6 +330,18 @@ class IndexedDataReader:
     def document_indices(self) -> np.ndarray:
         """int64 array of length documents + 1; document d covers sequences ``[d_i[d], d_i[d + 1])``."""
         return self._document_indices
+
+    @property
+    def file_identity(self) -> dict[str, int]:
+        """Size and modification time (ns) of the ``.idx`` and ``.bin`` as opened: what index cache keys record,
+        so that a pair rewritten in place, even with the same counts, never reuses indices built from the old one."""
+        idx_bytes, idx_mtime_ns, bin_bytes, bin_mtime_ns = self._identity
+        return {
+            "idx_bytes": idx_bytes,
+            "idx_mtime_ns": idx_mtime_ns,
+            "bin_bytes": bin_bytes,
+            "bin_mtime_ns": bin_mtime_ns,
+        }
 
     @property
     def sequence_modes(self) -> np.ndarray | None:

@@ -74,6 +74,12 @@ def _tokenizer_identity(tokenizer) -> object:
     return type(tokenizer).__name__
 
 
+def _file_identity(low_level) -> dict[str, int] | None:
+    """The sizes and modification times of the pair behind ``low_level`` (None for mock data): in the cache key,
+    so that data rewritten with the same counts builds new indices instead of reusing the old ones."""
+    return getattr(low_level, "file_identity", None)
+
+
 class _SampleMaker:
     """Turns rows of ``seq_length + x`` token ids into sample dicts (shift, padding rule, LTR fields)."""
 
@@ -267,6 +273,7 @@ class GPTDataset(_MidLevelDataset):
             "sequences": [begin, end],
             "tokens_per_epoch": self.tokens_per_epoch,
             "tokenizer": _tokenizer_identity(tokenizer),
+            "data_files": _file_identity(low_level),
         }
         cache = IndexCache(self._cache_directory(), self.kind, split, self.unique_identifiers)
         self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
@@ -404,6 +411,7 @@ class GPTFromMRDataset(_MidLevelDataset):
             "index_split": split,
             "sequence_length": config.seq_length,
             "split": config.split,
+            "data_files": _file_identity(low_level),
         }
 
     def texts(self, indices: Sequence[int]) -> np.ndarray:

@@ -1,25 +1,53 @@
 """Build something once and let everyone else wait: across ranks with torch.distributed, across jobs with a lock.
 
-Owns: the "one builds, the others wait, then everyone loads" protocol for shared caches. With an initialised
-process group, rank 0 builds (under the file lock too, in case another job shares the directory) while the other
-ranks wait in a broadcast that also carries rank 0's failure, so a failed build raises everywhere instead of
-hanging. Without one, an exclusive ``flock`` on a lock file serialises concurrent processes. Not responsible
-for: what is built, or where (``indexed.index_cache``).
+Owns: the "one builds, the others wait, then everyone loads" protocol for shared caches, and making a failure on
+one rank raise on every rank. With an initialised process group, rank 0 builds each entry (under the file lock
+too, in case another job shares the directory) and then every rank takes part in one small all-gather of the
+entry it expects, so that ranks whose settings differ raise a ``DataConfigError`` naming the entry and the
+differing fields, instead of a misleading "cannot see the cache". A rank that fails inside a ``failures_shared``
+block (a whole dataset build) writes its error to the process group's store; ranks waiting in a collective poll
+the store and raise that error within about a second instead of waiting for the process-group timeout. Without a
+process group, an exclusive ``flock`` on a lock file serialises concurrent processes; a process that has to wait
+says once what for, and gives up after a timeout.
+Not responsible for: what is built, or where (``indexed.index_cache``).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 
 T = TypeVar("T")
 
-__all__ = ["build_once", "exclusive_file_lock", "process_group_ready", "rank_zero_first"]
+__all__ = [
+    "DEFAULT_LOCK_TIMEOUT_S",
+    "build_once",
+    "exclusive_file_lock",
+    "failures_shared",
+    "process_group_ready",
+    "rank_zero_first",
+]
+
+logger = get_logger("hyper_parallel.data.parallel.build_barrier")
+
+DEFAULT_LOCK_TIMEOUT_S = 1800.0  # torch's default process-group timeout: longer waits would fail the job anyway
+
+_STORE_PREFIX = "hyper_parallel.data/failure"
+_STORE_POLL_S = 0.5  # a waiting rank asks the store for failures at most this often
+_STORE_FIRST_POLL_S = 0.05  # steps that finish sooner (the usual case) cost no store request
+_STORE_LINGER_S = 3.0  # how long rank 0, which may host the store, waits for the others to read a failure
+_SHOWN_DIFFERENCES = 5
 
 
 def process_group_ready() -> bool:
@@ -31,77 +59,367 @@ def process_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+# -- file locks ---------------------------------------------------------------------------------------------------
+
+
+def _holder(handle) -> str:
+    """Who holds the lock, as its holder wrote it into the file."""
+    handle.seek(0)
+    text = handle.read(200).decode("utf-8", "replace").strip()
+    return text or "another process"
+
+
+def _acquire(handle, path: Path, timeout: float, what: str) -> None:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    holder = _holder(handle)
+    logger.warning(
+        "waiting for the lock %s: %s is building %s; giving up after %g s (data_config.cache_lock_timeout)",
+        path,
+        holder,
+        what,
+        timeout,
+    )
+    deadline = time.monotonic() + timeout
+    pause = 0.01
+    while True:
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+        pause = min(pause * 2, 1.0)
+    raise DataFileError(
+        f"gave up after {timeout:g} s waiting for the lock {path}, held by {_holder(handle)} to build {what}. "
+        "Either another job sharing the cache directory is still building it, or a stale builder hangs while "
+        "holding the lock: stop that process if it is stuck, or raise data_config.cache_lock_timeout if its build "
+        "is only slow. Do not delete the lock file: the lock belongs to the open file, so deleting it releases "
+        "nothing and lets two builders write the entry at once"
+    )
+
+
 @contextmanager
-def exclusive_file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the duration of the block."""
+def exclusive_file_lock(path: Path, timeout: float = DEFAULT_LOCK_TIMEOUT_S, what: str = "a cache") -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the duration of the block.
+
+    A process that finds the lock held logs once what it waits for (the lock, its holder, ``what``) and polls.
+
+    Args:
+        path: the lock file.
+        timeout: seconds to wait for the holder.
+        what: what the holder builds, for the messages.
+
+    Raises:
+        DataFileError: the lock was still held after ``timeout`` seconds; names the lock, its holder and the fix.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        _acquire(handle, path, timeout, what)
         try:
+            # For the messages of processes that wait: who holds the lock.
+            handle.truncate(0)
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}".encode())
+            handle.flush()
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# -- failures shared between ranks --------------------------------------------------------------------------------
+
+
+def _default_store():
+    """The default process group's key-value store, or None where torch does not expose it."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # pragma: no cover - a group without a store
+        return None
+
+
+def _gather_device():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":  # NCCL gathers device tensors only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _short(value) -> str:
+    text = "(absent)" if value is _ABSENT else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_ABSENT = object()
+
+
+def _differences(reference, other, path: str = "") -> list[tuple[str, str, str]]:
+    """Up to ``_SHOWN_DIFFERENCES`` ``(field path, reference value, other value)`` where two descriptions differ."""
+    if isinstance(reference, dict) and isinstance(other, dict):
+        keys = [*reference, *(key for key in other if key not in reference)]
+        pairs = [(f"{path}.{k}" if path else str(k), reference.get(k, _ABSENT), other.get(k, _ABSENT)) for k in keys]
+    elif isinstance(reference, list | tuple) and isinstance(other, list | tuple) and len(reference) == len(other):
+        pairs = [(f"{path}[{i}]", a, b) for i, (a, b) in enumerate(zip(reference, other, strict=True))]
+    else:
+        return [] if reference == other else [(path or "the description", _short(reference), _short(other))]
+    found: list[tuple[str, str, str]] = []
+    for where, a, b in pairs:
+        found += _differences(a, b, where)
+        if len(found) >= _SHOWN_DIFFERENCES:
+            break
+    return found[:_SHOWN_DIFFERENCES]
+
+
+def _disagreement_message(reference: str, others: list) -> str:
+    """One message for every rank: what rank 0 builds, and what each differing rank builds instead, and why."""
+    lines = []
+    for rank, other in enumerate(others):
+        if other is None:
+            continue
+        expected, differences = other
+        fields = "; ".join(f"{path}: rank 0 has {a}, rank {rank} has {b}" for path, a, b in differences)
+        lines.append(f"rank {rank} builds {expected}" + (f", differing in {fields}" if fields else ""))
+    if len(lines) > 3:
+        lines = [*lines[:3], f"and {len(lines) - 3} more ranks differ"]
+    return (
+        f"the ranks disagree on the dataset config: rank 0 builds {reference}, but " + "; ".join(lines) + ". Every "
+        "rank must build the same datasets: give every rank the same data_path, data_config (split, seq_length, "
+        "random_seed, ...), sample counts and tokenizer, and the same data files (the index caches record their "
+        "sizes and modification times: copies must keep them, as `cp -p` and `rsync -a` do)"
+    )
+
+
+class _Session:
+    """One ``failures_shared`` block of every rank: its steps and the store key where a failure goes."""
+
+    used = 0  # blocks of this process that took a step or wrote a failure; the same count on every rank
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._store = _default_store()
+        self._key = f"{_STORE_PREFIX}/{_Session.used}"
+        self.steps = 0
+        self.wrote = False
+        self.settled = False  # this rank wrote a failure or raised one it learnt: it tells nobody anything more
+        self._next_poll = 0.0
+
+    def close(self) -> None:
+        if self.steps or self.wrote:
+            _Session.used += 1
+
+    def fail(self, what: str, error: BaseException) -> None:
+        """Tell the other ranks that this rank failed to do ``what`` (once; the first failure of a block wins)."""
+        if self.settled:
+            return
+        self.settled = True
+        if self._store is None:
+            return
+        record = json.dumps({"rank": self.rank, "what": what, "error": f"{type(error).__name__}: {error}"})
+        try:
+            self._store.compare_set(self._key, "", record)
+            self.wrote = True
+            self._known()
+        except RuntimeError as store_error:  # the original error is raised by the caller anyway
+            logger.warning("could not tell the other ranks that this rank failed (%s)", store_error)
+
+    def _known(self) -> None:
+        """Count this rank among those that know of the failure; rank 0, which may host the store (and take it
+        away when it exits), waits a little for the others to read it."""
+        seen = self._store.add(f"{self._key}/seen", 1)
+        deadline = time.monotonic() + _STORE_LINGER_S
+        while self.rank == 0 and seen < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+            seen = self._store.add(f"{self._key}/seen", 0)
+
+    def raise_if_failed(self, now: bool = False) -> None:
+        """Raise the failure another rank wrote, asking the store at most every ``_STORE_POLL_S`` unless ``now``."""
+        if self._store is None or (not now and time.monotonic() < self._next_poll):
+            return
+        self._next_poll = time.monotonic() + _STORE_POLL_S
+        try:
+            if not self._store.check([self._key]):
+                return
+            record = json.loads(self._store.get(self._key))
+            self._known()
+        except RuntimeError as error:  # the store went away with its host
+            self.settled = True
+            raise DataFileError(
+                f"lost the process group's store while waiting for the other ranks ({error}); the rank that hosts "
+                "it (rank 0, or the launcher's agent) failed or exited: see its log"
+            ) from None
+        self.settled = True
+        rank = record["rank"]
+        raise DataFileError(f"rank {rank} failed to {record['what']} ({record['error']}); see rank {rank}'s log")
+
+    def _wait(self, work) -> None:
+        """Wait for a collective, raising instead when another rank reports a failure."""
+        started = time.monotonic()
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() - started > _STORE_FIRST_POLL_S:
+                self.raise_if_failed()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - a rank left; its own message, if it wrote one, comes first
+            self.raise_if_failed(now=True)
+            self.settled = True
+            raise DataFileError(
+                f"a rank left while the ranks compared what they build ({error}); see the other ranks' logs"
+            ) from None
+
+    def step(self, expected: str, description: dict | None = None) -> None:
+        """Every rank says what it expects now (``expected``); all go on if they agree, or all raise.
+
+        Args:
+            expected: what this rank builds at this step, e.g. the cache entry; the same text on every rank.
+            description: the settings behind ``expected``, compared field by field when the ranks disagree.
+        """
+        import torch
+        import torch.distributed as dist
+
+        self.steps += 1
+        digest = hashlib.md5(expected.encode("utf-8"), usedforsecurity=False).digest()
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(_gather_device())
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(gathered, mine, async_op=True))
+        digests = torch.stack(gathered).cpu()
+        differs = (digests != digests[0]).any(dim=1).tolist()
+        if any(differs):
+            self.settled = True
+            raise self._disagreement(expected, description, differs[self.rank])
+
+    def _disagreement(self, expected: str, description: dict | None, differs: bool) -> DataConfigError:
+        """Every rank saw the same digests: together they name what differs, and all raise the same error."""
+        import torch.distributed as dist
+
+        reference = [(expected, description) if self.rank == 0 else None]
+        dist.broadcast_object_list(reference, src=0)
+        reference_expected, reference_description = reference[0]
+        mine = None
+        if differs:
+            comparable = description is not None and reference_description is not None
+            mine = (expected, _differences(reference_description, description) if comparable else [])
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return DataConfigError(_disagreement_message(reference_expected, everyone))
+
+    def finish(self) -> None:
+        """At the end of a block that took steps: wait until every rank got through it, or raise a rank's failure."""
+        if self.steps:
+            self.step("nothing more (it has built every dataset)")
+
+
+_current: _Session | None = None
+
+
+@contextmanager
+def failures_shared(what: str) -> Iterator[None]:
+    """Make a failure on any rank inside the block raise on every rank; every rank must enter the block.
+
+    A rank whose block raises writes its error to the process group's store, then re-raises it. Ranks waiting in
+    ``build_once`` or ``rank_zero_first`` inside the block poll the store and raise ``DataFileError("rank r failed
+    to <what> (<error>)")``. A block in which the ranks waited for one another ends with one more step, so that no
+    rank goes on while another failed. Without a process group, or inside another such block, this does nothing.
+    Usable as a decorator.
+
+    Args:
+        what: what the block does, for the messages ("build the Indexed datasets").
+    """
+    global _current
+    if _current is not None or not process_group_ready():
+        yield
+        return
+    session = _current = _Session()
+    try:
+        yield
+        session.finish()
+    except BaseException as error:  # an interrupt too: the other ranks must not wait for this one
+        session.fail(what, error)
+        raise
+    finally:
+        _current = None
+        session.close()
+
+
+# -- one builds, the others wait ----------------------------------------------------------------------------------
+
+
 def build_once(
-    is_complete: Callable[[], bool], build: Callable[[], None], lock_path: Path, synchronize: bool = True
+    is_complete: Callable[[], bool],
+    build: Callable[[], None],
+    lock_path: Path,
+    synchronize: bool = True,
+    *,
+    description: dict | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
 ) -> None:
     """Make sure ``build`` has run once for everyone sharing ``lock_path``'s directory.
 
     Args:
-        is_complete: whether the result already exists (checked under the lock, so builds are never repeated).
+        is_complete: whether the result already exists and is sound (checked under the lock, so builds are never
+            repeated).
         build: writes the result; it must publish atomically (temporary names, then renames).
-        lock_path: the lock file, next to the result.
+        lock_path: the lock file, next to the result and named after it.
         synchronize: with a process group, hold the other ranks until rank 0 is done. Every rank must call
             ``build_once`` the same number of times, as with any collective.
+        description: the settings that name the result, compared field by field when ranks disagree.
+        lock_timeout: seconds to wait for another process holding the lock.
+
+    Raises:
+        DataConfigError: the ranks expect different results (their settings differ).
+        DataFileError: the lock wait timed out, another rank failed, or this rank cannot see what rank 0 built.
     """
+    what = f"the cache entry {lock_path.stem}"
 
     def build_under_lock() -> None:
-        with exclusive_file_lock(lock_path):
+        with exclusive_file_lock(lock_path, lock_timeout, what):
             if not is_complete():
                 build()
 
     if not (synchronize and process_group_ready()):
         build_under_lock()
         return
-    if _rank_zero_then_others(build_under_lock, "build a shared cache") is _OTHER_RANK and not is_complete():
-        raise DataFileError(
-            f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must be "
-            "on a file system shared by all ranks (set data_cache_path to one)"
-        )
-
-
-_OTHER_RANK = object()
-
-
-def _rank_zero_then_others(action: Callable[[], T], what: str):
-    """Run ``action`` on rank 0 while the other ranks wait; a failure on rank 0 raises everywhere.
-
-    Returns ``action``'s result on rank 0 and ``_OTHER_RANK`` elsewhere.
-    """
-    import torch.distributed as dist
-
-    failure: list[str | None] = [None]
-    result = _OTHER_RANK
-    if dist.get_rank() == 0:
-        try:
-            result = action()
-        except Exception as error:  # noqa: BLE001 - relayed to every rank below, then re-raised here
-            failure[0] = f"{type(error).__name__}: {error}"
-            dist.broadcast_object_list(failure, src=0)
-            raise
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise DataFileError(f"rank 0 failed to {what} ({failure[0]}); see rank 0's log")
-    return result
+    with failures_shared("build a shared cache"):
+        session = _current
+        if session.rank == 0:
+            session.raise_if_failed()  # a rank that already failed makes this build useless
+            try:
+                build_under_lock()
+            except Exception as error:
+                session.fail("build a shared cache", error)
+                raise
+        session.step(what, description)
+        if session.rank != 0 and not is_complete():
+            raise DataFileError(
+                f"rank 0 built the cache beside {lock_path}, but this rank cannot see it; the cache directory must "
+                "be on a file system shared by all ranks (set data_cache_path to one)"
+            )
 
 
 def rank_zero_first(load: Callable[[], T]) -> T:
     """Run ``load`` on rank 0, then on the other ranks, so that a cache it writes is written once.
 
-    Without a process group this is just ``load()``. A failure on rank 0 raises on every rank instead of hanging.
+    Without a process group this is just ``load()``. A failure on any rank raises on every rank instead of hanging.
     """
     if not process_group_ready():
         return load()
-    result = _rank_zero_then_others(load, "load the data")
-    return load() if result is _OTHER_RANK else result
+    with failures_shared("load the data"):
+        session = _current
+        if session.rank == 0:
+            result = load()
+            session.step("the data rank 0 loaded")
+            return result
+        session.step("the data rank 0 loaded")
+        return load()

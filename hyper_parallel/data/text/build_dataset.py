@@ -17,6 +17,7 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_split_builder import IndexedSplitBuilder
+from hyper_parallel.data.parallel.build_barrier import failures_shared
 from hyper_parallel.data.text.build_data_transform import build_llm_data_transform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
@@ -50,6 +51,7 @@ def _as_config(data_config, config_class: type[IndexedDataConfig | OnlineDataCon
         return config_class.from_mapping(dict(data_config or {}))
 
 
+@failures_shared("build the Indexed datasets")  # a rank that fails here makes the waiting ranks fail
 def build_indexed_text_dataset(
     data_path=None,
     data_config: IndexedDataConfig | Mapping | None = None,

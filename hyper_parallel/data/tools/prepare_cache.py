@@ -11,7 +11,8 @@ accelerator waits; with large blends that takes minutes. This command runs the s
 
 Training must then use the same data paths (written the same way), split, sequence length, seed, tokenizer,
 extra-token and validation settings, and the same sample counts: they are all part of the cache keys. With the
-cache prepared, training can set ``fast_cache_load`` and ``defer_npy_index_mmap``.
+cache prepared, training can set ``fast_cache_load`` and ``defer_npy_index_mmap``. Running the command again
+checks every existing entry whole and rebuilds a damaged one.
 
 Sample counts follow megatron-core's training loop: train = train_iters * global batch; valid =
 (train_iters // eval_interval + 1) * eval_iters * global batch; test = eval_iters * global batch. Without a
@@ -211,7 +212,9 @@ def _preparation_config(data_config: IndexedDataConfig | Mapping) -> tuple[Index
             "read them from the same directory"
         )
     turned_off = [name for name in _TURNED_OFF if getattr(config, name)]
-    return dataclasses.replace(config, **dict.fromkeys(turned_off, False)), turned_off
+    # Entries that exist are checked whole, so that preparing again also finds (and rebuilds) damaged ones.
+    checked = dataclasses.replace(config, cache_verification="full", **dict.fromkeys(turned_off, False))
+    return checked, turned_off
 
 
 def _cache_files(directory: Path) -> set[str]:
@@ -242,8 +245,9 @@ def prepare_cache(
     """Build every index cache that ``build_indexed_text_dataset`` will load with these arguments.
 
     ``fast_cache_load``, ``defer_npy_index_mmap`` and ``data_lazy_load`` are turned off while preparing (the
-    first two need the cache this builds; the last would build nothing). Nothing waits on other ranks: processes
-    preparing the same cache at once are serialised by file locks.
+    first two need the cache this builds; the last would build nothing). Entries that already exist are checked
+    whole (``cache_verification: "full"``) and rebuilt, with a warning, if damaged. Nothing waits on other ranks:
+    processes preparing the same cache at once are serialised by file locks.
 
     Args:
         data_config: the training run's ``IndexedDataConfig`` (or mapping); ``data_cache_path`` is required.
