@@ -1,7 +1,7 @@
 """The Online mapping source: a finite, random-access Hugging Face dataset read by index (``streaming=False``).
 
 Owns: ``dataset[index]`` over a ``datasets.Dataset``, naming a record in messages, and the identity of the data
-(the Hugging Face fingerprint and the files' sizes and modification times). Order, DP assignment and resume belong
+(the files' sizes and modification times). Order, DP assignment and resume belong
 to the batch sampler (``parallel.batch_sampler``); tokenization to the transform.
 """
 
@@ -54,13 +54,10 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
         return self.hf_dataset.__getitems__([int(index) for index in indices])
 
     def data_identity(self) -> dict:
-        """The Hugging Face fingerprint (it changes with the files and how they are read) and the files' identity,
-        taken when first asked."""
+        """The files' identity (paths, sizes, modification times), taken when first asked. Not the Hugging Face
+        fingerprint: it also changes with the ``datasets`` release, which must not refuse a resume."""
         if self._identity is None:
-            fingerprint = getattr(self.hf_dataset, "_fingerprint", None)
-            self._identity = data_identity(
-                self.description, {"Hugging Face fingerprint": fingerprint, **file_entries(self.files)}
-            )
+            self._identity = data_identity(self.description, file_entries(self.files))
         return self._identity
 
     def where(self, index: int) -> str:
