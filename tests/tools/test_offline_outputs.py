@@ -14,7 +14,7 @@ import pytest
 from hyper_parallel.data import __version__
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.io import temporary_path
-from hyper_parallel.data.indexed.pair_metadata import partition_prefixes, vocabulary_fingerprint
+from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.offline_preparation import main
 
@@ -264,7 +264,7 @@ def test_each_published_pair_has_its_tokenizer_metadata(tmp_path, tokenizer):
     )
     expected = {
         "format": 1,
-        "tokenizer_fingerprint": vocabulary_fingerprint(tokenizer.backend.get_vocab(with_added_tokens=True)),
+        "tokenizer_fingerprint": tokenizer.fingerprint,
         "vocab_size": 8192,
         "eod_id": 0,
         "token_dtype": "int32",

@@ -15,10 +15,9 @@ Not responsible for: writing them atomically (``indexed.io``), deciding when the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -35,7 +34,6 @@ __all__ = [
     "metadata_path",
     "partition_prefixes",
     "read_pair_metadata",
-    "vocabulary_fingerprint",
 ]
 
 logger = get_logger("hyper_parallel.data.indexed.pair_metadata")
@@ -57,22 +55,12 @@ def manifest_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.partitions.json")
 
 
-def vocabulary_fingerprint(vocab: Mapping[str, int]) -> str:
-    """A short hash of a vocabulary (token -> id, added tokens included).
-
-    It identifies what the ids mean, and unlike a hash of the serialized tokenizer it does not change when a newer
-    ``tokenizers`` release writes the same tokenizer differently.
-    """
-    ordered = sorted(vocab.items(), key=lambda item: (item[1], item[0]))
-    return hashlib.sha256(json.dumps(ordered, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
-
-
 @dataclass(frozen=True, kw_only=True)
 class PairMetadata:
     """What a pair was prepared with.
 
     Attributes:
-        tokenizer_fingerprint: ``vocabulary_fingerprint`` of the tokenizer.
+        tokenizer_fingerprint: the tokenizer's ``fingerprint`` (a hash of its vocabulary).
         vocab_size: the tokenizer's vocabulary size, added tokens included.
         eod_id: the id appended after each document (None when no EOD was appended).
         token_dtype: the ``.bin`` token dtype, e.g. ``"uint16"``.

@@ -71,8 +71,11 @@ class TextTokenizer:
 
     @cached_property
     def fingerprint(self) -> str:
-        """A short content hash of the tokenizer, stable across machines and paths."""
-        return hashlib.sha256(self.backend.to_str().encode("utf-8")).hexdigest()[:16]
+        """A short hash of the vocabulary (token -> id, added tokens included): what the ids mean, stable across
+        machines and paths, and unlike a hash of the serialized tokenizer, across ``tokenizers`` releases that
+        write the same tokenizer differently."""
+        ordered = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda item: (item[1], item[0]))
+        return hashlib.sha256(json.dumps(ordered, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

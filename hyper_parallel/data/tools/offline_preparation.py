@@ -38,7 +38,7 @@ import numpy as np
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
-from hyper_parallel.data.indexed.pair_metadata import PairMetadata, vocabulary_fingerprint
+from hyper_parallel.data.indexed.pair_metadata import PairMetadata
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.online.online_utils import (
     RecordChunk,
@@ -224,7 +224,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         token_dtype=dtype.str,
     )
     metadata = PairMetadata(
-        tokenizer_fingerprint=vocabulary_fingerprint(tokenizer.backend.get_vocab(with_added_tokens=True)),
+        tokenizer_fingerprint=tokenizer.fingerprint,
         vocab_size=tokenizer.vocab_size,
         eod_id=tokenizer.eod,
         token_dtype=str(dtype),
