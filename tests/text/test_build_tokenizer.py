@@ -165,3 +165,23 @@ def test_eos_help_lists_the_special_tokens_and_names_the_likely_eos(tmp_path):
 
     plain = build_tokenizer(write_word_level(tmp_path / "plain.json", ["[UNK]", "hello"]))
     assert "no special tokens" in plain.eos_help()
+
+
+def test_truncation_and_padding_saved_in_the_tokenizer_are_turned_off(tmp_path, caplog):
+    """A tokenizer.json saved with truncation and padding (as training scripts leave them) must not cut or pad the
+    texts the library encodes: both are turned off, with a warning naming them."""
+    copy = copy_bundled(tmp_path / "copy")
+    backend = Tokenizer.from_file(str(copy / "tokenizer.json"))
+    backend.enable_truncation(max_length=4)
+    backend.enable_padding(length=64, pad_id=1)
+    backend.save(str(copy / "tokenizer.json"))
+    text = " ".join(TEXTS)
+
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        tokenizer = build_tokenizer(copy)
+
+    whole = build_tokenizer(BUNDLED_TOKENIZER_PATH).encode(text)
+    assert len(whole) > 4
+    assert tokenizer.encode(text) == whole
+    assert [encoding.ids for encoding in tokenizer.backend.encode_batch_fast([text])] == [whole]
+    assert "sets truncation and padding; turned off" in caplog.text

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError
 
 __all__ = ["BUNDLED_TOKENIZER_PATH", "TextTokenizer", "build_tokenizer"]
+
+logger = get_logger("hyper_parallel.data.text.build_tokenizer")
 
 BUNDLED_TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
@@ -48,6 +51,19 @@ class TextTokenizer:
     eos_token_id: int | None
     pad_token_id: int | None
     bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        # A tokenizer.json may carry truncation or padding settings (saved from a training script): they would cut
+        # or pad every text this library encodes, so they are turned off here, once, for every path.
+        settings = [name for name in ("truncation", "padding") if getattr(self.backend, name, None) is not None]
+        if settings:
+            logger.warning(
+                "tokenizer %s sets %s; turned off, so that no text is cut or padded when it is encoded",
+                self.name_or_path,
+                " and ".join(settings),
+            )
+            self.backend.no_truncation()
+            self.backend.no_padding()
 
     @property
     def vocab_size(self) -> int:
