@@ -301,7 +301,11 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _signals_stop_the_run() -> Iterator[None]:
-    """The first SIGINT/SIGTERM raises ``Interrupted``; a second one exits at once, without cleaning up."""
+    """The first SIGINT/SIGTERM raises ``Interrupted``; a second one exits at once, without cleaning up.
+
+    After an interrupt the second signal keeps exiting at once with 128 + its number until the process ends, also
+    while it reports the first one or shuts down (the previous handlers would end it by the signal instead).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -319,8 +323,9 @@ def _signals_stop_the_run() -> Iterator[None]:
     try:
         yield
     finally:
-        for name, handler in previous.items():
-            signal.signal(name, handler)
+        if signal.getsignal(_STOP_SIGNALS[0]) is stop:  # not interrupted: give the signals back
+            for name, handler in previous.items():
+                signal.signal(name, handler)
 
 
 def run_cli(run, summary_header: str) -> int:
