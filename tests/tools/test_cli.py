@@ -15,7 +15,6 @@ from hyper_parallel.data.tools.cli import COMMANDS, main
 from .test_offline_preparation import (
     make_records,
     read_documents,
-    restore_package_logger,  # noqa: F401 - fixture
     write_jsonl,
 )
 
@@ -66,7 +65,7 @@ def test_quickstart_writes_a_verified_pair_and_decodes_it(tmp_path, capsys, toke
     assert "a new loader restored from it gives batch 3: identical" in out
 
 
-def test_prepare_dispatches_to_offline_preparation(tmp_path, tokenizer, capsys, restore_package_logger):  # noqa: F811
+def test_prepare_dispatches_to_offline_preparation(tmp_path, tokenizer, capsys, restore_package_logger):
     """``hp-data prepare`` runs offline preparation with the same flags."""
     records = make_records(3, seed=90)
     argv = ["prepare", "--dataset-name-or-path", str(write_jsonl(tmp_path / "in.jsonl", records))]

@@ -19,7 +19,6 @@ from .test_offline_preparation import (
     pair_bytes,
     prepare,
     read_documents,
-    restore_package_logger,  # noqa: F401 - fixture
     write_jsonl,
 )
 
@@ -121,7 +120,7 @@ def test_path_without_a_dataset_is_a_data_file_error(tmp_path, name, message):
         load_hf_dataset(str(tmp_path / name))
 
 
-def test_cli_reports_unknown_split_with_exit_code_2(tmp_path, capsys, saved_dataset_dict, restore_package_logger):  # noqa: F811
+def test_cli_reports_unknown_split_with_exit_code_2(tmp_path, capsys, saved_dataset_dict, restore_package_logger):
     """The command line reports a bad split as ``error: ...`` with exit code 2 and no traceback."""
     argv = ["--dataset-name-or-path", str(saved_dataset_dict), "--split", "dev", "--output-prefix", str(tmp_path / "o")]
     assert main(argv + ["--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--workers", "1"]) == 2

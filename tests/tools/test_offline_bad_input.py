@@ -19,17 +19,7 @@ from hyper_parallel.data.tools.cli import main as hp_data
 GOOD = [f"It is a truth universally acknowledged, number {i}." for i in range(40)]
 
 
-@pytest.fixture(autouse=True)
-def restore_package_logger():
-    """``main`` configures the package logger (own handler, no propagation); undo that after each test."""
-    import logging
-
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    yield
-    logger.setLevel(saved[0])
-    logger.propagate = saved[1]
-    logger.handlers[:] = saved[2]
+pytestmark = pytest.mark.usefixtures("restore_package_logger")
 
 
 def prepare(capsys, data: Path | str, output_prefix: Path, *extra: str, tokenizer: Path | str = BUNDLED_TOKENIZER_PATH):

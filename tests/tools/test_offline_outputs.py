@@ -26,7 +26,6 @@ from .test_offline_preparation import (
     pair_bytes,
     prepare,
     read_documents,
-    restore_package_logger,  # noqa: F401 - fixture
     write_jsonl,
 )
 

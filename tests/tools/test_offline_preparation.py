@@ -113,17 +113,6 @@ def pack(tokens: list[int], seq_len: int) -> tuple[list[list[int]], int]:
     return [tokens[i * size : (i + 1) * size] for i in range(full)], len(tokens) - full * size
 
 
-@pytest.fixture
-def restore_package_logger():
-    """``main`` configures the package logger (own handler, no propagation); undo that after the test."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    yield
-    logger.setLevel(saved[0])
-    logger.propagate = saved[1]
-    logger.handlers[:] = saved[2]
-
-
 @pytest.fixture(scope="module")
 def bos_tokenizer_dir(tmp_path_factory) -> Path:
     """The bundled tokenizer with a post-processor that prepends ``<|im_start|>`` as a BOS token."""
