@@ -82,7 +82,9 @@ def split_ranges(split: str, num_sequences: int) -> list[tuple[int, int] | None]
 
 
 def epoch_regime(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int) -> tuple[int, bool]:
-    """``(epochs, separate_final_epoch)`` of a GPT dataset, by the arithmetic of the reference (sections 2.3-2.4)."""
+    """``(epochs, separate_final_epoch)`` of a GPT dataset by megatron-core's own arithmetic: its linear search for
+    the epochs that hold ``num_samples``, and a separate last epoch when that epoch supplies fewer than 80% of an
+    epoch's samples."""
     if num_samples is None:
         return 1, False
     epochs = 1

@@ -121,11 +121,11 @@ def assert_same_array(got: np.ndarray, expected: np.ndarray, what: str = "") -> 
     assert np.array_equal(got, expected), f"{what}: first difference at {np.argwhere(got != expected)[:1].tolist()}"
 
 
-# -- golden values (reference section 9) ----------------------------------------------------------------------
+# -- golden values ----------------------------------------------------------------------------------------------
 
 
 def test_legacy_shuffle_golden_order():
-    # Reference 2.5 / section 9: RandomState(1234).shuffle(arange(10)).
+    # megatron-core shuffles with the legacy RandomState; its order for seed 1234 over arange(10):
     golden = [7, 2, 9, 1, 0, 8, 4, 5, 6, 3]
     values = np.arange(10)
     np.random.RandomState(1234).shuffle(values)
@@ -337,7 +337,8 @@ def test_sample_index_matches_megatron_randomised():
 
 
 def test_sample_index_float32_count_matches_megatron():
-    # Reference 2.6: T = 33,554,434, S = 2, x = 1 without drop_last gives 16,777,216 samples, not 16,777,217.
+    # megatron-core counts in float32: T = 33,554,434, S = 2, x = 1 without drop_last gives 16,777,216 samples,
+    # not the exact 16,777,217.
     assert sample_count(1, 33_554_434, 2, False, True) == 16_777_216
     assert sample_count(1, 33_554_434, 2, True, True) == 16_777_216
     # Short of the exact ceil (4097) because float32(2**24 + 1) == 2**24.

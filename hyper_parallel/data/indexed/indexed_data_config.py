@@ -61,7 +61,7 @@ class Blend:
 
 @dataclass(frozen=True, kw_only=True)
 class IndexedDataConfig:
-    """Every setting of the Indexed path (001 sections 11.2 and 11.3).
+    """Every setting of the Indexed path: the ``data_config`` mapping of ``build_indexed_text_dataset`` in YAML.
 
     Attributes:
         seq_length: tokens per sample (S).

@@ -23,7 +23,8 @@ __all__ = ["dataset_class", "open_low_level"]
 
 
 def dataset_class(config: IndexedDataConfig) -> type:
-    """The mid-level dataset class for ``config`` (001 section 5.5)."""
+    """The mid-level dataset class for ``config``: ``MockGPTDataset`` for mock data, ``GPTFromMRDataset`` for
+    offline-packed records, else ``GPTDataset``."""
     if config.mock_data:
         return MockGPTDataset
     return GPTFromMRDataset if config.is_dataset_from_mr else GPTDataset
