@@ -6,7 +6,7 @@ next-token targets, rejecting records that would carry no loss, and ``build_llm_
 ``data_transform._target_`` of YAML configs). A ModelSample is ``{"input_ids", "labels"}``: two int64 arrays
 of the same length (at least 1) where ``labels[i]`` is the target for ``input_ids[i]`` and ``IGNORE_INDEX``
 means no loss (see ``constants``).
-Not responsible for: reading files (``text.online.online_utils``), chat formats (``chat_template``),
+Not responsible for: reading files (``text.records``), chat formats (``chat_template``),
 shuffling, packing, padding or batching.
 
 Every transform is a picklable callable ``transform(record, where="record") -> list[ModelSample]`` with a

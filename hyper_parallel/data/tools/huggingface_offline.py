@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.text.online.online_utils import RecordChunk, is_saved_hf_dataset, select_hf_split
+from hyper_parallel.data.text.records import RecordChunk, is_saved_hf_dataset, select_hf_split
 from hyper_parallel.data.tools.offline_config import (
     OfflinePreparationConfig,
     add_preparation_arguments,

@@ -3,7 +3,7 @@
 Owns: decoding and parsing one chunk of raw records, picking or rendering the text of each json key,
 batch-tokenizing it (a very long text in pieces, with the ids of the whole), appending EOD and reporting empty
 and malformed records with their location.
-Not responsible for: reading files (``text.online.online_utils``), partitions, packing or writing.
+Not responsible for: reading files (``text.records``), partitions, packing or writing.
 Kept free of heavy imports so that worker processes start quickly.
 """
 
@@ -18,7 +18,7 @@ from itertools import chain
 
 import numpy as np
 
-from hyper_parallel.data.text.online.online_utils import RecordChunk
+from hyper_parallel.data.text.records import RecordChunk
 
 __all__ = [
     "EncodedChunk",

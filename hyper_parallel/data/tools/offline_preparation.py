@@ -17,7 +17,7 @@ prefix removes what was left. Workers also stop by themselves when the main proc
 
 Owns: orchestration (the tokenizer, the worker pool, progress, the summary) and the command line, including
 what signals do.
-Not responsible for: parsing records (``offline_encoding``), finding files (``text.online.online_utils``),
+Not responsible for: parsing records (``offline_encoding``), finding files (``text.records``),
 output names, partitions and publication (``offline_outputs``), the file format (``indexed.io``).
 """
 
@@ -40,7 +40,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
-from hyper_parallel.data.text.online.online_utils import (
+from hyper_parallel.data.text.records import (
     RecordChunk,
     count_records,
     iter_record_chunks,

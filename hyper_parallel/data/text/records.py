@@ -3,7 +3,8 @@
 Owns: resolving a file, glob or directory into an ordered list of files of one format, and streaming raw
 records out of them in chunks with their line or row numbers, so that errors can name where a record came
 from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
-the line. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
+the line; recognising a ``save_to_disk`` directory and opening local files (or one) with Hugging Face
+``datasets``. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
 consumed (often a worker process). Not responsible for: tokenization, transforms or sampling.
 """
 

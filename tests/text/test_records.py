@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.text.online.online_utils import (
+from hyper_parallel.data.text.records import (
     count_records,
     file_format,
     iter_record_chunks,
