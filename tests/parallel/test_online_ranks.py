@@ -8,12 +8,12 @@ import json
 from hyper_parallel.data.batching import FixedBatchDataLoader
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
-from parallel.test_build_barrier import launch
+from parallel.launch import launch
 
 WORLD_SIZE = 2
 
 
-def rank_batches(rank: int, data_path: str, cache: str, dp_world_size: int = WORLD_SIZE, micro_batch_size: int = 2):
+def rank_batches(rank: int, world_size: int, data_path: str, cache: str, micro_batch_size: int = 2):
     """Every rank builds the same mapping dataset and its own DP loader; returns its batches as token lists."""
     dataset = build_online_text_dataset(
         data_path,
@@ -26,7 +26,7 @@ def rank_batches(rank: int, data_path: str, cache: str, dp_world_size: int = WOR
         micro_batch_size=micro_batch_size,
         global_batch_size=4,
         dp_rank=rank,
-        dp_world_size=dp_world_size,
+        dp_world_size=world_size,
         sampler_type="cyclic",
     )
     return [batch["input_ids"][0].tolist() for batch in loader]
@@ -38,7 +38,7 @@ def test_dp_ranks_share_one_cache_and_split_every_global_batch(tmp_path):
     cache = str(tmp_path / "hf_cache")
     reports = launch(functools.partial(rank_batches, data_path=str(path), cache=cache), tmp_path, WORLD_SIZE)
     assert [r.get("error") for r in reports] == [None] * WORLD_SIZE
-    single = rank_batches(0, str(path), str(tmp_path / "single_cache"), dp_world_size=1, micro_batch_size=4)
+    single = rank_batches(0, 1, str(path), str(tmp_path / "single_cache"), micro_batch_size=4)
     # with one rank and micro batch 4, each batch is a whole global batch: rank 0's half followed by rank 1's
     per_rank = [r["value"] for r in reports]
     assert len(per_rank[0]) == len(per_rank[1]) == len(single) == 30 // 4
@@ -46,8 +46,9 @@ def test_dp_ranks_share_one_cache_and_split_every_global_batch(tmp_path):
         assert per_rank[0][step] + per_rank[1][step] == whole
 
 
-def missing_on_rank_0(rank: int, directory: str):
+def missing_on_rank_0(rank: int, world_size: int, directory: str):
     """Rank 0 opens a file that does not exist; the others would open a valid one."""
+    del world_size
     path = f"{directory}/missing.jsonl" if rank == 0 else f"{directory}/present.jsonl"
     return len(
         build_online_text_dataset(
