@@ -143,6 +143,19 @@ def test_plaintext_text_template_missing_field_names_it(tokenizer):
         assert fragment in message
 
 
+def test_plaintext_text_template_value_that_cannot_render_names_the_record(tokenizer):
+    """A field value the template cannot format (here not subscriptable) is a DataFileError naming the record, not a
+    bare TypeError, and ``on_invalid_record='skip'`` skips it."""
+    template = "{title}: {meta[0]}"
+    with pytest.raises(DataFileError) as raised:
+        PlaintextTransform(tokenizer, max_seq_len=8, text_template=template)({"title": "t", "meta": None}, WHERE)
+    message = str(raised.value)
+    for fragment in [WHERE, "TypeError", "'NoneType' object is not subscriptable", "['meta', 'title']", "template"]:
+        assert fragment in message
+    skipping = PlaintextTransform(tokenizer, max_seq_len=8, text_template=template, on_invalid_record="skip")
+    assert skipping({"title": "t", "meta": None}, WHERE) == []
+
+
 @pytest.mark.parametrize("template", ["no fields at all", "{}", "{0} and {1}", "{unclosed"])
 def test_plaintext_bad_text_template_is_a_config_error(tokenizer, template):
     """A template that reads no named field, or is not a valid format string, fails at construction."""

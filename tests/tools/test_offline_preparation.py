@@ -533,6 +533,11 @@ BAD_RECORDS = {
         {"text_template": "{title}\n\n{text}"},
         ["missing key 'title' used by --text-template", "['text']"],
     ),
+    "template-item": (
+        b'{"text": [], "title": "t"}\n',
+        {"text_template": "{title}: {text[0]}"},
+        ["--text-template cannot render the record (IndexError: list index out of range)", "['text', 'title']"],
+    ),
 }
 
 
@@ -698,6 +703,9 @@ def test_failed_rerun_leaves_the_previous_output_intact(tmp_path, tokenizer):
             {"json_keys": ("title", "text"), "text_template": "{title}: {text}"},
             r"text_template .* exactly one json key",
         ),
+        ({"text_template": "{title"}, r"text_template '\{title' is not a valid str.format template"),
+        ({"text_template": "{0}: {1}"}, r"text_template '\{0\}: \{1\}' must read record fields by name"),
+        ({"text_template": "no fields"}, r"text_template 'no fields' must read record fields by name"),
         ({"workers": 0}, r"workers must be at least 1, got 0"),
         ({"partitions": 0}, r"partitions must be at least 1, got 0"),
         ({"chunk_size": 0}, r"chunk_size must be at least 1, got 0"),

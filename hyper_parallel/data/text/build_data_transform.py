@@ -20,7 +20,6 @@ import dataclasses
 import difflib
 import inspect
 import os
-import string
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import TypeAlias
@@ -37,6 +36,7 @@ from hyper_parallel.data.text.chat_template import (
     build_chat_template,
     normalize_messages,
 )
+from hyper_parallel.data.text.text_template import TextTemplate
 
 __all__ = [
     "DATA_TRANSFORM_REGISTRY",
@@ -212,22 +212,7 @@ class PlaintextTransform(_RecordTransform):
         super().__init__(max_seq_len, on_invalid_record, max_seq_len_required=True)
         self.tokenizer = _as_tokenizer(tokenizer, "plaintext")
         self.text_keys = _key_list(text_keys, "text_keys")
-        if text_template is not None:
-            if not isinstance(text_template, str):
-                raise DataConfigError(f"text_template must be a string, got {type(text_template).__name__}")
-            try:
-                fields = [name for _, name, _, _ in string.Formatter().parse(text_template) if name is not None]
-            except ValueError as error:
-                raise DataConfigError(
-                    f"text_template {text_template!r} is not a valid str.format template ({error}); "
-                    "write literal braces as {{ and }}"
-                ) from None
-            if not fields or any(not name or name[0].isdigit() for name in fields):
-                raise DataConfigError(
-                    f"text_template {text_template!r} must read record fields by name, like {{text}}; "
-                    "positional fields such as {} or {0} are not supported"
-                )
-        self.text_template = text_template
+        self.text_template = None if text_template is None else TextTemplate(text_template)
         self.append_eos = _flag(append_eos, "append_eos")
         self.eos_token_id = self.tokenizer.eos_token_id if self.append_eos else None
         if self.append_eos and self.eos_token_id is None:
@@ -239,12 +224,9 @@ class PlaintextTransform(_RecordTransform):
     def _text(self, record: Mapping, where: str) -> str:
         if self.text_template is not None:
             try:
-                return self.text_template.format_map(record)
-            except (KeyError, IndexError, AttributeError) as error:
-                raise DataFileError(
-                    f"{where}: text_template reads the field {error}, which the record lacks; the record has fields "
-                    f"{_record_keys(record)}. Fix the record or the template"
-                ) from None
+                return self.text_template.render(record)
+            except DataFileError as error:
+                raise DataFileError(f"{where}: {error}. Fix the record or the template") from None
         key, value = _pick(record, self.text_keys, where, "text")
         if not isinstance(value, str):
             raise DataFileError(
@@ -298,10 +280,10 @@ class PlaintextTransform(_RecordTransform):
         ]
 
     def __repr__(self) -> str:
+        template = None if self.text_template is None else self.text_template.template
         return (
             f"PlaintextTransform(max_seq_len={self.max_seq_len}, text_keys={list(self.text_keys)}, "
-            f"text_template={self.text_template!r}, append_eos={self.append_eos}, "
-            f"on_invalid_record={self.on_invalid_record!r})"
+            f"text_template={template!r}, append_eos={self.append_eos}, on_invalid_record={self.on_invalid_record!r})"
         )
 
 

@@ -28,7 +28,6 @@ from hyper_parallel.data.tools.offline_config import (
     add_preparation_arguments,
     config_from_args,
 )
-from hyper_parallel.data.tools.offline_encoding import template_fields
 from hyper_parallel.data.tools.offline_preparation import (
     PreparationSummary,
     RecordSource,
@@ -81,7 +80,7 @@ def run_huggingface_offline(
 ) -> PreparationSummary:
     """Prepare one split of a local Hugging Face dataset; see ``run_offline_preparation``."""
     dataset = load_hf_dataset(config.dataset_name_or_path, split, subset)
-    columns = template_fields(config.text_template) if config.text_template else list(config.json_keys)
+    columns = config.record_fields
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise DataFileError(

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.text.text_template import TextTemplate
 
 __all__ = [
     "MAX_PARTITIONS",
@@ -94,11 +95,13 @@ class OfflinePreparationConfig:
             raise DataConfigError(f"json_keys must name at least one record field, got {self.json_keys!r}")
         if len(set(self.json_keys)) != len(self.json_keys):
             raise DataConfigError(f"json_keys has duplicates: {self.json_keys!r}; each key writes one output pair")
-        if self.text_template is not None and len(self.json_keys) != 1:
-            raise DataConfigError(
-                f"text_template renders one document per record, so it needs exactly one json key to name the "
-                f"output, got {self.json_keys!r}"
-            )
+        if self.text_template is not None:
+            TextTemplate(self.text_template)  # checked before any file is read
+            if len(self.json_keys) != 1:
+                raise DataConfigError(
+                    f"text_template renders one document per record, so it needs exactly one json key to name the "
+                    f"output, got {self.json_keys!r}"
+                )
         for name in ("workers", "partitions", "log_interval", "chunk_size"):
             value = getattr(self, name)
             if value < 1:
@@ -118,6 +121,18 @@ class OfflinePreparationConfig:
         if not self.output_prefix:
             raise DataConfigError("output_prefix must not be empty")
         object.__setattr__(self, "output_prefix", os.path.expanduser(self.output_prefix))
+
+    @property
+    def template(self) -> TextTemplate | None:
+        """The ``text_template`` that renders each record, named by its flag in the messages of the records it
+        cannot render."""
+        return None if self.text_template is None else TextTemplate(self.text_template, "--text-template")
+
+    @property
+    def record_fields(self) -> list[str]:
+        """The record fields (columns) a run reads: those of ``text_template``, else the json keys."""
+        template = self.template
+        return list(self.json_keys if template is None else template.fields)
 
     def output_prefix_for(self, key: str) -> str:
         """The final path prefix of the output for ``key``."""

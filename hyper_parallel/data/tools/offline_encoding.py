@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
+from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.text.records import RecordChunk
+from hyper_parallel.data.text.text_template import TextTemplate
 
 __all__ = [
     "EncodedChunk",
@@ -26,7 +27,6 @@ __all__ = [
     "EncodingSettings",
     "encode_chunk",
     "encode_texts",
-    "template_fields",
 ]
 
 _FIX = "fix the record, or pass --skip-bad-records to count and skip such records"
@@ -48,7 +48,7 @@ class EncodingSettings:
     """What a worker needs besides the tokenizer."""
 
     json_keys: tuple[str, ...]
-    text_template: str | None
+    text_template: TextTemplate | None
     append_eod: bool
     eod_id: int | None
     add_special_tokens: bool
@@ -95,11 +95,6 @@ class _BadRecord(Exception):
     pass
 
 
-def template_fields(template: str) -> list[str]:
-    """Record fields that a ``str.format`` template reads, e.g. ``["title", "text"]``."""
-    return [name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name]
-
-
 def _parse(chunk: RecordChunk, position: int) -> dict:
     item = chunk.items[position]
     if chunk.kind == "records":
@@ -137,14 +132,13 @@ def _check_unicode(text: str, field: str) -> None:
 
 def _texts(record: dict, settings: EncodingSettings) -> list[list[str]]:
     """One list of strings (sentences) per json key."""
-    if settings.text_template is not None:
+    template = settings.text_template
+    if template is not None:
         try:
-            text = settings.text_template.format_map(record)
-        except (KeyError, IndexError) as error:
-            raise _BadRecord(
-                f"missing key {error} used by --text-template; the record has keys {sorted(record)}"
-            ) from None
-        _check_unicode(text, "the text rendered by --text-template")
+            text = template.render(record)
+        except DataFileError as error:
+            raise _BadRecord(str(error)) from None
+        _check_unicode(text, f"the text rendered by {template.name}")
         return [[text]]
     texts = []
     for key in settings.json_keys:

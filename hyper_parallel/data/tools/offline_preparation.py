@@ -56,7 +56,6 @@ from hyper_parallel.data.tools.offline_encoding import (
     EncodingSettings,
     encode_chunk_in_worker,
     init_worker,
-    template_fields,
 )
 from hyper_parallel.data.tools.offline_outputs import Outputs, plan_outputs
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
@@ -168,7 +167,7 @@ class _Progress:
 
 def _local_source(config: OfflinePreparationConfig) -> RecordSource:
     files, fmt = resolve_data_files(config.dataset_name_or_path)
-    columns = template_fields(config.text_template) if config.text_template else list(config.json_keys)
+    columns = config.record_fields
     total_records = None
     if config.partitions > 1 and config.keep_sequential_samples:
         total_records = count_records(files, fmt, columns)
@@ -217,7 +216,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
     source = source or _local_source(config)
     settings = EncodingSettings(
         json_keys=config.json_keys,
-        text_template=config.text_template,
+        text_template=config.template,
         append_eod=config.append_eod,
         eod_id=tokenizer.eod,
         add_special_tokens=config.add_special_tokens,
