@@ -11,12 +11,15 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from permissions import read_only
 
 from hyper_parallel.data.indexed import index_cache
 from hyper_parallel.data.indexed.index_cache import IndexCache
@@ -238,29 +241,24 @@ def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
 # -- unwritable directories ---------------------------------------------------------------------------------------
 
 
-def _unwritable_directory(tmp_path: Path, kind: str) -> Path:
+@contextmanager
+def _unwritable_directory(tmp_path: Path, kind: str) -> Iterator[Path]:
     """A cache directory that cannot be written: read-only, or below a regular file (so it cannot be created)."""
     if kind == "below_a_file":
         (tmp_path / "file").write_text("not a directory")
-        return tmp_path / "file" / "cache"
+        yield tmp_path / "file" / "cache"
+        return
     directory = tmp_path / "read_only"
     directory.mkdir()
-    directory.chmod(0o555)
-    if os.access(directory, os.W_OK):  # root ignores permission bits
-        directory.chmod(0o755)
-        pytest.skip("this user can write to a 0o555 directory (root); the below_a_file case covers the fallback")
-    return directory
+    with read_only(directory):
+        yield directory
 
 
 @pytest.mark.parametrize("kind", ["below_a_file", "read_only"])
 def test_unwritable_cache_directory_builds_in_memory_with_a_warning(tmp_path, corpus, tokenizer, info_logs, kind):
     """Indices are built in memory, with a warning naming the directory; the datasets are unchanged."""
-    directory = _unwritable_directory(tmp_path, kind)
-    try:
+    with _unwritable_directory(tmp_path, kind) as directory:
         datasets = _build(corpus, tokenizer, directory)
-    finally:
-        if kind == "read_only":
-            directory.chmod(0o755)
 
     warnings = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3
@@ -275,14 +273,9 @@ def test_read_only_directory_with_a_complete_cache_is_loaded(tmp_path, corpus, t
     """A complete cache in a read-only directory is loaded as it is: no warning, nothing built."""
     cache = tmp_path / "cache"
     built = _build(corpus, tokenizer, cache)
-    cache.chmod(0o555)
-    try:
-        if os.access(cache, os.W_OK):
-            pytest.skip("this user can write to a 0o555 directory (root), so it is not read-only")
-        info_logs.clear()
+    info_logs.clear()
+    with read_only(cache):
         loaded = _build(corpus, tokenizer, cache)
-    finally:
-        cache.chmod(0o755)
 
     assert [r for r in info_logs.records if r.levelno >= logging.WARNING] == []
     assert building_messages(info_logs) == []

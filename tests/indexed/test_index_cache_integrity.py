@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from permissions import read_only
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed import index_cache
 from hyper_parallel.data.indexed.index_cache import IndexCache
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -126,15 +126,13 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning_naming_the_file(tmp_path, cor
 
 
 @pytest.mark.parametrize("mode", ["ordinary", "fast"])
-def test_a_damaged_entry_in_an_unwritable_directory_is_refused(tmp_path, corpus, tokenizer, monkeypatch, mode):
+def test_a_damaged_entry_in_an_unwritable_directory_is_refused(tmp_path, corpus, tokenizer, mode):
     """Where the entry cannot be rebuilt, loading it is a DataFileError naming the file, the damage and the fix."""
     cache = tmp_path / "cache"
     _build(corpus, tokenizer, cache)
     damaged = _damage(cache, "byte_flipped")
-    # This suite may run as root, which can write into any directory; the cache asks this function.
-    monkeypatch.setattr(index_cache, "writable_directory", lambda directory: False)
 
-    with pytest.raises(DataFileError) as raised:
+    with read_only(cache), pytest.raises(DataFileError) as raised:
         datasets = _build(corpus, tokenizer, cache, **(FAST if mode == "fast" else {}))
         datasets[0][0]  # a deferred load reads its arrays here
 
