@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def test_hf_tokenizer_renders_the_chatml_template():
     )
     assert tokenizer.hf.eos_token_id == 0
     assert tokenizer.hf(TEXTS[0])["input_ids"] == tokenizer.encode(TEXTS[0])
+
+
+def test_a_pickled_tokenizer_leaves_its_transformers_tokenizer_behind():
+    """DataLoader workers receive the tokenizer by pickle: the ``transformers`` tokenizer loaded for chat templates
+    stays behind (it is heavy) and is loaded again on first use; the copy encodes the same."""
+    tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
+    bare = len(pickle.dumps(tokenizer))
+    tokenizer.hf  # noqa: B018 - loads it
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    assert len(pickle.dumps(tokenizer)) == bare
+    assert "hf" in vars(tokenizer) and "hf" not in vars(copy)
+    assert copy.fingerprint == tokenizer.fingerprint and copy.encode(TEXTS[1]) == tokenizer.encode(TEXTS[1])
+    assert copy.hf(TEXTS[0])["input_ids"] == tokenizer.encode(TEXTS[0])
 
 
 def test_directory_without_tokenizer_json_is_a_config_error(tmp_path):

@@ -18,6 +18,7 @@ from hyper_parallel.data.indexed.indexed_pretrain_dataset import (
     MockGPTDataset,
     MockGPTLowLevelDataset,
 )
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["dataset_class", "open_low_level"]
 
@@ -44,8 +45,8 @@ def _check_not_packed(reader: IndexedDataReader, prefix: str, config: IndexedDat
 def open_low_level(prefix: str | None, config: IndexedDataConfig, tokenizer):
     """The low-level data of ``prefix``: an ``IndexedDataReader``, or the mock documents for ``mock_data``."""
     if config.mock_data:
-        vocab_size = getattr(tokenizer, "vocab_size", None)
-        eod = getattr(tokenizer, "eod", getattr(tokenizer, "eos_token_id", None))
+        tokens = read_tokenizer(tokenizer)
+        vocab_size, eod = tokens.vocab_size, tokens.eod
         if vocab_size is None or eod is None:
             raise DataConfigError("mock_data needs a tokenizer with vocab_size and an EOD/EOS id")
         return MockGPTLowLevelDataset(int(vocab_size), int(eod))

@@ -26,6 +26,7 @@ from hyper_parallel.data.indexed.index_cache import IndexCache
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["GPTDataset", "GPTFromMRDataset", "MockGPTDataset", "MockGPTLowLevelDataset", "resolve_special_tokens"]
 
@@ -39,21 +40,13 @@ def resolve_special_tokens(tokenizer, allow_ambiguous_pad_tokens: bool) -> tuple
     The pad id is the tokenizer's, or -1 when it has none or when it equals another special token (EOS/EOD, or
     any entry of ``special_tokens_dict``), unless ``allow_ambiguous_pad_tokens``.
     """
-    eod = getattr(tokenizer, "eod", None)
-    if eod is None:
-        eod = getattr(tokenizer, "eos_token_id", None)
+    tokens = read_tokenizer(tokenizer)
+    eod, pad = tokens.eod, tokens.pad
     if eod is None:
         raise DataConfigError("the tokenizer has no EOD/EOS token id; the Indexed path needs one")
-    pad = getattr(tokenizer, "pad", None)
-    if pad is None:
-        pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         return int(eod), _SENTINEL_PAD
-    specials = dict(getattr(tokenizer, "special_tokens_dict", None) or {})
-    others = [v for k, v in specials.items() if k != "pad_token"] or [
-        getattr(tokenizer, "eos", getattr(tokenizer, "eos_token_id", None)),
-        eod,
-    ]
+    others = [v for k, v in tokens.special_tokens.items() if k != "pad_token"] or [tokens.eos, eod]
     if pad in others:
         if not allow_ambiguous_pad_tokens:
             warnings.warn(
@@ -64,14 +57,6 @@ def resolve_special_tokens(tokenizer, allow_ambiguous_pad_tokens: bool) -> tuple
             return int(eod), _SENTINEL_PAD
         warnings.warn(f"the tokenizer's pad id {pad} equals another special token; keeping it", stacklevel=3)
     return int(eod), int(pad)
-
-
-def _tokenizer_identity(tokenizer) -> object:
-    for attribute in ("fingerprint", "unique_identifiers"):
-        value = getattr(tokenizer, attribute, None)
-        if value is not None:
-            return value
-    return type(tokenizer).__name__
 
 
 def _file_identity(low_level) -> dict[str, int] | None:
@@ -186,7 +171,7 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         num_samples: samples to provide; None means exactly one epoch of the split.
         split: ``"train"``, ``"valid"`` or ``"test"``.
         config: the Indexed-path settings.
-        tokenizer: anything with ``eod``/``eos_token_id`` and ``pad``/``pad_token_id``.
+        tokenizer: any tokenizer object ``tokenizer_protocol.read_tokenizer`` reads (its EOD and pad ids).
         synchronize: wait for rank 0 to build caches (every rank must then build this dataset).
     """
 
@@ -272,7 +257,7 @@ class GPTDataset(_MidLevelDataset):
             "drop_last_partial_sequence": self._drop_last,
             "sequences": [begin, end],
             "tokens_per_epoch": self.tokens_per_epoch,
-            "tokenizer": _tokenizer_identity(tokenizer),
+            "tokenizer": read_tokenizer(tokenizer).identity,
             "data_files": _file_identity(low_level),
         }
         cache = IndexCache(self._cache_directory(), self.kind, split, self.unique_identifiers)

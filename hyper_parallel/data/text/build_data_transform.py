@@ -16,7 +16,6 @@ and warning. ``on_invalid_record="skip"`` turns a per-record ``DataFileError`` i
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import os
@@ -37,6 +36,7 @@ from hyper_parallel.data.text.chat_template import (
     normalize_messages,
 )
 from hyper_parallel.data.text.text_template import TextTemplate
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
     "DATA_TRANSFORM_REGISTRY",
@@ -109,13 +109,6 @@ def _as_tokenizer(tokenizer, data_type: str):
     return tokenizer
 
 
-def _without_caches(tokenizer):
-    """A copy of a ``TextTokenizer`` without its lazily loaded ``transformers`` tokenizer (heavy to pickle)."""
-    if dataclasses.is_dataclass(tokenizer) and "hf" in vars(tokenizer):
-        return dataclasses.replace(tokenizer)
-    return tokenizer
-
-
 def _record_keys(record: Mapping) -> list[str]:
     return sorted(map(str, record))
 
@@ -160,12 +153,6 @@ class _RecordTransform:
 
     def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
         raise NotImplementedError
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        if "tokenizer" in state:
-            state["tokenizer"] = _without_caches(state["tokenizer"])
-        return state
 
 
 def _pick(record: Mapping, keys: tuple[str, ...], where: str, what: str):
@@ -218,7 +205,7 @@ class PlaintextTransform(_RecordTransform):
         if self.append_eos and self.eos_token_id is None:
             logger.warning(
                 "append_eos is set but tokenizer %s has no EOS token; documents are not terminated",
-                getattr(self.tokenizer, "name_or_path", ""),
+                read_tokenizer(self.tokenizer).name,
             )
 
     def _text(self, record: Mapping, where: str) -> str:

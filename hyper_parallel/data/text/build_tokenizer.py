@@ -1,10 +1,11 @@
 """Tokenizer adapter: load a local Hugging Face tokenizer and expose what the data pipeline needs.
 
 Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids (and how to name a missing
-EOS), its vocabulary size and a content fingerprint for cache keys. A local tokenizer is read with ``tokenizers``
-alone (fast start-up); ``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for
-chat templates).
-Not responsible for: chat templates (``chat_template``) or record transforms.
+EOS), its vocabulary size and a content fingerprint for cache keys, and pickling it without the ``transformers``
+tokenizer it loaded. A local tokenizer is read with ``tokenizers`` alone (fast start-up); ``transformers`` is
+imported only when the full tokenizer is asked for (``.hf``, e.g. for chat templates).
+Not responsible for: reading other tokenizer objects (``tokenizer_protocol``), chat templates (``chat_template``)
+or record transforms.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class TextTokenizer:
             )
             self.backend.no_truncation()
             self.backend.no_padding()
+
+    def __getstate__(self) -> dict:
+        # The transformers tokenizer is heavy to pickle (to every DataLoader worker) and reloads on first use.
+        return {name: value for name, value in self.__dict__.items() if name != "hf"}
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,6 @@ without ``loss_mask`` only ``assistant`` messages are. Within a supervised messa
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,6 +23,7 @@ import numpy as np
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
     "CANONICAL_ROLES",
@@ -181,13 +181,6 @@ def _as_arrays(ids: list[int], labels: list[int]) -> tuple[np.ndarray, np.ndarra
     return np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
 
 
-def _without_caches(tokenizer):
-    """A copy of a ``TextTokenizer`` without its lazily loaded ``transformers`` tokenizer (heavy to pickle)."""
-    if dataclasses.is_dataclass(tokenizer) and "hf" in vars(tokenizer):
-        return dataclasses.replace(tokenizer)
-    return tokenizer
-
-
 class ChatTemplate(ABC):
     """Encodes normalized messages (see ``normalize_messages``) into ``input_ids`` and unshifted ``labels``.
 
@@ -211,13 +204,8 @@ class ChatTemplate(ABC):
             ``(input_ids, labels)`` with ``labels[i] == input_ids[i]`` where supervised, else ``IGNORE_INDEX``.
         """
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["tokenizer"] = _without_caches(self.tokenizer)
-        return state
-
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(tokenizer={getattr(self.tokenizer, 'name_or_path', self.tokenizer)!r})"
+        return f"{type(self).__name__}(tokenizer={read_tokenizer(self.tokenizer).name!r})"
 
 
 def _special_id(tokenizer, token: str, template: str) -> int:
@@ -225,7 +213,7 @@ def _special_id(tokenizer, token: str, template: str) -> int:
     if token_id is None:
         raise DataConfigError(
             f"chat_template '{template}' needs the token {token} but tokenizer "
-            f"{getattr(tokenizer, 'name_or_path', '')} has none; use chat_template='tokenizer' (the tokenizer's own "
+            f"{read_tokenizer(tokenizer).name} has none; use chat_template='tokenizer' (the tokenizer's own "
             "template) or 'default'"
         )
     return token_id
@@ -235,7 +223,7 @@ def _required_eos(tokenizer, template: str) -> int:
     if tokenizer.eos_token_id is None:
         raise DataConfigError(
             f"chat_template '{template}' ends turns with the EOS token but tokenizer "
-            f"{getattr(tokenizer, 'name_or_path', '')} has none; set eos_token in its tokenizer_config.json or use "
+            f"{read_tokenizer(tokenizer).name} has none; set eos_token in its tokenizer_config.json or use "
             "chat_template='chatml' or 'tokenizer'"
         )
     return tokenizer.eos_token_id
@@ -254,7 +242,7 @@ class _PiecewiseTemplate(ChatTemplate):
         self._constants: dict[str, list[int]] = {}
 
     def __getstate__(self):
-        state = super().__getstate__()
+        state = self.__dict__.copy()
         del state["_encode_text"]  # a bound method of the Rust tokenizer: rebuilt after unpickling
         return state
 
@@ -419,7 +407,7 @@ class TokenizerChatTemplate(ChatTemplate):
                 template = template.get("default")
         if not isinstance(template, str) or not template.strip():
             raise DataConfigError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '')} has no chat template; add a "
+                f"tokenizer {read_tokenizer(tokenizer).name} has no chat template; add a "
                 "chat_template.jinja (or chat_template in tokenizer_config.json) to the tokenizer directory, or use "
                 "a named template: chat_template='chatml', 'llama2' or 'default'"
             )
@@ -428,8 +416,8 @@ class TokenizerChatTemplate(ChatTemplate):
         self._check_with_probe()
 
     def __getstate__(self):
-        state = super().__getstate__()
-        del state["_encode_batch"]
+        state = self.__dict__.copy()
+        del state["_encode_batch"]  # a bound method of the Rust tokenizer: rebuilt after unpickling
         return state
 
     def __setstate__(self, state):
