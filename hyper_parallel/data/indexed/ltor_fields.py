@@ -1,11 +1,14 @@
-"""Left-to-right (causal LM) fields of one fixed-length sample: loss mask, position ids, dense attention mask.
+"""Left-to-right (causal LM) fields of fixed-length rows: sequence boundaries, loss mask, position ids, dense mask.
 
-Owns: the vectorised computation, identical to megatron-core's ``_get_ltor_masks_and_position_ids``. Not
-responsible for: pad handling (the datasets) or packed-sequence metadata (``batching``).
+Owns: the vectorised computation, identical to megatron-core's ``_get_ltor_masks_and_position_ids``, and the one
+function that turns "a sequence ends after this position" marks into sequence boundaries (``cu_seq_lens_from_ends``),
+shared by ``ltor_fields`` and the Indexed collator. Not responsible for: pad handling (the datasets), which
+positions end a sequence (the caller's rule: after each EOD input token here), or batching.
 
 Worked example, tokens ``[5, 0, 7, 8]`` with EOD ``0``:
 
-* ``segment = [0, 0, 1, 1]``: the EOD belongs to the document it ends, so segments start *after* each EOD;
+* boundaries ``[0, 2, 4]``: the EOD belongs to the document it ends, so a sequence starts *after* each EOD, and
+  the row end closes the last one; ``segment = [0, 0, 1, 1]``;
 * reset position ids: ``[0, 1, 0, 1]``;
 * reset attention mask: token 2 sees tokens 2 only; token 3 sees 2 and 3 (True in the mask means "masked out");
 * ``eod_mask_loss``: loss mask ``[1, 0, 1, 1]`` (no prediction is trained from the EOD input position).
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LtorFields", "ltor_fields"]
+__all__ = ["LtorFields", "cu_seq_lens_from_ends", "ltor_fields"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,31 @@ class LtorFields:
     loss_mask: np.ndarray
     position_ids: np.ndarray
     attention_mask: np.ndarray | None
+
+
+def cu_seq_lens_from_ends(ends_after: np.ndarray) -> np.ndarray:
+    """Boundaries of the sequences of fixed-length rows, over the rows flattened one after another.
+
+    A sequence ends after every position marked in ``ends_after`` and at the end of every row, so no sequence
+    crosses a row. The marks are the caller's rule: ``tokens == eod`` for megatron-core's documents (the EOD ends
+    the document it belongs to), or any other "a sequence ends after this position" test.
+
+    Args:
+        ends_after: bool ``[T]`` (one row) or ``[R, T]``.
+
+    Returns:
+        int64 ``[K + 1]``: 0, then the flattened offset just after each sequence (``r * T + j + 1`` for a mark at
+        row ``r``, column ``j``); strictly increasing, ending at ``R * T``. ``[0]`` for no positions.
+
+    Example:
+        marks ``[[0, 1, 0, 0], [1, 0, 0, 1]]`` give ``[0, 2, 4, 5, 8]``: row 0 holds sequences of 2 and 2 tokens,
+        row 1 of 1 and 3 (its final mark coincides with the row end).
+    """
+    ends = np.array(ends_after, dtype=bool)  # a copy: the row ends are marked in it below
+    if ends.size == 0:
+        return np.zeros(1, dtype=np.int64)
+    ends[..., -1] = True
+    return np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(ends) + 1))
 
 
 def ltor_fields(
@@ -46,12 +74,10 @@ def ltor_fields(
     positions = np.arange(length, dtype=np.int64)
     segment = None
     if reset_position_ids or reset_attention_mask:
-        # segment[j] = number of EODs strictly before j
-        segment = np.concatenate(([0], np.cumsum(is_eod[:-1], dtype=np.int64))) if length else positions
-    if reset_position_ids and length:
-        # position = distance from the first token after the latest earlier EOD
-        starts = np.concatenate(([0], np.flatnonzero(is_eod) + 1))
-        positions = positions - starts[segment]
+        bounds = cu_seq_lens_from_ends(is_eod)
+        segment = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))  # the sequence holding each position
+    if reset_position_ids:
+        positions = positions - bounds[segment]  # distance from the start of the sequence
     attention_mask = None
     if create_attention_mask:
         visible = np.tril(np.ones((length, length), dtype=bool))
