@@ -22,7 +22,7 @@ import torch
 from permissions import read_only
 
 from hyper_parallel.data.indexed import index_cache
-from hyper_parallel.data.indexed.index_cache import IndexCache
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 
@@ -298,7 +298,9 @@ def test_defer_maps_each_file_on_first_access(tmp_path):
     description = {"case": "defer"}
     IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays)
     eager = IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays)
-    deferred = IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(_NAMES, _arrays, defer=True)
+    deferred = IndexCache(tmp_path, "GPTDataset", "train", description).get_or_build(
+        _NAMES, _arrays, CacheOptions(defer=True)
+    )
     np.testing.assert_array_equal(deferred["first"], _arrays()["first"])  # mapped now
 
     _republish(tmp_path, description, {**_arrays(), "second": np.full(3, 7)})

@@ -126,6 +126,37 @@ def test_boundary_settings_are_accepted(settings):
         assert getattr(config, name) == value
 
 
+@pytest.mark.parametrize(
+    ("settings", "together", "synchronize"),
+    [
+        ({}, True, True),
+        ({}, False, False),
+        ({"data_lazy_load": True}, True, False),  # lazy datasets are built at different moments on each rank
+        ({"fast_cache_load": True}, True, False),  # nothing is built
+        ({"fast_cache_load": True, "defer_npy_index_mmap": True, "data_lazy_load": True}, True, False),
+    ],
+)
+def test_cache_options_decide_once_whether_ranks_build_together(settings, together, synchronize):
+    """The cache settings and whether a process group builds together give one ``CacheOptions``: ranks wait for
+    rank 0 only when every rank builds every dataset at the same moment (not lazily) and something may be built."""
+    config = IndexedDataConfig(seq_length=8, data_cache_path="/cache", cache_verification="full", **settings)
+    options = config.cache_options(together)
+    assert options.synchronize is synchronize
+    assert options.assume_complete is config.fast_cache_load
+    assert options.defer is config.defer_npy_index_mmap
+    assert (options.directory, options.verification, options.lock_timeout) == ("/cache", "full", 1800.0)
+
+
+def test_cache_directory_is_the_configured_one_else_beside_the_prefix():
+    """Mid-level datasets keep their entries in ``data_cache_path``, else beside their prefix (as megatron-core);
+    without a prefix (mock data) in memory; blends in ``data_cache_path`` or in memory."""
+    beside = IndexedDataConfig(seq_length=8).cache_options(False)
+    assert beside.directory_for("/data/a_text_document") == "/data/a_text_document/cache/GPTDataset_indices"
+    assert beside.directory_for(None) is None and beside.directory is None
+    configured = IndexedDataConfig(seq_length=8, data_cache_path="/cache").cache_options(False)
+    assert configured.directory_for("/data/a_text_document") == configured.directory_for(None) == "/cache"
+
+
 def test_integer_settings_are_stored_as_python_ints():
     """numpy integers are accepted as counts and seeds and stored as Python ints (cache keys are JSON)."""
     config = IndexedDataConfig(seq_length=np.int64(16), random_seed=np.uint32(2**32 - 1))

@@ -23,7 +23,7 @@ import pytest
 from indexed.test_index_cache import write_corpus
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.indexed.index_cache import IndexCache
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
 from hyper_parallel.data.parallel.build_barrier import exclusive_file_lock, rank_zero_first
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
@@ -226,7 +226,7 @@ def hold_or_wait_for_the_lock(rank: int, world_size: int, directory: str) -> dic
         return {"pid": os.getpid()}
     _wait_for(held)
     try:
-        cache.get_or_build(("values",), lambda: {"values": np.arange(3)}, lock_timeout=1.0)
+        cache.get_or_build(("values",), lambda: {"values": np.arange(3)}, CacheOptions(lock_timeout=1.0))
         error = None
     except DataFileError as raised:
         error = str(raised)

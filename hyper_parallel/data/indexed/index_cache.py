@@ -25,6 +25,7 @@ import random
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
@@ -34,9 +35,9 @@ from xxhash import xxh3_64_intdigest
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once, process_group_ready
+from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once
 
-__all__ = ["IndexCache", "LazyArrays", "writable_directory"]
+__all__ = ["CacheOptions", "IndexCache", "LazyArrays", "writable_directory"]
 
 logger = get_logger("hyper_parallel.data.indexed.index_cache")
 
@@ -47,6 +48,39 @@ _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 _BLOCK_BYTES = 1 << 16  # one checksum per block of the .npy file, header included
 _RANDOM_BLOCKS = 2  # blocks a "sampled" check reads besides the first and the last
 _RANDOM = random.Random()  # seeded per process, so that ranks and jobs check different blocks
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheOptions:
+    """How index cache entries are placed, read and built: decided once for a whole build (from the config and
+    whether a process group builds together: ``IndexedDataConfig.cache_options``) and passed down unchanged.
+
+    Attributes:
+        directory: where entries go (``data_cache_path``); None: beside each prefix for its datasets
+            (``directory_for``), in memory for blends and mock data.
+        synchronize: the ranks of a process group build together: rank 0 builds each entry while the others wait,
+            so every rank must build the same datasets in the same order. False: every process on its own, an
+            entry built once under its file lock.
+        assume_complete: every entry exists, written by a build that checked its sources (``fast_cache_load``): no
+            existence checks and no waiting; each array is still checked when it is mapped.
+        defer: map (and check) each array on its first access (``defer_npy_index_mmap``).
+        verification: what a load checks: ``"sizes"``, ``"sampled"`` or ``"full"`` (``cache_verification``).
+        lock_timeout: seconds to wait for another process building an entry (``cache_lock_timeout``).
+    """
+
+    directory: str | None = None
+    synchronize: bool = False
+    assume_complete: bool = False
+    defer: bool = False
+    verification: str = "sampled"
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
+
+    def directory_for(self, prefix: str | None) -> str | None:
+        """Where the entries of a dataset over ``prefix`` go: ``directory``, else beside the prefix, as
+        megatron-core puts them; None (in memory) for mock data, which has no prefix."""
+        if self.directory is not None or prefix is None:
+            return self.directory
+        return f"{prefix}/cache/GPTDataset_indices"
 
 
 class _Unusable(Exception):
@@ -393,35 +427,25 @@ class IndexCache:
         self,
         names: tuple[str, ...],
         build: Callable[[], dict[str, np.ndarray]],
-        *,
-        assume_complete: bool = False,
-        defer: bool = False,
-        synchronize: bool = True,
-        verification: str = "sampled",
-        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+        options: CacheOptions = CacheOptions(),  # noqa: B008 - frozen, so one shared default is safe
     ) -> Mapping[str, np.ndarray]:
         """Load the entry, building it first if needed (once, whoever else asks at the same time).
 
         Args:
             names: the arrays of the entry.
             build: computes them.
-            assume_complete: skip existence checks and waiting (``fast_cache_load``); each array is still checked
-                when it is mapped.
-            defer: map (and check) each file on its first access (``defer_npy_index_mmap``).
-            synchronize: hold other ranks while rank 0 builds (every rank must then call this).
-            verification: ``"sizes"``, ``"sampled"`` or ``"full"``: which checksums a load compares.
-            lock_timeout: seconds to wait for another process building the entry.
+            options: how to read and build it (the ``directory`` is this entry's, given when it was made).
         """
         if self._directory_text is None:
             return build()
-        request = _Request(names, build, verification, lock_timeout, assume_complete)
-        if assume_complete:
+        defer, together = options.defer, options.synchronize
+        request = _Request(names, build, options.verification, options.lock_timeout, options.assume_complete)
+        if options.assume_complete:
             arrays = LazyArrays(self, request)
             if not defer:
                 for name in request.names:
                     arrays[name]  # noqa: B018 - map (and check, or repair) now
             return arrays
-        together = synchronize and process_group_ready()
         damage = None
         if not together:
             # A sound entry never changes (it is published by renames), so reading it needs no lock.

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.index_cache import IndexCache
-from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
 from hyper_parallel.data.indexed.indexed_helpers import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -37,9 +36,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         datasets: mid-level datasets of one split (each with ``unique_identifiers``).
         weights: positive weights (normalised here), or the integer source sizes when ``size`` is None.
         size: samples in the blend, or None for the exhaustive blend.
-        config: the Indexed-path settings (cache directory, fast loading).
         split: the split name, for the cache key.
-        synchronize: wait for rank 0 to build the cache.
+        cache_options: where and how its index cache is read and built (``IndexedDataConfig.cache_options``).
     """
 
     kind = "BlendedDataset"
@@ -49,9 +47,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         datasets: Sequence,
         weights: Sequence[float],
         size: int | None,
-        config: IndexedDataConfig,
         split: str,
-        synchronize: bool = True,
+        cache_options: CacheOptions,
     ) -> None:
         if not datasets:
             raise DataConfigError("a blend needs at least one dataset")
@@ -63,7 +60,6 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.weights = normalize_weights(weights) if size is not None else [int(w) for w in weights]
         self.size = size
         self.split = split
-        self.config = config
         self.unique_identifiers = {
             "class": self.kind,
             "datasets": [dataset.unique_identifiers for dataset in self.datasets],
@@ -71,11 +67,9 @@ class BlendedDataset(torch.utils.data.Dataset):
             "weights": self.weights,
             "size": size,
         }
-        cache = IndexCache(config.data_cache_path, self.kind, split, self.unique_identifiers)
-        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
-            _INDEX_NAMES, self._build_indices, **config.cache_options(synchronize)
-        )
-        if config.defer_npy_index_mmap:
+        cache = IndexCache(cache_options.directory, self.kind, split, self.unique_identifiers)
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(_INDEX_NAMES, self._build_indices, cache_options)
+        if cache_options.defer:
             self._length = size if size is not None else sum(self.weights)
         else:
             self._length = len(self._arrays["dataset_index"])

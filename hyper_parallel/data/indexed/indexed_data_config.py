@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.indexed.index_cache import CacheOptions
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S
 
 __all__ = [
@@ -187,15 +188,24 @@ class IndexedDataConfig:
                 f"{timeout!r}"
             )
 
-    def cache_options(self, synchronize: bool) -> dict[str, bool | str | float]:
-        """How index caches are read: ``IndexCache.get_or_build`` keywords from the cache settings."""
-        return {
-            "assume_complete": self.fast_cache_load,
-            "defer": self.defer_npy_index_mmap,
-            "synchronize": synchronize and not self.fast_cache_load,
-            "verification": self.cache_verification,
-            "lock_timeout": float(self.cache_lock_timeout),
-        }
+    def cache_options(self, together: bool) -> CacheOptions:
+        """How this build places, reads and builds its index caches: the one place the cache settings are turned
+        into a decision, which the datasets receive and never derive again.
+
+        Args:
+            together: the ranks of a process group (more than one) all build these datasets, so rank 0 may build
+                each cache entry while the others wait.
+        """
+        return CacheOptions(
+            directory=self.data_cache_path,
+            # Lazy datasets are built at first use, at different moments on different ranks, and fast_cache_load
+            # builds nothing: file locks alone then.
+            synchronize=together and not self.data_lazy_load and not self.fast_cache_load,
+            assume_complete=self.fast_cache_load,
+            defer=self.defer_npy_index_mmap,
+            verification=self.cache_verification,
+            lock_timeout=float(self.cache_lock_timeout),
+        )
 
     @property
     def extra_token(self) -> int:

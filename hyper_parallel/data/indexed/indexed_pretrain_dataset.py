@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.index_cache import IndexCache
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
@@ -172,7 +172,7 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         split: ``"train"``, ``"valid"`` or ``"test"``.
         config: the Indexed-path settings.
         tokenizer: any tokenizer object ``tokenizer_protocol.read_tokenizer`` reads (its EOD and pad ids).
-        synchronize: wait for rank 0 to build caches (every rank must then build this dataset).
+        cache_options: where and how its index caches are read and built (``IndexedDataConfig.cache_options``).
     """
 
     kind = ""
@@ -186,7 +186,7 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         split: str,
         config: IndexedDataConfig,
         tokenizer,
-        synchronize: bool = True,
+        cache_options: CacheOptions,
     ) -> None:
         self.dataset = low_level
         self.dataset_path = dataset_path
@@ -238,8 +238,8 @@ class GPTDataset(_MidLevelDataset):
 
     kind = "GPTDataset"
 
-    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
-        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
+    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, cache_options):
+        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, cache_options)
         self._drop_last = split != "valid" or config.drop_last_partial_validation_sequence
         begin, end = (self.indices.item(0), self.indices.item(-1) + 1) if len(self.indices) else (0, 0)
         if end - begin != len(self.indices):
@@ -260,18 +260,9 @@ class GPTDataset(_MidLevelDataset):
             "tokenizer": read_tokenizer(tokenizer).identity,
             "data_files": _file_identity(low_level),
         }
-        cache = IndexCache(self._cache_directory(), self.kind, split, self.unique_identifiers)
-        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
-            _INDEX_NAMES, self._build_indices, **config.cache_options(synchronize)
-        )
-        self._length = self._expected_length() if config.defer_npy_index_mmap else len(self._arrays["shuffle_index"])
-
-    def _cache_directory(self) -> str | None:
-        if self.config.data_cache_path is not None:
-            return self.config.data_cache_path
-        if self.dataset_path is None:
-            return None  # mock data: rebuilt in memory
-        return f"{self.dataset_path}/cache/GPTDataset_indices"
+        cache = IndexCache(cache_options.directory_for(dataset_path), self.kind, split, self.unique_identifiers)
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(_INDEX_NAMES, self._build_indices, cache_options)
+        self._length = self._expected_length() if cache_options.defer else len(self._arrays["shuffle_index"])
 
     def _where(self) -> str:
         return (
@@ -368,8 +359,8 @@ class GPTFromMRDataset(_MidLevelDataset):
 
     kind = "GPTFromMRDataset"
 
-    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize=True):
-        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, synchronize)
+    def __init__(self, low_level, dataset_path, indices, num_samples, split, config, tokenizer, cache_options):
+        super().__init__(low_level, dataset_path, indices, num_samples, split, config, tokenizer, cache_options)
         self._record_length = config.seq_length + config.extra_token
         if num_samples is not None and num_samples > len(self.indices):
             raise DataConfigError(

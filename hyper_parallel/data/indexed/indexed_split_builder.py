@@ -1,7 +1,8 @@
 """Assembling the Indexed path: low-level readers to train/valid/test mid-level datasets to blends.
 
 Owns: the split ranges of each prefix, how many samples each source builds, which blend (if any) tops each
-split, and lazy construction. It follows megatron-core's ``BlendedMegatronDatasetBuilder`` decisions exactly:
+split (``blend_kind``, decided once per blend), the cache options of the build (decided once, passed to every
+dataset), and lazy construction. It follows megatron-core's ``BlendedMegatronDatasetBuilder`` decisions exactly:
 a single unweighted prefix (or a single prefix per split) gives a plain mid-level dataset with the requested
 sample count; weighted sources build ``ceil(ceil(N * w) * (1 + surplus))`` samples each and are blended to
 ``sum(ceil(N * w))`` samples; unweighted sources build one epoch each and are blended by their sizes.
@@ -10,8 +11,9 @@ Not responsible for: sample contents (``indexed_pretrain_dataset``) or blending 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -33,8 +35,9 @@ from hyper_parallel.data.indexed.indexed_helpers import blended_sample_counts, n
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_simple_blended_dataset import SimpleBlendedDataset
 from hyper_parallel.data.indexed.pair_metadata import check_same_tokenizer
+from hyper_parallel.data.parallel.build_barrier import process_group_ready
 
-__all__ = ["IndexedSplitBuilder"]
+__all__ = ["BlendKind", "IndexedSplitBuilder", "blend_kind"]
 
 logger = get_logger("hyper_parallel.data.indexed.indexed_split_builder")
 
@@ -50,6 +53,7 @@ class _Source:
     config: IndexedDataConfig
     tokenizer: object
     matrix: Bookends
+    sources_checked: bool  # fast_cache_load: the build that wrote the caches checked the sources
     listed: tuple[int, int] | None = None  # (sequence_count, document_count) from per_dataset_sequences_path
     known_count: int | None = None  # no need to open the .idx for splits
     _data: object = None
@@ -83,7 +87,7 @@ class _Source:
 
         Mock documents are plenty, packed records are checked record by record, and fast_cache_load builds no index
         (the ordinary build that wrote its caches checked): start-up with many prefixes pays nothing for it."""
-        if self.prefix is None or self.config.is_dataset_from_mr or self.config.fast_cache_load:
+        if self.prefix is None or self.config.is_dataset_from_mr or self.sources_checked:
             return
         lengths = self._data.sequence_lengths
         ranges = {name: split_range(b, len(lengths)) for name, b in zip(SPLIT_NAMES, self.matrix, strict=True) if b}
@@ -101,12 +105,42 @@ class _Source:
         return self.known_count
 
 
+class BlendKind(StrEnum):
+    """The dataset that tops a split of a blend."""
+
+    NONE = "none"  # the mid-level dataset itself, with the requested sample count
+    WEIGHTED = "weighted"  # BlendedDataset by the normalised weights
+    BY_SIZE = "by_size"  # BlendedDataset of one epoch of each source, weighted by their sizes
+    INTER = "inter"  # SimpleBlendedDataset: one packed record of each source in turn
+    INTRA = "intra"  # SimpleBlendedDataset: every packed record of each source, one source after another
+
+
+def blend_kind(blend: Blend, simple_blend: str, per_split: bool) -> BlendKind:
+    """Which dataset tops a split of ``blend``, as megatron-core's builder decides.
+
+    ``simple_blend`` ``"inter"`` or ``"intra"`` picks that simple blend whatever the weights and the number of
+    sources. Otherwise a single prefix gets no blend when it has no weight or comes from a per-split path
+    (whatever its weight there); weights give a weighted blend (a single weighted prefix too), no weights a blend
+    by the sources' sizes.
+
+    Args:
+        blend: the prefixes and weights of ``data_path`` or of one per-split path.
+        simple_blend: ``IndexedDataConfig.simple_blend``.
+        per_split: ``blend`` comes from ``train_data_path``, ``valid_data_path`` or ``test_data_path``.
+    """
+    if simple_blend != "no":
+        return BlendKind(simple_blend)
+    if len(blend.prefixes) == 1 and (per_split or blend.weights is None):
+        return BlendKind.NONE
+    return BlendKind.BY_SIZE if blend.weights is None else BlendKind.WEIGHTED
+
+
 class IndexedSplitBuilder:
     """Builds ``(train, valid, test)`` for an Indexed-path config.
 
     Args:
         config: the settings.
-        tokenizer: gives ``eod``/``pad`` (and ``vocab_size`` for mock data).
+        tokenizer: gives the EOD and pad ids (and ``vocab_size`` for mock data); see ``tokenizer_protocol``.
         synchronize: with a process group, every rank calls ``build`` and rank 0 builds caches first.
     """
 
@@ -114,9 +148,12 @@ class IndexedSplitBuilder:
         self.config = config
         self.tokenizer = tokenizer
         self.cls = dataset_class(config)
-        # Lazy datasets build at first use, at different moments on different ranks: file locks only.
-        self.synchronize = synchronize and not config.data_lazy_load and not config.fast_cache_load
+        self.cache = config.cache_options(together=synchronize and process_group_ready())
         self._sequences = config.load_sequences_per_dataset()
+
+    def _lazily(self, build: Callable[[], object], description: str):
+        """``build()``, or a proxy that calls it on first use under ``data_lazy_load``."""
+        return LazyDatasetProxy(build, description) if self.config.data_lazy_load else build()
 
     # -- mid-level ---------------------------------------------------------------------------------------------
 
@@ -129,7 +166,7 @@ class IndexedSplitBuilder:
                     f"{self.config.per_dataset_sequences_path}; rebuild it for this data_path"
                 )
             listed = self._sequences[prefix]
-        return _Source(prefix, self.config, self.tokenizer, matrix, listed)
+        return _Source(prefix, self.config, self.tokenizer, matrix, self.cache.assume_complete, listed)
 
     def _mid_level(self, source: _Source, bookend, split_index: int, num_samples: int | None):
         split = SPLIT_NAMES[split_index]
@@ -138,13 +175,9 @@ class IndexedSplitBuilder:
         def build():
             data = source.data  # opening checks the counts the range came from, before it is allocated
             indices = np.arange(begin, end, dtype=np.int32)
-            return self.cls(
-                data, source.prefix, indices, num_samples, split, self.config, self.tokenizer, self.synchronize
-            )
+            return self.cls(data, source.prefix, indices, num_samples, split, self.config, self.tokenizer, self.cache)
 
-        if self.config.data_lazy_load:
-            return LazyDatasetProxy(build, f"{self.cls.__name__} {source.prefix} {split} [{begin}, {end})")
-        return build()
+        return self._lazily(build, f"{self.cls.__name__} {source.prefix} {split} [{begin}, {end})")
 
     def _splits_of(self, prefix: str | None, matrix: Bookends, sizes: Sizes) -> list:
         source = self._source(prefix, matrix)
@@ -152,15 +185,15 @@ class IndexedSplitBuilder:
 
     # -- blends ------------------------------------------------------------------------------------------------
 
-    def _blend(self, datasets: list, prefixes, weights: list[float] | None, size: int | None, split_index: int):
-        """The split's blend; ``weights`` None blends the sources by their sizes (``size`` caps the total)."""
+    def _blend(self, kind: BlendKind, datasets: list, prefixes, weights, size: int | None, split_index: int):
+        """The split's blend of ``datasets``; ``weights`` are the normalised ones of a ``WEIGHTED`` blend."""
         split = SPLIT_NAMES[split_index]
-        if self.config.simple_blend != "no":
-            return SimpleBlendedDataset(datasets, self.config.simple_blend, size)
+        if kind in (BlendKind.INTER, BlendKind.INTRA):
+            return SimpleBlendedDataset(datasets, kind.value, size)
 
         def build():
-            if weights is not None:
-                return BlendedDataset(datasets, weights, size, self.config, split, self.synchronize)
+            if kind is BlendKind.WEIGHTED:
+                return BlendedDataset(datasets, weights, size, split, self.cache)
             lengths = [len(d) for d in datasets]  # built here, so that a lazy blend opens nothing before use
             empty = [prefix for prefix, length in zip(prefixes, lengths, strict=True) if length == 0]
             if empty:
@@ -168,21 +201,19 @@ class IndexedSplitBuilder:
                     f"blend sources {empty} have no {split} samples; give the {split} split a larger share or drop them"
                 )
             total = None if size is None else min(size, sum(lengths))
-            return BlendedDataset(datasets, lengths, total, self.config, split, self.synchronize)
+            return BlendedDataset(datasets, lengths, total, split, self.cache)
 
-        if self.config.data_lazy_load:
-            return LazyDatasetProxy(build, f"BlendedDataset of {len(datasets)} sources, {split}")
-        return build()
+        return self._lazily(build, f"BlendedDataset of {len(datasets)} sources, {split}")
 
-    def _blended_splits(self, blend: Blend, matrix: Bookends, sizes: Sizes) -> list:
+    def _splits(self, blend: Blend, matrix: Bookends, sizes: Sizes, per_split: bool = False) -> list:
+        """The datasets that top each split of ``blend``, as ``blend_kind`` decides."""
+        kind = blend_kind(blend, self.config.simple_blend, per_split)
         prefixes = blend.prefixes
-        weights = None if blend.weights is None else normalize_weights(blend.weights)
-        if self.config.simple_blend != "no":
-            weights = None  # inter/intra take every record once
-        if len(prefixes) == 1 and weights is None and self.config.simple_blend == "no":
+        if kind is BlendKind.NONE:
             return self._splits_of(prefixes[0], matrix, sizes)
         if len(prefixes) == 1:
             logger.warning("building a blend of a single source %s", prefixes[0])
+        weights = normalize_weights(blend.weights) if kind is BlendKind.WEIGHTED else None
         targets: list[list[int] | None] = [None] * 3
         buffers: list[list[int | None]] = [[None] * len(prefixes) for _ in range(3)]
         if weights is not None:
@@ -206,7 +237,7 @@ class IndexedSplitBuilder:
                 continue
             datasets = [splits[i] for splits in per_source]
             size = sum(targets[i]) if weights is not None else sizes[i]
-            result[i] = self._blend(datasets, prefixes, weights, size, i)
+            result[i] = self._blend(kind, datasets, prefixes, weights, size, i)
         return result
 
     # -- entry -------------------------------------------------------------------------------------------------
@@ -214,7 +245,7 @@ class IndexedSplitBuilder:
     def _check_tokenizers(self, prefixes: Sequence[str]) -> None:
         """Sources must share one tokenizer and dtype. fast_cache_load trusts the caches, and the build that wrote
         them checked; it skips the check to keep start-up with many prefixes cheap."""
-        if not self.config.fast_cache_load:
+        if not self.cache.assume_complete:
             check_same_tokenizer(prefixes)
 
     def build(self, data_path, sizes: Sizes | None = None) -> list:
@@ -240,10 +271,7 @@ class IndexedSplitBuilder:
                 matrix[i] = (0.0, 1.0)
                 spoofed = [0, 0, 0]
                 spoofed[i] = sizes[i]
-                if len(blend.prefixes) == 1 and config.simple_blend == "no":
-                    result[i] = self._splits_of(blend.prefixes[0], matrix, spoofed)[i]
-                else:
-                    result[i] = self._blended_splits(blend, matrix, spoofed)[i]
+                result[i] = self._splits(blend, matrix, spoofed, per_split=True)[i]
             return result
         if data_path is None:
             raise DataConfigError("data_path is required unless mock_data or train/valid/test_data_path are set")
@@ -251,4 +279,4 @@ class IndexedSplitBuilder:
             raise DataConfigError("split is required with data_path, e.g. split: '98, 1, 1'")
         blend = parse_blend(data_path)
         self._check_tokenizers(blend.prefixes)
-        return self._blended_splits(blend, split_matrix(config.split), sizes)
+        return self._splits(blend, split_matrix(config.split), sizes)

@@ -67,8 +67,9 @@ def build_indexed_text_dataset(
             or per-split paths.
         data_config: an ``IndexedDataConfig`` or a mapping of its fields (as in YAML); ``seq_length`` is required.
         train_valid_test_num_samples: samples per split; None, or a None entry, means one epoch of that split.
-        tokenizer: a loaded tokenizer (anything with ``eod``/``eos_token_id`` and ``pad``/``pad_token_id``), or the
-            path of a local Hugging Face tokenizer.
+        tokenizer: a loaded tokenizer (a ``TextTokenizer``, or any object ``tokenizer_protocol.read_tokenizer``
+            reads, such as a Megatron tokenizer with ``eod`` and ``pad``), or the path of a local Hugging Face
+            tokenizer.
         synchronize: with a process group, rank 0 builds the index caches while the others wait; every rank must
             call this function. A failure on any rank then raises on every rank.
 
