@@ -12,6 +12,8 @@ of the ids (the Indexed path's pad rule is ``indexed.indexed_pretrain_dataset.re
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 __all__ = ["Tokenizer", "read_tokenizer"]
@@ -66,48 +68,41 @@ def _first(source: object, names: tuple[str, ...]) -> Any:
     return None
 
 
+@dataclass(frozen=True, eq=False)
 class _TokenizerView:
-    """``Tokenizer`` over a tokenizer object; each member is read from the object when asked for."""
+    """``Tokenizer`` over a tokenizer object, read once (its identity on first use: a fingerprint may hash the
+    vocabulary)."""
 
-    __slots__ = ("source",)
+    source: object = field(repr=False)
+    eod: int | None = field(init=False)
+    eos: int | None = field(init=False)
+    pad: int | None = field(init=False)
+    bos: int | None = field(init=False)
+    vocab_size: int | None = field(init=False)
+    special_tokens: Mapping[str, int] = field(init=False)
+    name: str = field(init=False)
 
-    def __init__(self, source: object) -> None:
-        self.source = source
+    def __post_init__(self) -> None:
+        source = self.source
+        values = {
+            "eod": _first(source, ("eod", "eos_token_id")),
+            "eos": _first(source, ("eos", "eos_token_id")),
+            "pad": _first(source, ("pad", "pad_token_id")),
+            "bos": _first(source, ("bos", "bos_token_id")),
+            "vocab_size": getattr(source, "vocab_size", None),
+            "special_tokens": dict(getattr(source, "special_tokens_dict", None) or {}),
+            "name": str(_first(source, ("name_or_path",)) or type(source).__name__),
+        }
+        for member, value in values.items():
+            object.__setattr__(self, member, value)
 
-    @property
-    def eod(self) -> int | None:
-        return _first(self.source, ("eod", "eos_token_id"))
-
-    @property
-    def eos(self) -> int | None:
-        return _first(self.source, ("eos", "eos_token_id"))
-
-    @property
-    def pad(self) -> int | None:
-        return _first(self.source, ("pad", "pad_token_id"))
-
-    @property
-    def bos(self) -> int | None:
-        return _first(self.source, ("bos", "bos_token_id"))
-
-    @property
-    def vocab_size(self) -> int | None:
-        return getattr(self.source, "vocab_size", None)
-
-    @property
-    def special_tokens(self) -> Mapping[str, int]:
-        return dict(getattr(self.source, "special_tokens_dict", None) or {})
-
-    @property
+    @cached_property
     def identity(self) -> object:
         found = _first(self.source, ("fingerprint", "unique_identifiers"))
         return type(self.source).__name__ if found is None else found
 
-    @property
-    def name(self) -> str:
-        return str(_first(self.source, ("name_or_path",)) or type(self.source).__name__)
-
 
 def read_tokenizer(tokenizer: object) -> Tokenizer:
-    """``tokenizer`` as a ``Tokenizer``: its members read under either accepted naming (see the module)."""
+    """``tokenizer`` as a ``Tokenizer``: its members read once, under either accepted naming (see the module); a
+    ``Tokenizer`` it returned is returned as is, so a caller that reads many times reads the object once."""
     return tokenizer if isinstance(tokenizer, _TokenizerView) else _TokenizerView(tokenizer)

@@ -36,6 +36,7 @@ from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_simple_blended_dataset import SimpleBlendedDataset
 from hyper_parallel.data.indexed.pair_metadata import check_same_tokenizer
 from hyper_parallel.data.parallel.build_barrier import process_group_ready
+from hyper_parallel.data.tokenizer_protocol import Tokenizer, read_tokenizer
 
 __all__ = ["BlendKind", "IndexedSplitBuilder", "blend_kind"]
 
@@ -51,7 +52,7 @@ class _Source:
 
     prefix: str | None
     config: IndexedDataConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     matrix: Bookends
     sources_checked: bool  # fast_cache_load: the build that wrote the caches checked the sources
     listed: tuple[int, int] | None = None  # (sequence_count, document_count) from per_dataset_sequences_path
@@ -146,7 +147,7 @@ class IndexedSplitBuilder:
 
     def __init__(self, config: IndexedDataConfig, tokenizer, synchronize: bool = True) -> None:
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = read_tokenizer(tokenizer)  # read once for every dataset of the build
         self.cls = dataset_class(config)
         self.cache = config.cache_options(together=synchronize and process_group_ready())
         self._sequences = config.load_sequences_per_dataset()
