@@ -1,6 +1,7 @@
 """Specification of the collate functions: packing Online samples, the alignment rule, stacking Indexed samples.
 
-Packed batches are compared with a reference built the plain way (Python lists, one sample at a time).
+Both return a ``Batch`` (the batch contract, ``tests/batching/test_batch.py``). Packed batches are compared with a
+reference built the plain way (Python lists, one sample at a time); Indexed boundaries with ``ltor_fields``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import numpy as np
 import pytest
 import torch
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import (
+    IndexedStackingCollator,
     TextPackingCollator,
     build_indexed_collate_fn,
     build_online_text_collate_fn,
-    collate_indexed_samples,
     sequence_alignment,
 )
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 
 
 def make_samples(lengths, seed=0):
@@ -106,16 +111,18 @@ def test_sequence_alignment_rejects_bad_sizes(kwargs, named):
 def test_packing_matches_the_reference(lengths, alignment):
     samples = make_samples(lengths, seed=len(lengths) * 100 + alignment)
     batch = TextPackingCollator(alignment=alignment, pad_token_id=3)(samples)
-    assert set(batch) == {"input_ids", "labels", "cu_seq_lens"}
+    assert type(batch) is Batch and set(batch) == {"input_ids", "labels", "loss_mask", "cu_seq_lens"}
+    assert batch.position_ids is None and batch.attention_mask is None and batch.extras == {}
     ids, labels, cu = reference_pack(samples, alignment, 3)
-    assert batch["input_ids"].dtype == torch.int64 and batch["labels"].dtype == torch.int64
-    assert batch["cu_seq_lens"].dtype == torch.int32
-    assert batch["input_ids"].shape == (1, len(ids)) and batch["labels"].shape == (1, len(ids))
-    assert batch["cu_seq_lens"].ndim == 1
-    assert batch["input_ids"][0].tolist() == ids
-    assert batch["labels"][0].tolist() == labels
-    assert batch["cu_seq_lens"].tolist() == cu
-    assert batch["input_ids"].shape[1] % alignment == 0
+    assert batch.input_ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
+    assert batch.cu_seq_lens.dtype == torch.int32 and batch.loss_mask.dtype == torch.float32
+    assert batch.input_ids.shape == (1, len(ids)) and batch.labels.shape == (1, len(ids))
+    assert batch.cu_seq_lens.ndim == 1
+    assert batch.input_ids[0].tolist() == ids
+    assert batch.labels[0].tolist() == labels
+    assert batch.loss_mask[0].tolist() == [float(label != IGNORE_INDEX) for label in labels]
+    assert batch.cu_seq_lens.tolist() == cu
+    assert batch.input_ids.shape[1] % alignment == 0
 
 
 def test_padding_is_a_synthetic_sequence():
@@ -124,6 +131,7 @@ def test_padding_is_a_synthetic_sequence():
     assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 8]
     assert batch["input_ids"][0, 5:].tolist() == [9, 9, 9]
     assert batch["labels"][0, 5:].tolist() == [IGNORE_INDEX] * 3
+    assert batch.loss_mask[0, 5:].tolist() == [0.0] * 3 and batch.num_sequences == 3
     assert batch["input_ids"][0, :5].tolist() == samples[0]["input_ids"].tolist() + samples[1]["input_ids"].tolist()
 
 
@@ -198,8 +206,7 @@ def test_text_collator_pickles():
     collator = TextPackingCollator(alignment=8, pad_token_id=5)
     clone = pickle.loads(pickle.dumps(collator))
     samples = make_samples([3, 9])
-    for key, value in collator(samples).items():
-        assert torch.equal(value, clone(samples)[key])
+    assert clone(samples) == collator(samples)
 
 
 # -- build_online_text_collate_fn ---------------------------------------------------------------------------------
@@ -240,14 +247,18 @@ def test_online_builder_with_real_tokenizer(tokenizer):
 
 # -- Indexed stacking ---------------------------------------------------------------------------------------------
 
+EOD = 0
+
 
 def make_indexed_sample(seq_length, seed, attention=False, dataset_id=0):
+    """A sample as GPTDataset gives it: EODs inside, and a loss mask with zeros (padding, eod_mask_loss)."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 500, size=seq_length + 1, dtype=np.int64)
+    tokens = rng.integers(0, 6, size=seq_length + 1, dtype=np.int64)  # about one EOD in six
+    loss_mask = (rng.random(seq_length) > 0.2).astype(np.float32)
     sample = {
         "tokens": tokens[:-1],
         "labels": tokens[1:],
-        "loss_mask": np.ones(seq_length, dtype=np.float32),
+        "loss_mask": loss_mask,
         "position_ids": np.arange(seq_length, dtype=np.int64),
         "dataset_id": np.int64(dataset_id),
     }
@@ -259,45 +270,138 @@ def make_indexed_sample(seq_length, seed, attention=False, dataset_id=0):
 @pytest.mark.parametrize("attention", [False, True])
 def test_indexed_stacking(attention):
     samples = [make_indexed_sample(16, seed, attention, dataset_id=seed % 2) for seed in range(4)]
-    batch = build_indexed_collate_fn()(samples)
-    assert batch["tokens"].shape == (4, 16) and batch["tokens"].dtype == torch.int64
-    assert batch["labels"].shape == (4, 16)
-    assert batch["loss_mask"].shape == (4, 16) and batch["loss_mask"].dtype == torch.float32
-    assert batch["position_ids"].shape == (4, 16)
-    assert batch["dataset_id"].tolist() == [0, 1, 0, 1]
+    batch = build_indexed_collate_fn(eod_token_id=EOD)(samples)
+    assert type(batch) is Batch
+    assert batch.input_ids.shape == (4, 16) and batch.input_ids.dtype == torch.int64
+    assert batch.labels.shape == (4, 16)
+    assert batch.loss_mask.shape == (4, 16) and batch.loss_mask.dtype == torch.float32
+    assert batch.position_ids.shape == (4, 16)
+    assert list(batch.extras) == ["dataset_id"] and batch.extras["dataset_id"].tolist() == [0, 1, 0, 1]
     for row, sample in enumerate(samples):
-        assert batch["tokens"][row].tolist() == sample["tokens"].tolist()
-        assert batch["labels"][row].tolist() == sample["labels"].tolist()
+        trained = sample["loss_mask"] == 1
+        assert batch.input_ids[row].tolist() == sample["tokens"].tolist()
+        assert batch.labels[row].tolist() == np.where(trained, sample["labels"], IGNORE_INDEX).tolist()
+        assert batch.loss_mask[row].tolist() == sample["loss_mask"].tolist()  # the dataset's mask, unchanged
     if attention:
-        assert batch["attention_mask"].shape == (4, 1, 16, 16) and batch["attention_mask"].dtype == torch.bool
+        assert batch.attention_mask.shape == (4, 1, 16, 16) and batch.attention_mask.dtype == torch.bool
+        assert torch.equal(batch.attention_mask[2, 0], torch.from_numpy(samples[2]["attention_mask"][0]))
     else:
-        assert "attention_mask" not in batch
+        assert batch.attention_mask is None and "attention_mask" not in batch
+
+
+def test_indexed_names_stay_readable_through_the_mapping_view():
+    """``tokens`` is renamed ``input_ids`` in the collator; ``batch["tokens"]`` and extras still read."""
+    samples = [make_indexed_sample(8, seed, dataset_id=3) for seed in range(2)]
+    batch = build_indexed_collate_fn(eod_token_id=EOD)(samples)
+    assert batch["tokens"] is batch.input_ids and batch["input_ids"] is batch.input_ids
+    assert batch["dataset_id"].tolist() == [3, 3]
+    assert list(batch) == ["input_ids", "labels", "loss_mask", "cu_seq_lens", "position_ids", "dataset_id"]
+
+
+def test_indexed_boundaries_end_after_each_eod_and_at_each_row_end():
+    """Worked example: rows ``[5, 0, 7, 8]`` and ``[0, 1, 2, 0]`` with EOD 0 hold sequences ``[5, 0]``, ``[7, 8]``,
+    ``[0]`` and ``[1, 2, 0]``: the EOD ends the document it belongs to, and no sequence crosses a row."""
+    rows = np.array([[5, 0, 7, 8], [0, 1, 2, 0]])
+    samples = [{"tokens": row, "labels": np.append(row[1:], 9), "loss_mask": np.ones(4, np.float32)} for row in rows]
+    batch = build_indexed_collate_fn(eod_token_id=0)(samples)
+    assert batch.cu_seq_lens.tolist() == [0, 2, 4, 5, 8] and batch.cu_seq_lens.dtype == torch.int32
+    assert [ids.tolist() for ids, _ in batch.sequences()] == [[5, 0], [7, 8], [0], [1, 2, 0]]
+    assert IndexedStackingCollator()(samples).cu_seq_lens.tolist() == [0, 4, 8]  # no EOD id: one sequence a row
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_indexed_boundaries_are_those_of_ltor_fields(seed):
+    """Position ids reset by ``ltor_fields`` (megatron-core's rule) restart exactly at the batch's boundaries."""
+    samples = [make_indexed_sample(24, seed * 10 + row) for row in range(3)]
+    batch = build_indexed_collate_fn(eod_token_id=EOD)(samples)
+    starts = np.concatenate(
+        [ltor_fields(s["tokens"], EOD, True, False, False, False).position_ids == 0 for s in samples]
+    )
+    assert np.flatnonzero(starts).tolist() == batch.cu_seq_lens[:-1].tolist()
 
 
 def test_indexed_stacking_of_torch_samples():
     samples = [{k: torch.as_tensor(v) for k, v in make_indexed_sample(8, seed).items()} for seed in range(3)]
-    batch = collate_indexed_samples(samples)
-    assert batch["tokens"].shape == (3, 8) and batch["dataset_id"].shape == (3,)
+    batch = IndexedStackingCollator(eod_token_id=EOD)(samples)
+    assert batch.input_ids.shape == (3, 8) and batch.extras["dataset_id"].shape == (3,)
 
 
 def test_indexed_errors():
+    collate = IndexedStackingCollator(eod_token_id=EOD)
     good = [make_indexed_sample(8, seed) for seed in range(3)]
     with pytest.raises(DataFileError, match="no samples"):
-        collate_indexed_samples([])
+        collate([])
     with pytest.raises(DataFileError, match="sample 1 of the batch is None"):
-        collate_indexed_samples([good[0], None, good[2]])
+        collate([good[0], None, good[2]])
     partial = dict(good[1])
     del partial["position_ids"]
     with pytest.raises(DataFileError, match=r"sample 1 .*missing \['position_ids'\]"):
-        collate_indexed_samples([good[0], partial])
+        collate([good[0], partial])
     with pytest.raises(DataFileError, match=r"sample 1 .*extra \['attention_mask'\]"):
-        collate_indexed_samples([good[0], make_indexed_sample(8, 1, attention=True)])
+        collate([good[0], make_indexed_sample(8, 1, attention=True)])
     with pytest.raises(DataFileError, match="sample 1 .*'tokens' has shape"):
-        collate_indexed_samples([good[0], make_indexed_sample(9, 1)])
+        collate([good[0], make_indexed_sample(9, 1)])
+    without_mask = [{k: v for k, v in sample.items() if k != "loss_mask"} for sample in good]
+    with pytest.raises(DataFileError, match=r"no \['loss_mask'\] .*need \['tokens', 'labels', 'loss_mask'\]"):
+        collate(without_mask)
+    as_lists = [{k: v.tolist() if k == "tokens" else v for k, v in sample.items()} for sample in good]
+    with pytest.raises(DataFileError, match="'tokens' did not stack .*must be a 1-D numpy array or tensor"):
+        collate(as_lists)
 
 
 def test_indexed_collate_pickles():
-    collate = build_indexed_collate_fn()
+    collate = build_indexed_collate_fn(eod_token_id=EOD)
     clone = pickle.loads(pickle.dumps(collate))
     samples = [make_indexed_sample(8, seed) for seed in range(2)]
-    assert torch.equal(clone(samples)["tokens"], collate(samples)["tokens"])
+    assert clone.eod_token_id == EOD and clone(samples) == collate(samples)
+
+
+class _EosTokenizer:
+    def __init__(self, eos_token_id):
+        self.eos_token_id = eos_token_id
+
+
+def test_indexed_builder_takes_the_eod_of_the_tokenizer(tokenizer, caplog):
+    assert build_indexed_collate_fn(tokenizer).eod_token_id == tokenizer.eod
+    assert build_indexed_collate_fn(_EosTokenizer(7)).eod_token_id == 7
+    assert build_indexed_collate_fn(_EosTokenizer(7), eod_token_id=3).eod_token_id == 3
+    with pytest.raises(DataConfigError, match="has no EOD/EOS token id.*set eod_token_id"):
+        build_indexed_collate_fn(_EosTokenizer(None))
+    with pytest.raises(DataConfigError, match="eod_token_id must be an integer >= 0, got -1.*EOD"):
+        build_indexed_collate_fn(eod_token_id=-1)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        assert build_indexed_collate_fn().eod_token_id is None
+    assert "no EOD id: cu_seq_lens mark row ends only" in caplog.text
+
+
+def test_a_gpt_dataset_batch_keeps_its_masks(tmp_path, tokenizer):
+    """A real pipeline with ``eod_mask_loss`` and reset position ids: the batch's loss mask is the dataset's, the
+    labels are ignored exactly there, and sequences start where the dataset's position ids restart."""
+    prefix = tmp_path / "corpus_text_document"
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(60):
+        document = [*rng.integers(2, 8000, size=int(rng.integers(3, 40))).tolist(), tokenizer.eod]
+        builder.add_document(document, [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    config = {
+        "seq_length": 32,
+        "split": "100, 0, 0",
+        "data_cache_path": str(tmp_path / "cache"),
+        "eod_mask_loss": True,
+        "reset_position_ids": True,
+        "create_ltor_fields_in_dataloader": True,
+        "create_attention_mask": False,
+    }
+    train, _, _ = build_indexed_text_dataset(str(prefix), config, tokenizer=tokenizer)
+    samples = train.__getitems__([0, 1, 2, 3])
+    batch = build_indexed_collate_fn(tokenizer)(samples)
+    loss_mask = torch.stack([sample["loss_mask"] for sample in samples])
+    labels = torch.stack([sample["labels"] for sample in samples])
+    assert torch.equal(batch.input_ids, torch.stack([sample["tokens"] for sample in samples]))
+    assert torch.equal(batch.loss_mask, loss_mask) and 0 < batch.trained_tokens < loss_mask.numel()
+    assert torch.equal(batch.labels, labels.masked_fill(loss_mask == 0, IGNORE_INDEX))
+    restarts = np.flatnonzero(torch.stack([sample["position_ids"] for sample in samples]).reshape(-1) == 0)
+    assert restarts.tolist() == batch.cu_seq_lens[:-1].tolist() and batch.num_sequences > 4
+    assert train[0]["tokens"].shape == (32,) and "input_ids" not in train[0]  # samples keep megatron's names

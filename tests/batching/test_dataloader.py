@@ -129,7 +129,7 @@ def test_the_indexed_config_builds_a_loader_per_split(tmp_path, tokenizer_path):
     loaders = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=4)
     assert all(loader is not None for loader in loaders)
     batches = check_exact_resume(make, stop_points=[3])
-    assert all(len(batch["tokens"]) == 4 and len(batch["tokens"][0]) == 32 for batch in batches)
+    assert all(len(batch["input_ids"]) == 4 and len(batch["input_ids"][0]) == 32 for batch in batches)
 
 
 def test_pipeline_configs_missing_a_node_or_returning_odd_splits_are_refused(tmp_path, tokenizer_path):

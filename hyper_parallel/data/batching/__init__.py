@@ -1,6 +1,8 @@
 """Batching: choose the samples of each micro-batch (loaders) and turn them into tensors (collators)."""
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import (
+    IndexedStackingCollator,
     TextPackingCollator,
     build_indexed_collate_fn,
     build_online_text_collate_fn,
@@ -13,8 +15,10 @@ from hyper_parallel.data.batching.build_dataloader import (
 )
 
 __all__ = [
+    "Batch",
     "DynamicBatchDataLoader",
     "FixedBatchDataLoader",
+    "IndexedStackingCollator",
     "TextPackingCollator",
     "TextTokenBatcher",
     "build_indexed_collate_fn",

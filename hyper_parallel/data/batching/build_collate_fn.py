@@ -1,12 +1,16 @@
 """Collate functions: pack variable-length Online samples into one row, stack fixed-length Indexed samples.
 
-Owns: turning the samples of one micro-batch into the tensors a training step consumes. Online ``ModelSample``s
-(``input_ids`` and already-shifted ``labels``) are concatenated into a single ``[1, packed_length]`` row with
-``cu_seq_lens`` marking the sequence boundaries for variable-length attention; the row is padded at its tail to
-the multiple that context/tensor parallelism (and the attention kernels) need, and that padding is recorded as one
-extra synthetic sequence, so that it attends only to itself. Indexed samples, already of equal length, are stacked
-into ``[micro_batch_size, seq_length]`` tensors. Not responsible for: choosing which samples form a batch (the
-samplers in ``parallel``), splitting the packed row across context-parallel ranks, or tokenization.
+Owns: turning the samples of one micro-batch into a ``Batch`` (``batching.batch``: the one contract both paths
+follow, documented with a worked example in the package README). Online ``ModelSample``s (``input_ids`` and
+already-shifted ``labels``) are concatenated into a single ``[1, packed_length]`` row with ``cu_seq_lens`` marking
+the sequence boundaries for variable-length attention; the row is padded at its tail to the multiple that
+context/tensor parallelism (and the attention kernels) need, and that padding is recorded as one extra synthetic
+sequence with ``IGNORE_INDEX`` labels, so that it attends only to itself. Indexed samples, already of equal length,
+are stacked into ``[micro_batch_size, seq_length]`` rows; their ``tokens`` become ``input_ids`` here (the one
+place the name changes), their labels become ``IGNORE_INDEX`` where the dataset's loss mask is 0, and their
+``cu_seq_lens`` end a sequence after each EOD token and at each row end (``indexed.ltor_fields``). Not responsible
+for: choosing which samples form a batch (the samplers in ``parallel``), splitting the packed row across
+context-parallel ranks, or tokenization.
 
 Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens plus 3 pad tokens (labels
 ``IGNORE_INDEX``) and ``cu_seq_lens = [0, 3, 5, 8]``; with lengths 3 and 1 it holds 4 tokens and
@@ -16,23 +20,28 @@ Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends
 
 __all__ = [
+    "IndexedStackingCollator",
     "TextPackingCollator",
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
-    "collate_indexed_samples",
     "sequence_alignment",
 ]
+
+logger = get_logger(__name__)
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
@@ -117,9 +126,10 @@ def _field(sample: Any, key: str, index: int) -> np.ndarray:
 
 
 class TextPackingCollator:
-    """Pack Online samples into one ``[1, packed_length]`` row with ``cu_seq_lens`` boundaries.
+    """Pack Online samples into one ``[1, packed_length]`` row with ``cu_seq_lens`` boundaries: a ``Batch``.
 
-    Picklable (plain attributes only), so it can be handed to ``DataLoader`` workers.
+    Padding, label shift and mask polarity follow the batch contract (``batching.batch``). Picklable (plain
+    attributes only), so it can be handed to ``DataLoader`` workers.
 
     Attributes:
         alignment: the packed length is padded at its tail to a multiple of this.
@@ -152,7 +162,7 @@ class TextPackingCollator:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id})"
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
         """Concatenate ``samples`` into one padded row.
 
         Args:
@@ -160,8 +170,8 @@ class TextPackingCollator:
                 (numpy arrays, lists or tensors).
 
         Returns:
-            ``input_ids`` and ``labels``: int64 ``[1, packed_length]``; ``cu_seq_lens``: int32 ``[K + 1]``, or
-            ``[K + 2]`` when tail padding was added (the padding is its own final sequence).
+            A ``Batch``: ``input_ids``, ``labels`` and ``loss_mask`` ``[1, packed_length]``; ``cu_seq_lens`` int32
+            ``[K + 1]``, or ``[K + 2]`` when tail padding was added (the padding is its own final sequence).
 
         Raises:
             DataFileError: the batch is empty, or a sample is not a mapping, lacks a field, has a field that is
@@ -198,11 +208,11 @@ class TextPackingCollator:
         np.cumsum(lengths, out=cu_seq_lens[1 : len(lengths) + 1])
         if pad:
             cu_seq_lens[-1] = packed_length
-        return {
-            "input_ids": torch.from_numpy(input_row).unsqueeze(0),
-            "labels": torch.from_numpy(label_row).unsqueeze(0),
-            "cu_seq_lens": torch.from_numpy(cu_seq_lens),
-        }
+        return Batch(
+            input_ids=torch.from_numpy(input_row).unsqueeze(0),
+            labels=torch.from_numpy(label_row).unsqueeze(0),
+            cu_seq_lens=torch.from_numpy(cu_seq_lens),
+        )
 
 
 def build_online_text_collate_fn(
@@ -242,17 +252,11 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(np.shape(value))
 
 
-def collate_indexed_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack fixed-length Indexed samples into ``[micro_batch_size, ...]`` tensors with ``default_collate``.
+_INDEXED_FIELDS = ("tokens", "labels", "loss_mask")
 
-    Each sample is a dict of equal-length arrays (``tokens``, ``labels``, ``loss_mask``, optional
-    ``position_ids`` and ``attention_mask``) and scalars such as ``dataset_id``; numpy arrays and torch tensors
-    both work. A module-level function, so ``DataLoader`` workers can pickle it.
 
-    Raises:
-        DataFileError: the batch is empty, a sample is None or not a mapping, the samples' keys differ, or a
-            field's shape differs from sample 0's.
-    """
+def _stack(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The samples' fields stacked by ``default_collate``, after checking that they agree."""
     if len(samples) == 0:
         raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to stack")
     first = samples[0]
@@ -278,9 +282,118 @@ def collate_indexed_samples(samples: Sequence[Mapping[str, Any]]) -> dict[str, t
                         f"sample {index} of the batch: field {key!r} has shape {_shape(value)} but sample 0's has "
                         f"{_shape(first[key])}; Indexed samples must all have seq_length tokens"
                     )
+    missing = [key for key in _INDEXED_FIELDS if key not in first]
+    if missing:
+        raise DataFileError(
+            f"the samples have no {missing} (their fields: {sorted(map(str, first))}); Indexed samples need "
+            f"{list(_INDEXED_FIELDS)}, as GPTDataset returns them"
+        )
     return default_collate(list(samples))
 
 
-def build_indexed_collate_fn() -> Callable[[Sequence[Mapping[str, Any]]], dict[str, torch.Tensor]]:
-    """Return the collate function of the Indexed path (``collate_indexed_samples``; picklable)."""
-    return collate_indexed_samples
+def _stacked_array(stacked: dict[str, Any], key: str) -> torch.Tensor:
+    """Field ``key`` of the stacked samples, removed from ``stacked``; an error unless samples held arrays."""
+    value = stacked.pop(key)
+    if not isinstance(value, torch.Tensor) or value.ndim != 2:
+        raise DataFileError(
+            f"the samples' {key!r} did not stack into a [micro_batch_size, seq_length] tensor; each sample's "
+            f"{key!r} must be a 1-D numpy array or tensor, as GPTDataset returns it"
+        )
+    return value
+
+
+def _boundaries(rows: torch.Tensor, eod_token_id: int | None) -> torch.Tensor:
+    """int32 ``cu_seq_lens`` of stacked rows: a sequence ends after each EOD and at each row end."""
+    if rows.numel() > _INT32_MAX:
+        raise DataFileError(
+            f"the batch holds {rows.numel()} tokens ({list(rows.shape)}), more than cu_seq_lens (int32) can address; "
+            "use a smaller micro_batch_size"
+        )
+    ends = np.zeros(rows.shape, dtype=bool) if eod_token_id is None else (rows == eod_token_id).cpu().numpy()
+    return torch.from_numpy(cu_seq_lens_from_ends(ends).astype(np.int32))
+
+
+class IndexedStackingCollator:
+    """Stack fixed-length Indexed samples into a ``Batch`` of ``[micro_batch_size, seq_length]`` rows.
+
+    Each sample is a dict of equal-length arrays (``tokens``, ``labels``, ``loss_mask``, optional ``position_ids``
+    and ``attention_mask``) and scalars such as ``dataset_id``; numpy arrays and torch tensors both work. Following
+    the batch contract (``batching.batch``): ``tokens`` become ``input_ids``; labels are ``IGNORE_INDEX`` where
+    the loss mask is 0 (padding, EOD inputs under ``eod_mask_loss``, batch-padding samples), so the batch's
+    ``loss_mask`` equals the dataset's; ``cu_seq_lens`` end a sequence after each EOD token and at each row end,
+    the rule of megatron-core's ``reset_position_ids``/``reset_attention_mask``; the attention mask keeps
+    megatron-core's polarity (True = masked out); other fields go to ``Batch.extras``. Picklable (plain
+    attributes only), so it can be handed to ``DataLoader`` workers.
+
+    Attributes:
+        eod_token_id: the EOD id that ends a sequence; None makes each row one sequence.
+    """
+
+    def __init__(self, *, eod_token_id: int | None = None) -> None:
+        """Validate and store the EOD id.
+
+        Raises:
+            DataConfigError: ``eod_token_id`` is given and is not a non-negative integer.
+        """
+        if eod_token_id is not None:
+            eod_token_id = _setting(eod_token_id, "eod_token_id", "the tokenizer's EOD (EOS) token id", minimum=0)
+        self.eod_token_id = eod_token_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(eod_token_id={self.eod_token_id})"
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
+        """Stack ``samples`` into one ``Batch``.
+
+        Raises:
+            DataFileError: the batch is empty, a sample is None or not a mapping, the samples' fields differ or
+                lack ``tokens``/``labels``/``loss_mask``, or a field's shape differs from sample 0's.
+        """
+        stacked = _stack(samples)
+        tokens, labels, loss_mask = (_stacked_array(stacked, key) for key in _INDEXED_FIELDS)
+        tokens, labels = tokens.long(), labels.long()  # no copy for the datasets' int64
+        labels.masked_fill_(loss_mask == 0, IGNORE_INDEX)  # a fresh stacked tensor: no sample changes
+        return Batch(
+            input_ids=tokens,
+            labels=labels,
+            cu_seq_lens=_boundaries(tokens, self.eod_token_id),
+            position_ids=stacked.pop("position_ids", None),
+            attention_mask=stacked.pop("attention_mask", None),
+            extras=stacked,
+        )
+
+
+def _eod_of(tokenizer: Any) -> int:
+    """The tokenizer's EOD id, found as the Indexed datasets find it (``eod``, else ``eos_token_id``)."""
+    eod = getattr(tokenizer, "eod", None)
+    if eod is None:
+        eod = getattr(tokenizer, "eos_token_id", None)
+    if eod is None:
+        raise DataConfigError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no EOD/EOS token id, so the Indexed collator cannot tell "
+            "where documents end; set eod_token_id on the collate_fn node, or use a tokenizer with an EOS token"
+        )
+    return eod
+
+
+def build_indexed_collate_fn(tokenizer: Any = None, *, eod_token_id: int | None = None) -> IndexedStackingCollator:
+    """Build the collator of the Indexed path (``IndexedStackingCollator``; picklable).
+
+    Args:
+        tokenizer: its EOD id (``eod``, else ``eos_token_id``) ends the sequences of ``cu_seq_lens``, unless
+            ``eod_token_id`` is given. ``build_dataloaders`` passes the pipeline's tokenizer.
+        eod_token_id: explicit EOD id.
+
+    Without either, each row is one sequence, and a warning says so.
+
+    Raises:
+        DataConfigError: the EOD id is invalid, or a tokenizer without an EOD/EOS id is given.
+    """
+    if eod_token_id is None and tokenizer is not None:
+        eod_token_id = _eod_of(tokenizer)
+    if eod_token_id is None:
+        logger.warning(
+            "the Indexed collator has no EOD id: cu_seq_lens mark row ends only, so each row is one sequence; "
+            "pass the tokenizer (build_dataloaders does) or eod_token_id to build_indexed_collate_fn"
+        )
+    return IndexedStackingCollator(eod_token_id=eod_token_id)
