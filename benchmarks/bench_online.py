@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from benchmarks.bench_offline import _quiet_project_logging, corpus_path, load_paragraphs, repeat_to_tokens, write_jsonl
 from benchmarks.common import BenchContext, Row, log, measure
+from hyper_parallel.data.batching.batch import Batch
 
 NAME = "online"
 TITLE = "Online read + tokenize + dynamic batching vs bare tokenizers; packing efficiency; resume"
@@ -114,13 +114,13 @@ def dynamic_loader(dataset, **options: Any):
     return loader
 
 
-def real_tokens(batch: dict) -> int:
-    """Tokens of a packed batch: its whole row, as the default collator (alignment 1) adds no tail padding."""
-    return batch["input_ids"].shape[1]
+def real_tokens(batch: Batch) -> int:
+    """Tokens of a packed batch: all of them, as the default collator (alignment 1) adds no tail padding."""
+    return batch.num_tokens
 
 
-def same_batch(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+def same_batch(a: Batch, b: Batch) -> bool:
+    return a == b  # the same fields holding equal tensors
 
 
 # -- throughput -----------------------------------------------------------------------------------------------

@@ -6,8 +6,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn
 from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.tools.cli import main as hp_data
 from hyper_parallel.data.tools.preview_batches import describe_batch, marked_text
 
@@ -80,16 +85,58 @@ def test_preview_json_and_missing_split(config, tokenizer_path, capsys):
     assert "conversations" in capsys.readouterr().err
 
 
-def test_indexed_batches_are_described_row_by_row():
+def test_indexed_batches_are_described_by_the_batch_contract():
+    """Sequences as ``cu_seq_lens`` cuts them (after each EOD, here 0, and at each row end); trained tokens as the
+    loss mask counts them, whatever the dataset's labels hold where the mask is 0."""
+
     def decode(ids):
         return " ".join(map(str, ids))
 
-    batch = {
-        "tokens": np.array([[5, 6, 7], [8, 9, 10]]),
-        "labels": np.array([[6, 7, 11], [9, IGNORE_INDEX, IGNORE_INDEX]]),
-        "loss_mask": np.array([[1, 1, 1], [1, 0, 0]]),
-    }
-    summary = describe_batch(batch, decode)
-    assert summary["sequences"] == 2 and summary["tokens"] == 6 and summary["trained_tokens"] == 4
-    assert summary["texts"] == ["5[[6 7 11]]", "8[[9]]10"]  # each run decoded on its own
-    assert summary["shapes"]["tokens"] == [2, 3]
+    samples = [
+        {"tokens": np.array([5, 6, 7]), "labels": np.array([6, 7, 11]), "loss_mask": np.ones(3, np.float32)},
+        {"tokens": np.array([8, 0, 10]), "labels": np.array([0, 10, 12]), "loss_mask": np.array([1, 0, 0], np.float32)},
+    ]
+    summary = describe_batch(build_indexed_collate_fn(eod_token_id=0)(samples), decode)
+    assert summary["sequences"] == 3 and summary["tokens"] == 6 and summary["trained_tokens"] == 4
+    assert summary["texts"] == ["5[[6 7 11]]", "8[[0]]", "10"]  # each run decoded on its own
+    assert summary["shapes"]["input_ids"] == [2, 3] and summary["shapes"]["loss_mask"] == [2, 3]
+    with pytest.raises(DataConfigError, match="returned a dict, not a Batch; preview reads the batch contract"):
+        describe_batch({"tokens": np.zeros((1, 3))}, decode)
+
+
+INDEXED_CONFIG = """
+dataset:
+  _target_: hyper_parallel.data.text.build_dataset.build_indexed_text_dataset
+  data_path: {prefix}
+  data_config: {data_config}
+dataloader:
+  _target_: hyper_parallel.data.batching.FixedBatchDataLoader
+collate_fn:
+  _target_: hyper_parallel.data.batching.build_indexed_collate_fn
+"""
+
+
+def test_preview_of_an_indexed_pipeline_counts_what_the_loss_mask_trains(tmp_path, tokenizer, tokenizer_path, capsys):
+    """With ``eod_mask_loss`` the EOD inputs carry no loss: the preview's trained tokens are the loss mask's, and
+    its sequences are the documents cut at each EOD, over one whole epoch."""
+    prefix = tmp_path / "corpus_text_document"
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(30):
+        document = [*rng.integers(2, 8000, size=int(rng.integers(3, 30))).tolist(), tokenizer.eod]
+        builder.add_document(document, [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    data_config = {"seq_length": 32, "split": "100, 0, 0", "eod_mask_loss": True, "data_cache_path": str(tmp_path)}
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(INDEXED_CONFIG.format(prefix=prefix, data_config=json.dumps(data_config)))
+    assert hp_data(["preview", str(config), "--tokenizer", str(tokenizer_path), "--json", "--batches", "1000"]) == 0
+    batches = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    train, _, _ = build_indexed_text_dataset(str(prefix), data_config, tokenizer=tokenizer)
+    samples = [train[index] for index in range(len(train))]
+    loss_mask = torch.stack([sample["loss_mask"] for sample in samples])
+    tokens = torch.stack([sample["tokens"] for sample in samples])
+    assert len(batches) == len(samples) > 10
+    assert sum(batch["tokens"] for batch in batches) == tokens.numel()
+    assert sum(batch["trained_tokens"] for batch in batches) == int(loss_mask.sum()) < tokens.numel()
+    assert sum(batch["sequences"] for batch in batches) == len(samples) + int((tokens[:, :-1] == tokenizer.eod).sum())

@@ -5,10 +5,12 @@ Usage::
     hp-data preview pipeline.yaml --tokenizer path/to/tokenizer_dir --batches 2
     python -m hyper_parallel.data.tools.preview_batches pipeline.yaml --tokenizer DIR --json
 
-For each batch it prints the shapes, the sequences (from ``cu_seq_lens`` for packed Online batches, one per row
-for Indexed batches), the real and padding tokens, and each sequence's text with the tokens that carry loss
-between ``[[`` and ``]]`` (or highlighted on a terminal). Nothing is trained; the loaders are built exactly as a
-trainer builds them (``batching.dataloader.build_dataloaders``).
+For each batch it prints the shapes, the number of sequences and tokens, the tokens that carry loss, and each
+sequence's text with those tokens between ``[[`` and ``]]`` (or highlighted on a terminal). It reads the batch
+contract (``batching.batch.Batch``) alone, so Online and Indexed batches are shown the same way: sequences as
+``cu_seq_lens`` cuts them (the Online padding is the last one; Indexed rows are cut after each EOD), trained
+tokens as the loss mask counts them. Nothing is trained; the loaders are built exactly as a trainer builds them
+(``batching.dataloader.build_dataloaders``).
 Not responsible for: building the pipeline (that is the config) or checking masks (the transforms do).
 """
 
@@ -17,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
@@ -30,18 +32,6 @@ __all__ = ["describe_batch", "main", "marked_text"]
 
 _PLAIN_MARKS = ("[[", "]]")
 _TERMINAL_MARKS = ("\033[1;32m", "\033[0m")
-
-
-def _sequences(batch: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(input_ids, labels)`` of every sequence: packed rows split by ``cu_seq_lens``, else one per row."""
-    ids = np.asarray(batch["input_ids"] if "input_ids" in batch else batch["tokens"])
-    labels = np.asarray(batch["labels"])
-    if "cu_seq_lens" in batch:
-        bounds = np.asarray(batch["cu_seq_lens"])
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            yield ids[0, start:end], labels[0, start:end]
-    else:
-        yield from zip(ids, labels, strict=True)
 
 
 def marked_text(input_ids: np.ndarray, labels: np.ndarray, decode, marks: tuple[str, str] = _PLAIN_MARKS) -> str:
@@ -67,16 +57,24 @@ def marked_text(input_ids: np.ndarray, labels: np.ndarray, decode, marks: tuple[
     return "".join(pieces)
 
 
-def describe_batch(batch: dict, decode, *, max_sequences: int = 4, marks: tuple[str, str] = _PLAIN_MARKS) -> dict:
+def describe_batch(batch: Batch, decode, *, max_sequences: int = 4, marks: tuple[str, str] = _PLAIN_MARKS) -> dict:
     """Shapes, token counts and the marked text of the first ``max_sequences`` sequences of ``batch``."""
-    sequences = list(_sequences(batch))
-    labels = np.asarray(batch["labels"])
+    if not isinstance(batch, Batch):
+        raise DataConfigError(
+            f"the collate_fn returned a {type(batch).__name__}, not a Batch; preview reads the batch contract, so use "
+            "build_online_text_collate_fn or build_indexed_collate_fn (or a collate_fn that returns a Batch)"
+        )
+    texts = []
+    for ids, labels in batch.sequences():
+        if len(texts) == max_sequences:
+            break
+        texts.append(marked_text(ids.numpy(), labels.numpy(), decode, marks))
     return {
-        "shapes": {key: list(np.asarray(value).shape) for key, value in batch.items()},
-        "sequences": len(sequences),
-        "tokens": int(labels.size),
-        "trained_tokens": int((labels != IGNORE_INDEX).sum()),
-        "texts": [marked_text(ids, targets, decode, marks) for ids, targets in sequences[:max_sequences]],
+        "shapes": {key: list(value.shape) for key, value in batch.items()},
+        "sequences": batch.num_sequences,
+        "tokens": batch.num_tokens,
+        "trained_tokens": batch.trained_tokens,
+        "texts": texts,
     }
 
 

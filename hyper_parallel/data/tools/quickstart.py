@@ -16,8 +16,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from hyper_parallel.data.batching import DynamicBatchDataLoader
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
@@ -96,14 +94,14 @@ def online_quickstart(cache_dir: Path, tokenizer, seq_length: int, micro_batch_s
     batches = iter(uninterrupted)
     for number in range(shown):
         batch = next(batches)
-        windows = len(batch["cu_seq_lens"]) - 1
-        print(f"  batch {number}: input_ids {tuple(batch['input_ids'].shape)}, {windows} windows of chapters")
+        windows = batch.num_sequences
+        print(f"  batch {number}: input_ids {tuple(batch.input_ids.shape)}, {windows} windows of chapters")
     state = uninterrupted.state_dict()
     expected = next(batches)
     restored = loader()
     restored.load_state_dict(state)
     continued = next(iter(restored))
-    same = all(torch.equal(value, continued[key]) for key, value in expected.items())
+    same = continued == expected
     print(
         f"  saved the loader state after batch {shown - 1}; a new loader restored from it gives batch {shown}: ", end=""
     )
