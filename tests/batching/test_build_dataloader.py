@@ -14,6 +14,7 @@ import torch
 from hyper_parallel.data.batching import (
     DynamicBatchDataLoader,
     FixedBatchDataLoader,
+    PackingPolicy,
     TextTokenBatcher,
     calculate_num_micro_batches,
 )
@@ -116,22 +117,102 @@ def test_an_over_long_sample_is_alone_and_never_cut(tmp_path, tokenizer, hf_cach
     assert len(alone) == 1 and len(alone[0]) == max(lengths)
 
 
+class KeysAsSaved:
+    """A sample codec for driving a policy by hand: a sample is saved as its key and its length."""
+
+    def encode_samples(self, entries):
+        return [[key, len(sample["input_ids"])] for key, sample in entries]
+
+    def decode_samples(self, saved, where):
+        return [(key, {"input_ids": np.zeros(length)}) for key, length in saved]
+
+
+def drive(policy: PackingPolicy, lengths: dict[int, int]) -> None:
+    for key, length in lengths.items():
+        policy.put(key, {"input_ids": np.zeros(length)})
+
+
+def keys(entries) -> list:
+    return [key for key, _ in entries]
+
+
 def test_text_token_batcher_takes_what_fits_in_arrival_order():
     batcher = TextTokenBatcher(token_budget=10, min_buffered_samples=3)
-    for key, length in enumerate([6, 5, 3, 1, 9]):
-        batcher.put(key, {"input_ids": np.zeros(length)})
-    assert batcher.is_ready()
-    assert [key for key, _, _ in batcher.pop_micro_batch()] == [0, 2, 3]  # 6 + 3 + 1 = 10; 5 waits
-    assert [key for key, _, _ in batcher.entries()] == [1, 4]
-    assert batcher.buffered_tokens == 14 and not batcher.is_ready()  # fewer than 3 samples
-    assert [key for key, _, _ in batcher.pop_micro_batch()] == [1]
+    assert isinstance(batcher, PackingPolicy)
+    drive(batcher, {0: 6, 1: 5, 2: 3, 3: 1, 4: 9})
+    assert batcher.ready() and batcher.cost({"input_ids": np.zeros(6)}) == 6
+    assert keys(batcher.pop()) == [0, 2, 3]  # 6 + 3 + 1 = 10; 5 waits
+    assert len(batcher) == 2 and not batcher.ready()  # fewer than 3 samples
+    saved = batcher.state_dict(KeysAsSaved())
+    assert keys(batcher.pop()) == [1]
     batcher.put(5, {"input_ids": np.zeros(25)})
-    assert [key for key, _, _ in batcher.pop_micro_batch()] == [4]
-    assert [key for key, _, _ in batcher.pop_micro_batch()] == [5]  # longer than the budget: alone
+    assert keys(batcher.pop()) == [4]
+    assert keys(batcher.pop()) == [5]  # longer than the budget: alone
+    assert len(batcher) == 0
+    restored = TextTokenBatcher(token_budget=10, min_buffered_samples=3)
+    restored.load_state_dict(saved, KeysAsSaved())
+    assert len(restored) == 2 and keys(restored.pop()) == [1] and keys(restored.pop()) == [4]
     with pytest.raises(DataFileError, match="no tokens"):
         batcher.put(6, {"input_ids": np.zeros(0)})
     with pytest.raises(DataConfigError, match="token_budget"):
         TextTokenBatcher(token_budget=0, min_buffered_samples=1)
+    with pytest.raises(ResumeStateError, match="saved with min_buffered_samples=3 but this loader has 4"):
+        TextTokenBatcher(token_budget=10, min_buffered_samples=4).load_state_dict(saved, KeysAsSaved())
+
+
+class PaddedTokenBudget:
+    """A second packing policy: each sequence is padded to a multiple of ``multiple`` tokens (as a kernel or a CP
+    split may need), and the padded lengths are what the budget is charged. One pass in arrival order, as soon as
+    a budget's worth is buffered; its state keeps the buffer as the key source encodes it."""
+
+    def __init__(self, token_budget: int, multiple: int) -> None:
+        self.token_budget, self.multiple = token_budget, multiple
+        self.entries: list = []
+
+    def cost(self, sample) -> int:
+        return -(-len(sample["input_ids"]) // self.multiple) * self.multiple
+
+    def put(self, key, sample) -> None:
+        self.entries.append((key, sample))
+
+    def ready(self) -> bool:
+        return sum(self.cost(sample) for _, sample in self.entries) >= self.token_budget
+
+    def pop(self) -> list:
+        taken, used = [], 0
+        while self.entries and (not taken or used + self.cost(self.entries[0][1]) <= self.token_budget):
+            used += self.cost(self.entries[0][1])
+            taken.append(self.entries.pop(0))
+        return taken
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def state_dict(self, codec) -> dict:
+        return {"padded_to": self.multiple, "samples": codec.encode_samples(self.entries)}
+
+    def load_state_dict(self, state, codec) -> None:
+        self.entries = codec.decode_samples(state["samples"], "the padded policy's samples")
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_another_packing_policy_plugs_into_the_dynamic_loader(dataset_type, plaintext_path, tokenizer, hf_cache_dir):
+    def make():
+        dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type=dataset_type, max_seq_len=48)
+        policy = PaddedTokenBudget(token_budget=96, multiple=16)
+        return DynamicBatchDataLoader(dataset, micro_batch_size=2, num_workers=2, packing_policy=policy)
+
+    check_exact_resume(make, stop_points=[1, 6, -1])
+    batches = [document_tokens(batch) for batch in make()]
+    padded = [sum(-(-len(sequence) // 16) * 16 for sequence in batch) for batch in batches]
+    assert max(padded) <= 96  # charged padded: the sequences are at most 48 tokens, so none is alone
+    everything = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=48)
+    expected = Counter(tuple(s["input_ids"].tolist()) for i in range(len(everything)) for s in everything[i])
+    assert Counter(sequence for batch in batches for sequence in batch) == expected
+    with pytest.raises(DataConfigError, match="set the budget and the buffer on the policy"):
+        DynamicBatchDataLoader(everything, min_buffered_samples=4, packing_policy=PaddedTokenBudget(96, 16))
+    with pytest.raises(DataConfigError, match="is not a PackingPolicy: it has no token_budget, cost"):
+        DynamicBatchDataLoader(everything, packing_policy=object())
 
 
 def test_packing_masks_nothing_but_the_first_label_of_each_window(plaintext_path, tokenizer, hf_cache_dir):
@@ -278,8 +359,12 @@ def test_epochs_continue_and_cyclic_order_changes(plaintext_path, tokenizer, hf_
     loader = FixedBatchDataLoader(dataset, micro_batch_size=4, sampler_type="cyclic", seed=7)
     first, second = [plain(b) for b in loader], [plain(b) for b in loader]
     assert len(first) == len(second) == 15 and first != second
-    state = loader.state_dict()
-    assert state["source"]["position"]["epoch"] == 2 and state["source"]["position"]["consumed_samples"] == 0
+    restored = FixedBatchDataLoader(dataset, micro_batch_size=4, sampler_type="cyclic", seed=7)
+    restored.load_state_dict(roundtrip(loader.state_dict()))  # saved after two whole epochs: the third comes next
+    third = FixedBatchDataLoader(dataset, micro_batch_size=4, sampler_type="cyclic", seed=7)
+    third.set_epoch(2)
+    expected = [plain(b) for b in third]
+    assert [plain(b) for b in restored] == expected and expected not in (first, second)
 
 
 def test_a_state_of_another_loader_or_source_is_refused(plaintext_path, tokenizer, hf_cache_dir):
@@ -443,7 +528,7 @@ def test_mapping_loaders_apply_the_sampler_options(tmp_path, plaintext_path, tok
 def test_loader_settings_are_checked_with_the_fix(plaintext_path, tokenizer, hf_cache_dir):
     mapping = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="mapping", max_seq_len=64)
     stream = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type="iterable", max_seq_len=64)
-    with pytest.raises(DataConfigError, match="micro_batch_size is 0"):
+    with pytest.raises(DataConfigError, match="micro_batch_size must be an integer >= 1, got 0"):
         FixedBatchDataLoader(mapping, micro_batch_size=0)
     with pytest.raises(DataConfigError, match="built for DP rank 0 of 1.*rank 1 of 2"):
         FixedBatchDataLoader(stream, dp_rank=1, dp_world_size=2)

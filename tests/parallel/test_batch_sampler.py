@@ -14,8 +14,9 @@ import torch
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.parallel.batch_sampler import (
+    BatchLayout,
     DatasetBatchSampler,
-    build_dataset_batch_sampler,
+    SamplerOptions,
     cyclic_order,
     epoch_length,
     rank_batch_positions,
@@ -26,7 +27,7 @@ SEED = 1234
 
 
 def make(**kwargs) -> DatasetBatchSampler:
-    return build_dataset_batch_sampler(**kwargs)
+    return DatasetBatchSampler(**kwargs)
 
 
 def reference_order(total, sampler_type, seed=SEED, epoch=0):
@@ -554,7 +555,9 @@ def test_rearrange_map_errors(tmp_path):
         (dict(consumed_samples=3), r"consumed_samples 3: not a multiple"),
         (dict(consumed_samples=12), r"beyond the epoch"),
         (dict(epoch=-1), r"epoch must be"),
-        (dict(seed=-5), r"seed must be"),
+        (dict(seed=-5), r"seed must be an integer in \[0, 2\*\*64 - 1\].*got -5"),
+        (dict(seed=2**64), r"seed must be an integer in \[0, 2\*\*64 - 1\]"),
+        (dict(seed=True), r"seed must be an integer .*got True"),
         (dict(drop_last="yes"), r"drop_last must be a bool"),
     ],
 )
@@ -568,3 +571,21 @@ def test_defaults():
     assert sampler.global_batch_size == 6 and sampler.epoch_len == 6 == epoch_length(10, 6, True)
     assert list(sampler) == [[4, 5]]
     assert len(list(itertools.chain(make(total_samples=10, micro_batch_size=2, drop_last=False)))) == 5
+
+
+def test_the_option_groups_check_themselves_and_build_the_same_sampler():
+    layout = BatchLayout(micro_batch_size=2, dp_rank=1, dp_world_size=3)
+    assert layout.global_batch_size == 6 and layout.micro_step == 6
+    options = SamplerOptions(sampler_type="cyclic", seed=np.uint64(9), drop_last=np.bool_(False))
+    assert (options.seed, options.drop_last) == (9, False) and type(options.drop_last) is bool
+    built = DatasetBatchSampler.from_options(20, layout, options)
+    direct = make(
+        total_samples=20, micro_batch_size=2, dp_rank=1, dp_world_size=3, sampler_type="cyclic", seed=9, drop_last=False
+    )
+    assert list(built) == list(direct) and built.state_dict() == direct.state_dict()
+    with pytest.raises(DataConfigError, match="global_batch_size 4 is not a multiple"):
+        BatchLayout(micro_batch_size=2, global_batch_size=4, dp_world_size=3)
+    with pytest.raises(DataConfigError, match="data_sharding must be a bool, got 'false'; write true or false"):
+        SamplerOptions(data_sharding="false")
+    with pytest.raises(AttributeError):
+        options.seed = 3  # frozen

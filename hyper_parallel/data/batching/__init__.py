@@ -10,17 +10,25 @@ from hyper_parallel.data.batching.build_collate_fn import (
 from hyper_parallel.data.batching.build_dataloader import (
     DynamicBatchDataLoader,
     FixedBatchDataLoader,
-    TextTokenBatcher,
     calculate_num_micro_batches,
 )
+from hyper_parallel.data.batching.loader_options import BatchLayout, LoaderOptions, SamplerOptions, WorkerOptions
+from hyper_parallel.data.batching.packing_policy import PackingPolicy, SampleCodec
+from hyper_parallel.data.batching.token_batcher import TextTokenBatcher
 
 __all__ = [
     "Batch",
+    "BatchLayout",
     "DynamicBatchDataLoader",
     "FixedBatchDataLoader",
     "IndexedStackingCollator",
+    "LoaderOptions",
+    "PackingPolicy",
+    "SampleCodec",
+    "SamplerOptions",
     "TextPackingCollator",
     "TextTokenBatcher",
+    "WorkerOptions",
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
     "calculate_num_micro_batches",

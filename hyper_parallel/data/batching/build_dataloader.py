@@ -1,8 +1,10 @@
 """Fixed and dynamic (token-budget) DataLoaders with exact, worker-count-independent resume.
 
-Owns: choosing the ModelSamples of each micro-batch, DataLoader workers and prefetch, and the loader state.
-Not responsible for: reading files (sources), tokenizing (transforms), packing the chosen samples (collators) or
-parallel delivery (``ParallelBatch``).
+Owns: choosing the ModelSamples of each micro-batch (a fixed count, or a packing policy's choice), DataLoader
+workers and prefetch, and composing the loader state from its parts. Not responsible for: where keys come from and
+what each kind of source keeps (``key_sources``), which keys the caller consumed (``read_tracking``), the state's
+envelope and older versions (``loader_state``), the options (``loader_options``), reading files (sources),
+tokenizing (transforms), packing the chosen samples (collators) or parallel delivery (``ParallelBatch``).
 
 How a loader reads, whatever the source::
 
@@ -12,49 +14,37 @@ How a loader reads, whatever the source::
                 stream (sharded by DP rank, buffer-shuffled)
     torch DataLoader returns the results in key order, so the batches never depend on ``num_workers``.
 
-Resume: ``read_tracking.TrackedDataLoader`` knows which fetched keys the caller has not consumed (the prefetch)
-and describes the position after what it consumed. The dynamic loader adds its token buffer (as ``(index,
-window)`` keys for mapping sources, as token lists for streams) and the unabsorbed rest of the read in progress. A
-restored loader therefore yields exactly the batches an uninterrupted run would yield.
+Every record gives a list of samples (an Indexed sample is a record of one). Resume: ``TrackedDataLoader`` knows
+which fetched keys the caller has not consumed (the prefetch) and describes the position after what it consumed.
+The dynamic loader adds its packing policy's state (the buffered samples encoded by the key source) and the
+unabsorbed rest of the read in progress. A restored loader therefore yields exactly the batches an uninterrupted
+run would yield. The loaders never ask what kind of source they read: the key source answers for itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from functools import cached_property
 
-import numpy as np
-import torch
 import torch.utils.data
 
-from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn, build_online_text_collate_fn
-from hyper_parallel.data.batching.read_tracking import KeyBatch, MappingKeys, StreamKeys, TrackedDataLoader
+from hyper_parallel.data.batching.build_collate_fn import build_online_text_collate_fn
+from hyper_parallel.data.batching.key_sources import KeyBatch, key_source_for
+from hyper_parallel.data.batching.loader_options import LoaderOptions, takes_loader_options
+from hyper_parallel.data.batching.loader_state import check_envelope, envelope, migrate_loader_state
+from hyper_parallel.data.batching.packing_policy import PackingPolicy, checked_policy
+from hyper_parallel.data.batching.read_tracking import TrackedDataLoader
+from hyper_parallel.data.batching.token_batcher import TextTokenBatcher
 from hyper_parallel.data.batching.worker_errors import CollateInWorker, FetchInWorker
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
-from hyper_parallel.data.parallel.batch_sampler import build_dataset_batch_sampler
-from hyper_parallel.data.resume_checks import (
-    check_same_data,
-    check_state_type,
-    dataset_identity,
-    state_field,
-    transform_changes,
-    transform_identity,
-)
-from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 
-__all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "TextTokenBatcher", "calculate_num_micro_batches"]
+__all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micro_batches"]
 
 logger = get_logger(__name__)
 
-# Version 2 records the data and the transform the state was saved over; version 1 states (without them) are read
-# with a warning, since their layout is otherwise the same.
-_STATE_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
-# The envelope fields every loader state has, and their types (the loader and source type are compared first).
-_ENVELOPE_FIELDS = (("dp_rank", int), ("dp_world_size", int), ("micro_batch_size", int), ("source", Mapping))
 # The dynamic loader reads about this many records per DataLoader fetch (amortising per-fetch costs).
 _RECORDS_PER_READ = 32
+_DEFAULT_MIN_BUFFERED_SAMPLES = 200
 
 
 def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
@@ -77,7 +67,7 @@ def _as_lists(items: list) -> list:
 
 
 class _OneSamplePerRecord(torch.utils.data.Dataset):
-    """The fixed loader's view of an Online dataset: at most one ModelSample per record."""
+    """The fixed loader's view of a dataset: at most one sample per record."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
@@ -117,167 +107,60 @@ class _CollateRecords:
 # Loaders --------------------------------------------------------------------------------------------------------
 
 
-# The arguments both loaders take and hand to ``_Loader`` unchanged.
-_SHARED_OPTIONS = (
-    "micro_batch_size",
-    "global_batch_size",
-    "dp_rank",
-    "dp_world_size",
-    "sampler_type",
-    "data_sharding",
-    "data_rearrange_map",
-    "drop_last",
-    "seed",
-    "num_workers",
-    "prefetch_factor",
-    "pin_memory",
-    "persistent_workers",
-    "multiprocessing_context",
-)
-
-
-def _shared_options(arguments: dict) -> dict:
-    """The shared arguments out of a loader constructor's ``locals()``."""
-    return {name: arguments[name] for name in _SHARED_OPTIONS}
-
-
-def _is_online(dataset) -> bool:
-    return isinstance(dataset, (TransformDataset, IterableTransformDataset))
-
-
 class _Loader:
-    """What both loaders share: the key source, the tracked torch DataLoader and the state envelope."""
+    """What both loaders share: the options, the key source, the tracked torch DataLoader and the state envelope."""
 
-    def __init__(
-        self,
-        dataset,
-        *,
-        micro_batch_size: int,
-        global_batch_size: int | None,
-        dp_rank: int,
-        dp_world_size: int,
-        sampler_type: str,
-        data_sharding: bool,
-        data_rearrange_map,
-        drop_last: bool,
-        seed: int,
-        num_workers: int,
-        prefetch_factor: int | None,
-        pin_memory: bool,
-        persistent_workers: bool,
-        multiprocessing_context,
-        worker_collate_fn: Callable,
-        one_sample_per_record: bool = False,
-        batches_per_read: int = 1,
-    ) -> None:
-        if not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
-            raise DataConfigError(f"micro_batch_size is {micro_batch_size!r}; use a positive integer")
+    def __init__(self, dataset, options: LoaderOptions) -> None:
         self.dataset = dataset
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        if isinstance(dataset, IterableTransformDataset):
-            if (dataset.stream.dp_rank, dataset.stream.dp_world_size) != (dp_rank, dp_world_size):
-                raise DataConfigError(
-                    f"the streaming dataset was built for DP rank {dataset.stream.dp_rank} of "
-                    f"{dataset.stream.dp_world_size}, but the loader is for rank {dp_rank} of {dp_world_size}; "
-                    "build the dataset with the loader's dp_rank and dp_world_size"
-                )
-            source = StreamKeys(dataset, micro_batch_size, drop_last)
-        else:
-            sampler = build_dataset_batch_sampler(
-                total_samples=len(dataset),
-                micro_batch_size=micro_batch_size,
-                global_batch_size=global_batch_size,
-                dp_rank=dp_rank,
-                dp_world_size=dp_world_size,
-                drop_last=drop_last,
-                data_rearrange_map=data_rearrange_map,
-                sampler_type=sampler_type,
-                data_sharding=data_sharding,
-                seed=seed,
-            )
-            source = MappingKeys(dataset, sampler)
-        options = {
-            "num_workers": num_workers,
-            "pin_memory": pin_memory,
-            "generator": torch.Generator().manual_seed(seed),
-        }
-        if num_workers > 0:
-            options.update(persistent_workers=persistent_workers, multiprocessing_context=multiprocessing_context)
-            if prefetch_factor is not None:
-                options["prefetch_factor"] = prefetch_factor
-        worker_dataset = _OneSamplePerRecord(source.dataset) if one_sample_per_record else source.dataset
-        if num_workers > 0:  # the library's errors reach the caller as they would without workers
+        self.options = options
+        self._source = key_source_for(dataset, options)
+
+    def _track(self, worker_collate_fn: Callable, *, one_sample_per_record: bool = False, batches_per_read: int = 1):
+        """Start the tracked torch DataLoader that fetches the source's keys (in workers when there are any)."""
+        worker_dataset = _OneSamplePerRecord(self._source.dataset) if one_sample_per_record else self._source.dataset
+        if self.options.workers.num_workers > 0:  # the library's errors reach the caller as they would without workers
             worker_dataset, worker_collate_fn = FetchInWorker(worker_dataset), CollateInWorker(worker_collate_fn)
-        self._tracked = TrackedDataLoader(source, worker_dataset, worker_collate_fn, options, batches_per_read)
+        loader_options = self.options.workers.dataloader_kwargs(self.options.sampler.seed)
+        self._tracked = TrackedDataLoader(
+            self._source, worker_dataset, worker_collate_fn, loader_options, batches_per_read
+        )
 
     @property
-    def source_type(self) -> str:
-        return self._tracked.source.kind
+    def micro_batch_size(self) -> int:
+        return self.options.layout.micro_batch_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.options.layout.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.options.layout.dp_world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (no-op when already in it)."""
         self._tracked.set_epoch(epoch)
 
-    @cached_property
-    def _identities(self) -> tuple[dict | None, dict | None]:
-        """What this loader reads (its data identity) and how records become samples (the transform's identity)."""
-        transform = transform_identity(self.dataset.transform) if _is_online(self.dataset) else None
-        return dataset_identity(self.dataset), transform
-
     def _state(self, source_state: dict, **extra) -> dict:
-        data, transform = self._identities
-        return {
-            "version": _STATE_VERSION,
-            "loader": type(self).__name__,
-            "source_type": self.source_type,
-            "dp_rank": self.dp_rank,
-            "dp_world_size": self.dp_world_size,
-            "micro_batch_size": self.micro_batch_size,
-            "data": data,
-            "transform": transform,
-            "source": source_state,
-            **extra,
-        }
+        layout = self.options.layout
+        head = envelope(
+            type(self).__name__, layout.dp_rank, layout.dp_world_size, layout.micro_batch_size, self._source.identities
+        )
+        return {**head, "source": source_state, **extra}
 
-    def _check_state(self, state: Mapping, fields: tuple[tuple[str, type | tuple], ...] = ()) -> None:
-        """Check the loader's part of a state: the envelope, the data it was saved over, and ``fields``. The read
-        tracker checks its part (and has the sampler or the stream check theirs) before anything is restored."""
-        version = state.get("version") if isinstance(state, Mapping) else None
-        if isinstance(version, bool) or version not in _READABLE_VERSIONS:
-            raise ResumeStateError(
-                f"loader state version {version!r} is not supported (expected {_STATE_VERSION}); it was not saved "
-                "by this loader or by a compatible release"
-            )
-        where = "the loader state"
-        for key, expected in (("loader", type(self).__name__), ("source_type", self.source_type)):
-            if state_field(state, key, str, where) != expected:
-                raise ResumeStateError(
-                    f"the state was saved by a {state[key]} loader but this is a {expected} one; resume with the "
-                    "same loader and source type, or start without the state"
-                )
-        for key, expected in (*_ENVELOPE_FIELDS, *fields):
-            state_field(state, key, expected, where)
-        data, transform = self._identities
-        if version == _STATE_VERSION:
-            check_same_data(state_field(state, "data", (Mapping, None), where), data, f"{where}['data']")
-            saved_transform = state_field(state, "transform", (Mapping, None), where)
-            changes = transform_changes(saved_transform, transform or {}, f"{where}['transform']")
-            if transform and changes:
-                logger.warning(
-                    "%r: the data transform changed since the state was saved (%s); batches from here on follow the "
-                    "new one",
-                    self,
-                    "; ".join(changes),
-                )
-        else:
-            logger.warning(
-                "%r: the state was saved by an older release (version %s) that did not record the data it read, so "
-                "it cannot be checked against this data; save a new state to get the check",
-                self,
-                version,
-            )
+    def _checked(self, state, fields: tuple = (), *, packs_per_rank: bool = False) -> dict:
+        """The state in the current layout, after checking every part but the packing policy's: the envelope and
+        the loader's ``fields``, the data it was saved over, the read tracker's and the key source's parts, and the
+        DP placement (``packs_per_rank``: the loader packs each rank's share on its own)."""
+        state = migrate_loader_state(state, self)
+        check_envelope(state, type(self).__name__, self._source.identities, fields, self)
+        self._tracked.check_state(
+            state["source"],
+            (state["dp_rank"], state["dp_world_size"]),
+            packs_per_rank=packs_per_rank,
+            holds_samples=state.get("buffered_samples", 0) > 0,
+        )
+        return state
 
     def _nothing_delivered(self, records: int, epoch: int) -> ValueError:
         """The error for a whole epoch without a batch: iterating on would yield nothing, epoch after epoch."""
@@ -305,48 +188,17 @@ class FixedBatchDataLoader(_Loader):
     Args:
         dataset: the dataset of this DP rank (an iterable source must be built with the same DP rank and size).
         collate_fn: turns the samples into a batch; default: packing for Online datasets, stacking otherwise.
-        micro_batch_size: samples per batch.
-        global_batch_size: samples per optimizer step over all DP ranks (default ``micro * dp``).
-        dp_rank, dp_world_size: this rank and the number of data-parallel ranks.
-        sampler_type, data_sharding, data_rearrange_map, drop_last, seed: see ``build_dataset_batch_sampler``
-            (mapping sources); ``drop_last`` also drops a stream's incomplete last batch.
-        num_workers, prefetch_factor, pin_memory, persistent_workers, multiprocessing_context: as for
-            ``torch.utils.data.DataLoader``; batches and resume do not depend on them.
-    """
+        **options: the loader options by name, as a YAML ``dataloader`` node writes them (see
+            ``loader_options``):"""
 
-    def __init__(
-        self,
-        dataset,
-        collate_fn: Callable | None = None,
-        *,
-        micro_batch_size: int = 1,
-        global_batch_size: int | None = None,
-        dp_rank: int = 0,
-        dp_world_size: int = 1,
-        sampler_type: str = "single",
-        data_sharding: bool = False,
-        data_rearrange_map=None,
-        drop_last: bool = True,
-        seed: int = 1234,
-        num_workers: int = 0,
-        prefetch_factor: int | None = None,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        multiprocessing_context=None,
-    ) -> None:
-        online = _is_online(dataset)
-        if collate_fn is None:
-            collate_fn = build_online_text_collate_fn() if online else build_indexed_collate_fn()
-        self.collate_fn = collate_fn
-        super().__init__(
-            dataset,
-            worker_collate_fn=_CollateRecords(collate_fn) if online else collate_fn,
-            one_sample_per_record=online,
-            **_shared_options(locals()),
-        )
+    @takes_loader_options
+    def __init__(self, dataset, collate_fn: Callable | None = None, **options) -> None:
+        super().__init__(dataset, LoaderOptions.from_keywords(**options))
+        self.collate_fn = collate_fn if collate_fn is not None else self._source.default_collate_fn()
+        self._track(_CollateRecords(self.collate_fn), one_sample_per_record=True)
 
     def __iter__(self) -> Iterator:
-        whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.source.epoch
+        whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.next_epoch()
         records = delivered = 0
         for pulled, batch in self._tracked.batches():
             records += len(pulled.keys)
@@ -370,9 +222,9 @@ class FixedBatchDataLoader(_Loader):
         With a mapping source the DP size may differ from the saved one when the global batch size is the same
         and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses).
         """
-        self._check_state(state)
+        state = self._checked(state)
         self._tracked.load_state_dict(state["source"])
-        logger.info("%r restored: %d key batches to read again", self, len(state["source"]["replay"]))
+        logger.info("%r restored: %d key batches to read again", self, len(self._tracked.replay))
 
     def __repr__(self) -> str:
         return (
@@ -381,161 +233,73 @@ class FixedBatchDataLoader(_Loader):
         )
 
 
-# The dynamic loader's own state fields, and their types.
-_DYNAMIC_FIELDS = (
-    ("token_budget", int),
-    ("min_buffered_samples", int),
-    ("flushing", bool),
-    ("buffer", list),
-    ("buffer_tokens", int),
-)
-
-
-def _saved_sample(sample, name: str) -> dict:
-    """A buffered stream sample from a state: ``input_ids`` and ``labels``, integer lists of one non-zero length."""
-    check_state_type(sample, Mapping, name)
-    arrays = {}
-    for key in ("input_ids", "labels"):
-        values = state_field(sample, key, list, name)
-        array = np.asarray(values)
-        if array.ndim != 1 or not len(array) or array.dtype.kind not in "iu":
-            raise ResumeStateError(
-                f"{name}['{key}'] must be a non-empty list of token ids; the checkpoint is damaged: restore the "
-                "state as saved, or start without it"
-            )
-        arrays[key] = array.astype(np.int64)
-    if len(arrays["input_ids"]) != len(arrays["labels"]):
-        raise ResumeStateError(f"{name} has {len(arrays['input_ids'])} input_ids but {len(arrays['labels'])} labels")
-    return arrays
-
-
-class TextTokenBatcher:
-    """Choose micro-batches from a buffer of samples under a token budget.
-
-    ``pop_micro_batch`` makes one pass over the buffer in arrival order and takes every sample that still fits
-    (the first one always: a sample longer than the budget forms its own batch and is never cut). Samples left
-    behind keep their order for the next batch.
-
-    Args:
-        token_budget: most tokens per micro-batch (``micro_batch_size * max_seq_len``).
-        min_buffered_samples: samples to hold before a batch is chosen, so that small samples can fill gaps.
-    """
-
-    def __init__(self, token_budget: int, min_buffered_samples: int) -> None:
-        for name, value in (("token_budget", token_budget), ("min_buffered_samples", min_buffered_samples)):
-            if not isinstance(value, int) or value <= 0:
-                raise DataConfigError(f"{name} is {value!r}; use a positive integer")
-        self.token_budget = token_budget
-        self.min_buffered_samples = min_buffered_samples
-        self._entries: list[tuple[object, dict, int]] = []
-        self.buffered_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def entries(self) -> list[tuple[object, dict, int]]:
-        """The buffered ``(key, sample, length)`` triples in arrival order."""
-        return list(self._entries)
-
-    def put(self, key, sample: Mapping) -> None:
-        length = len(sample["input_ids"])
-        if length == 0:
-            raise DataFileError(f"sample {key!r} has no tokens; a transform must not return empty samples")
-        self._entries.append((key, sample, length))
-        self.buffered_tokens += length
-
-    def is_ready(self) -> bool:
-        return len(self._entries) >= self.min_buffered_samples and self.buffered_tokens >= self.token_budget
-
-    def pop_micro_batch(self) -> list[tuple[object, dict, int]]:
-        taken, kept, used = [], [], 0
-        for position, entry in enumerate(self._entries):
-            if not taken or used + entry[2] <= self.token_budget:
-                taken.append(entry)
-                used += entry[2]
-                if used == self.token_budget:
-                    kept.extend(self._entries[position + 1 :])
-                    break
-            else:
-                kept.append(entry)
-        self._entries = kept
-        self.buffered_tokens -= used
-        return taken
-
-    def clear(self) -> None:
-        self._entries = []
-        self.buffered_tokens = 0
-
-
 class DynamicBatchDataLoader(_Loader):
-    """Micro-batches of as many samples as fit ``token_budget = micro_batch_size * max_seq_len`` tokens.
+    """Micro-batches of as many samples as a packing policy chooses under its budget.
 
     Records are read about 32 at a time (whole micro-batches of the DP batch sampler for mapping sources) and
-    enter the buffer one by one; a micro-batch is chosen by ``TextTokenBatcher`` whenever the buffer holds at least
-    ``min_buffered_samples`` samples and a budget's worth of tokens, and at the end of the epoch the buffer is
-    flushed. The batches therefore depend only on the record order, not on reads or workers. Each DP rank packs
-    its own share, so ranks may deliver different numbers of micro-batches per epoch.
+    their samples are put into the policy one by one; a micro-batch is taken whenever the policy is ready, and at
+    the end of the epoch until the policy is empty. The batches therefore depend only on the record order, not on
+    reads or workers. Each DP rank packs its own share, so ranks may deliver different numbers of micro-batches
+    per epoch. The default policy, ``TextTokenBatcher``, takes every sample that still fits
+    ``token_budget = micro_batch_size * max_seq_len`` tokens once ``min_buffered_samples`` are buffered.
 
     Args:
-        max_seq_len: tokens per sequence slot; default: the dataset transform's ``max_seq_len``.
-        min_buffered_samples: buffer size that triggers a choice (more gives fuller batches).
-        Other arguments: as for ``FixedBatchDataLoader`` (``drop_last`` applies to the sampler; the token buffer
-        is always flushed).
+        max_seq_len: tokens per sequence slot of the default policy; default: the dataset transform's
+            ``max_seq_len``.
+        min_buffered_samples: buffer size that triggers a choice in the default policy (more gives fuller batches);
+            default 200.
+        packing_policy: a ``PackingPolicy`` instead of the default one (then set its budget and buffer on it, not
+            with ``max_seq_len`` or ``min_buffered_samples``).
+        Other arguments: as for ``FixedBatchDataLoader`` (``drop_last`` applies to the sampler; the policy is
+            always emptied at the end of the epoch).
     """
 
+    @takes_loader_options
     def __init__(
         self,
         dataset,
         collate_fn: Callable | None = None,
         *,
-        micro_batch_size: int = 1,
         max_seq_len: int | None = None,
-        min_buffered_samples: int = 200,
-        global_batch_size: int | None = None,
-        dp_rank: int = 0,
-        dp_world_size: int = 1,
-        sampler_type: str = "single",
-        data_sharding: bool = False,
-        data_rearrange_map=None,
-        drop_last: bool = True,
-        seed: int = 1234,
-        num_workers: int = 0,
-        prefetch_factor: int | None = None,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        multiprocessing_context=None,
+        min_buffered_samples: int | None = None,
+        packing_policy: PackingPolicy | None = None,
+        **options,
     ) -> None:
-        if not _is_online(dataset):
+        super().__init__(dataset, LoaderOptions.from_keywords(**options))
+        self._source.require_model_samples(type(self).__name__)
+        self.max_seq_len = max_seq_len if max_seq_len is not None else dataset.max_seq_len
+        if packing_policy is None:
+            packing_policy = self._default_policy(min_buffered_samples)
+        elif max_seq_len is not None or min_buffered_samples is not None:
             raise DataConfigError(
-                f"DynamicBatchDataLoader reads Online datasets (from build_online_text_dataset), not "
-                f"{type(dataset).__name__}; use FixedBatchDataLoader for fixed-length Indexed samples"
+                "max_seq_len and min_buffered_samples set up the default packing policy; with packing_policy, set "
+                "the budget and the buffer on the policy and leave them out"
             )
-        max_seq_len = max_seq_len if max_seq_len is not None else dataset.max_seq_len
-        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
-            raise DataConfigError(
-                f"DynamicBatchDataLoader needs max_seq_len (got {max_seq_len!r}): set it on the loader or on the "
-                "data transform; the token budget is micro_batch_size * max_seq_len"
-            )
-        self.max_seq_len = max_seq_len
+        self.policy = checked_policy(packing_policy)
         self.collate_fn = collate_fn if collate_fn is not None else build_online_text_collate_fn()
-        self.batcher = TextTokenBatcher(micro_batch_size * max_seq_len, min_buffered_samples)
-        super().__init__(
-            dataset,
-            worker_collate_fn=_as_lists,
-            batches_per_read=max(1, _RECORDS_PER_READ // micro_batch_size),
-            **_shared_options(locals()),
-        )
-        self._reading: KeyBatch | None = None  # the read being absorbed into the buffer
-        self._absorbed = 0  # how many of them are in the buffer
-        self._flushing = False  # the source's epoch is over; the buffer is being emptied
+        self._track(_as_lists, batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size))
+        self._reading: KeyBatch | None = None  # the read being absorbed into the policy
+        self._absorbed = 0  # how many of its records are in the policy
+        self._flushing = False  # the source's epoch is over; the policy is being emptied
         self._epoch: int | None = None  # the epoch being iterated
+
+    def _default_policy(self, min_buffered_samples: int | None) -> TextTokenBatcher:
+        if self.max_seq_len is None:
+            raise DataConfigError(
+                "DynamicBatchDataLoader needs max_seq_len (got None): set it on the loader or on the data "
+                "transform; the token budget is micro_batch_size * max_seq_len"
+            )
+        budget = self.micro_batch_size * require_int("max_seq_len", self.max_seq_len, 1)
+        if min_buffered_samples is None:
+            min_buffered_samples = _DEFAULT_MIN_BUFFERED_SAMPLES
+        return TextTokenBatcher(budget, min_buffered_samples)
 
     @property
     def token_budget(self) -> int:
-        return self.batcher.token_budget
+        return self.policy.token_budget
 
     def _collate(self, entries: list) -> object:
-        return self.collate_fn([sample for _, sample, _ in entries])
+        return self.collate_fn([sample for _, sample in entries])
 
     def _unabsorbed(self) -> KeyBatch | None:
         if self._reading is None or self._absorbed == len(self._reading.keys):
@@ -543,137 +307,68 @@ class DynamicBatchDataLoader(_Loader):
         return KeyBatch(self._reading.keys[self._absorbed :], self._reading.epoch, replayed=True)
 
     def __iter__(self) -> Iterator:
-        batcher, mapping = self.batcher, self.source_type == "mapping"
+        policy, source = self.policy, self._source
         self._tracked.rewind(self._unabsorbed())
         self._reading = None
-        tracked = self._tracked
-        self._epoch = tracked.replay_epoch if tracked.replay else tracked.source.epoch
-        whole_epoch = not self._flushing and not len(batcher) and tracked.reads_whole_epoch()
-        epoch, records, delivered = self._epoch, 0, 0
+        self._epoch = epoch = self._tracked.next_epoch()
+        whole_epoch = not self._flushing and not len(policy) and self._tracked.reads_whole_epoch()
+        records = delivered = 0
         if not self._flushing:
-            while batcher.is_ready():  # a restored buffer may already hold whole batches
+            while policy.ready():  # a restored policy may already hold whole batches
                 delivered += 1
-                yield self._collate(batcher.pop_micro_batch())
-            # Records enter the buffer one at a time, so the batches do not depend on how records are read.
+                yield self._collate(policy.pop())
+            # Samples enter the policy one at a time, so the batches do not depend on how records are read.
             for pulled, per_record in self._tracked.batches():
                 self._reading, self._absorbed = pulled, 0
                 records += len(pulled.keys)
                 for key, samples in zip(pulled.keys, per_record, strict=True):
                     for window, sample in enumerate(samples):
-                        batcher.put((key, window) if mapping else None, sample)
+                        policy.put(source.sample_key(key, window), sample)
                     self._absorbed += 1
-                    while batcher.is_ready():
+                    while policy.ready():
                         delivered += 1
-                        yield self._collate(batcher.pop_micro_batch())
+                        yield self._collate(policy.pop())
                 self._reading = None
             self._flushing = True
-        while len(batcher):
+        while len(policy):
             delivered += 1
-            yield self._collate(batcher.pop_micro_batch())
+            yield self._collate(policy.pop())
         self._flushing, self._epoch = False, None
         if whole_epoch and not delivered:
             raise self._nothing_delivered(records, epoch)
 
     def state_dict(self) -> dict:
-        """The source position plus the unconsumed token buffer (plain Python containers)."""
-        if self.source_type == "mapping":
-            buffer = [[int(key[0]), int(key[1])] for key, _, _ in self.batcher.entries()]
-        else:
-            buffer = [
-                {"input_ids": np.asarray(s["input_ids"]).tolist(), "labels": np.asarray(s["labels"]).tolist()}
-                for _, s, _ in self.batcher.entries()
-            ]
-        source = self._tracked.state_dict(self._unabsorbed())
+        """The source position plus the packing policy's state (plain Python containers)."""
+        unabsorbed = self._unabsorbed()
         # A mapping source moves to the next epoch as it hands out its last batch: then only the buffer is left.
-        source_moved_on = not source["replay"] and self._epoch not in (None, source["position"]["epoch"])
+        source_moved_on = self._epoch is not None and self._tracked.next_epoch(unabsorbed) != self._epoch
         return self._state(
-            source,
+            self._tracked.state_dict(unabsorbed),
             flushing=self._flushing or source_moved_on,
-            token_budget=self.token_budget,
-            min_buffered_samples=self.batcher.min_buffered_samples,
-            buffer=buffer,
-            buffer_tokens=self.batcher.buffered_tokens,
+            buffered_samples=len(self.policy),
+            packing=self.policy.state_dict(self._source),
         )
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue exactly where ``state`` was saved, buffer included; a refused state changes nothing.
 
-        The DP size may change only at an epoch boundary with an empty buffer: each rank packs its own share of
+        The DP size may change only at an epoch boundary with nothing buffered: each rank packs its own share of
         the data, so the packs of a different DP size are different batches.
         """
-        self._check_state(state, _DYNAMIC_FIELDS)
-        for key in ("token_budget", "min_buffered_samples"):
-            if state[key] != getattr(self.batcher, key):
-                raise ResumeStateError(
-                    f"the state was saved with {key}={state[key]} but this loader has {getattr(self.batcher, key)}; "
-                    "the choice of samples per micro-batch depends on it, so resume with the same micro_batch_size, "
-                    "max_seq_len and min_buffered_samples"
-                )
-        if state["dp_world_size"] != self.dp_world_size and (
-            state["buffer"] or not self._tracked.at_epoch_start(state["source"])
-        ):
-            raise ResumeStateError(
-                f"cannot resume a DynamicBatchDataLoader saved with dp_world_size={state['dp_world_size']} on "
-                f"dp_world_size={self.dp_world_size} mid-epoch: each DP rank packs its own share of the data into "
-                "token-budget batches, so a different DP size gives different batches. Resume with the saved DP "
-                "size, or from a state saved at an epoch boundary"
-            )
-        if state["dp_world_size"] == self.dp_world_size and state["dp_rank"] != self.dp_rank:
-            raise ResumeStateError(
-                f"the state belongs to DP rank {state['dp_rank']} but this loader is rank {self.dp_rank}; each "
-                "rank must load its own state"
-            )
-        self._tracked.check_state(state["source"])
-        entries = list(self._restore_buffer(state["buffer"]))
-        tokens = sum(len(sample["input_ids"]) for _, sample in entries)
-        if tokens != state["buffer_tokens"]:
-            raise ResumeStateError(
-                f"the restored token buffer holds {tokens} tokens but the state recorded {state['buffer_tokens']}: "
-                "the data files or the transform changed since the state was saved"
-            )
-        # Everything is checked: restore.
+        state = self._checked(state, _DYNAMIC_FIELDS, packs_per_rank=True)
+        self.policy.load_state_dict(state["packing"], self._source)  # checked whole first, like the parts above
         self._tracked.load_state_dict(state["source"])
         self._reading, self._flushing, self._epoch = None, state["flushing"], None
-        self.batcher.clear()
-        for entry in entries:
-            self.batcher.put(*entry)
         logger.info(
             "%r restored: %d buffered samples, %d key batches to read again",
             self,
-            len(self.batcher),
-            len(state["source"]["replay"]),
+            len(self.policy),
+            len(self._tracked.replay),
         )
-
-    def _restore_buffer(self, buffer: list) -> Iterator[tuple]:
-        """The buffered ``(key, sample)`` pairs ``buffer`` describes, checked; reads the records of a mapping
-        source again."""
-        where = "the loader state['buffer']"
-        if self.source_type != "mapping":
-            for position, sample in enumerate(buffer):
-                yield None, _saved_sample(sample, f"{where}[{position}]")
-            return
-        for position, key in enumerate(buffer):
-            check_state_type(key, (list, tuple), f"{where}[{position}]")
-            if len(key) != 2 or not all(isinstance(part, int) and not isinstance(part, bool) for part in key):
-                raise ResumeStateError(
-                    f"{where}[{position}] must be a [record index, window] pair of integers, got {key!r}; the "
-                    "checkpoint is damaged: restore the state as saved, or start without it"
-                )
-        source = self._tracked.source
-        source.check_keys([index for index, _ in buffer], where)
-        indices = list(dict.fromkeys(index for index, _ in buffer))  # each buffered record once, in order
-        records = dict(zip(indices, source.dataset.__getitems__(indices), strict=True)) if indices else {}
-        for position, (index, window) in enumerate(buffer):
-            if not 0 <= window < len(records[index]):
-                raise ResumeStateError(
-                    f"{where}[{position}] is window {window} of record {index}, which now gives "
-                    f"{len(records[index])} windows: the data files or the transform changed since the state was "
-                    "saved; resume with the same data and data_transform, or start without the state"
-                )
-            yield (index, window), records[index][window]
 
     def __repr__(self) -> str:
-        return (
-            f"DynamicBatchDataLoader({self.dataset!r}, token_budget={self.token_budget}, "
-            f"min_buffered_samples={self.batcher.min_buffered_samples}, dp {self.dp_rank}/{self.dp_world_size})"
-        )
+        return f"DynamicBatchDataLoader({self.dataset!r}, {self.policy!r}, dp {self.dp_rank}/{self.dp_world_size})"
+
+
+# The dynamic loader's own state fields, and their types.
+_DYNAMIC_FIELDS = (("flushing", bool), ("buffered_samples", int), ("packing", Mapping))

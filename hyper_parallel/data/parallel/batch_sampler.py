@@ -2,11 +2,13 @@
 
 Owns: the per-epoch order of sample positions (``single``: in order; ``cyclic``: a fresh permutation each
 epoch), how one micro-step of ``micro_batch_size * dp_world_size`` positions is split between data-parallel
-ranks, the optional per-rank data sharding, the optional rearrange map to physical dataset indices, and the
-resumable position (epoch, consumed samples) with its checks. Plans are pure numpy functions; the sampler is a
-thin stateful iterator over them that ``torch.utils.data.DataLoader(batch_sampler=...)`` consumes. Ranks are plain
-integers. Not responsible for: ``torch.distributed``, reading samples (the datasets), collation (``batching``),
-or accounting for batches a ``DataLoader`` has prefetched but the trainer has not consumed yet.
+ranks, the optional per-rank data sharding, the optional rearrange map to physical dataset indices, the
+resumable position (epoch, consumed samples) with its checks, and the two validated option groups the loaders
+share with it: ``BatchLayout`` (batch sizes and the rank layout) and ``SamplerOptions`` (order and seed). Plans
+are pure numpy functions; the sampler is a thin stateful iterator over them that
+``torch.utils.data.DataLoader(batch_sampler=...)`` consumes. Ranks are plain integers. Not responsible for:
+``torch.distributed``, reading samples (the datasets), collation (``batching``), or accounting for batches a
+``DataLoader`` has prefetched but the trainer has not consumed yet.
 
 Layout without data sharding, ``M = micro_batch_size * dp_world_size``: micro-step ``b`` covers epoch positions
 ``[b*M, (b+1)*M)`` and rank ``r`` reads the contiguous slice ``[b*M + r*mbs, b*M + (r+1)*mbs)``. An optimizer step
@@ -20,8 +22,10 @@ steps); rank 0 reads ``[0, 1]``, ``[4, 5]``, rank 1 reads ``[2, 3]``, ``[6, 7]``
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +34,12 @@ import numpy as np
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError, require_int
 
 __all__ = [
+    "MAX_SEED",
     "SAMPLER_TYPES",
     "STATE_VERSION",
+    "BatchLayout",
     "DatasetBatchSampler",
-    "build_dataset_batch_sampler",
+    "SamplerOptions",
     "cyclic_order",
     "epoch_length",
     "load_rearrange_map",
@@ -45,6 +51,7 @@ __all__ = [
 
 SAMPLER_TYPES = ("single", "cyclic")
 STATE_VERSION = 1
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed; numpy's generators take any seed >= 0
 
 _INT32_LIMIT = 2**31
 _STATE_KEYS = (
@@ -64,6 +71,115 @@ _STATE_KEYS = (
 
 def _index_dtype(total: int) -> type[np.integer]:
     return np.int32 if total < _INT32_LIMIT else np.int64
+
+
+# -- options ------------------------------------------------------------------------------------------------------
+
+
+def _set(instance, name: str, value) -> None:
+    object.__setattr__(instance, name, value)  # a frozen dataclass normalising its own fields in __post_init__
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchLayout:
+    """Batch sizes and the data-parallel layout: which samples each rank's micro-batch holds.
+
+    Args:
+        micro_batch_size: samples per micro-batch on each rank.
+        global_batch_size: samples per optimizer step over all ranks; default (None) and resolved here:
+            ``micro_batch_size * dp_world_size``; must be a multiple of it.
+        dp_rank, dp_world_size: this rank and the data-parallel size.
+
+    Raises:
+        DataConfigError: a value is not an integer in range, or the global batch does not split into micro-batches.
+    """
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    dp_rank: int = 0
+    dp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        _set(self, "micro_batch_size", require_int("micro_batch_size", self.micro_batch_size, 1))
+        _set(self, "dp_world_size", require_int("dp_world_size", self.dp_world_size, 1))
+        _set(self, "dp_rank", require_int("dp_rank", self.dp_rank, 0))
+        if self.dp_rank >= self.dp_world_size:
+            raise DataConfigError(
+                f"dp_rank {self.dp_rank} is out of range for dp_world_size {self.dp_world_size}; ranks are "
+                f"0..{self.dp_world_size - 1}"
+            )
+        micro_step = self.micro_step
+        global_batch_size = micro_step if self.global_batch_size is None else self.global_batch_size
+        _set(self, "global_batch_size", require_int("global_batch_size", global_batch_size, 1))
+        if self.global_batch_size % micro_step:
+            raise DataConfigError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                f"{self.micro_batch_size} x dp_world_size {self.dp_world_size} = {micro_step}; set it to a multiple "
+                f"of {micro_step} (gradient accumulation steps = global_batch_size / {micro_step})"
+            )
+
+    @property
+    def micro_step(self) -> int:
+        """Samples of one micro-step over all ranks: ``micro_batch_size * dp_world_size``."""
+        return self.micro_batch_size * self.dp_world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerOptions:
+    """How a mapping source's samples are ordered, and the seed of the loaders' generators.
+
+    Args:
+        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
+        data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
+            per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
+        data_rearrange_map: logical index -> physical dataset index (an array, a list or a ``.npy`` path),
+            checked against the dataset's length when the sampler is built (``load_rearrange_map``).
+        drop_last: keep only complete global batches (``total % global_batch_size`` positions are left out each
+            epoch); a stream drops its incomplete last micro-batch of records.
+        seed: seeds the ``cyclic`` orders and the loaders' torch generators.
+
+    Raises:
+        DataConfigError: an unknown sampler type, a flag that is not a bool, data sharding without the cyclic
+            order, or a seed outside [0, 2**64 - 1].
+    """
+
+    sampler_type: str = "single"
+    data_sharding: bool = False
+    data_rearrange_map: Any = None
+    drop_last: bool = True
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.sampler_type not in SAMPLER_TYPES:
+            raise DataConfigError(f"unknown sampler_type {self.sampler_type!r}; choose one of {list(SAMPLER_TYPES)}")
+        for name in ("drop_last", "data_sharding"):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool | np.bool_):
+                raise DataConfigError(f"{name} must be a bool, got {flag!r}; write true or false, unquoted")
+            _set(self, name, bool(flag))
+        if self.data_sharding and self.sampler_type != "cyclic":
+            raise DataConfigError(
+                f"data_sharding needs sampler_type 'cyclic' (got {self.sampler_type!r}); the 'single' order is "
+                "already sequential, so set data_sharding to false or use the cyclic sampler"
+            )
+        _set(self, "seed", _checked_seed(self.seed))
+
+
+def _checked_seed(seed) -> int:
+    try:
+        value = None if isinstance(seed, bool | np.bool_) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise DataConfigError(
+            f"seed must be an integer in [0, 2**64 - 1] (it seeds torch generators and the cyclic orders), got {seed!r}"
+        )
+    return value
+
+
+def _option_values(options) -> dict[str, Any]:
+    """An option dataclass's fields as keyword arguments (``dataclasses.asdict`` would deep-copy arrays)."""
+    return {field.name: getattr(options, field.name) for field in fields(options)}
 
 
 # -- pure plans ---------------------------------------------------------------------------------------------------
@@ -187,22 +303,11 @@ class DatasetBatchSampler:
 
     Args:
         total_samples: length of the map-style dataset (logical samples).
-        micro_batch_size: samples per batch on each rank.
-        global_batch_size: samples per optimizer step over all ranks; defaults to
-            ``micro_batch_size * dp_world_size`` and must be a multiple of it.
-        dp_rank, dp_world_size: this rank and the data-parallel size.
+        micro_batch_size, global_batch_size, dp_rank, dp_world_size: see ``BatchLayout``.
         consumed_samples: global positions of ``epoch`` already consumed (all ranks together); a multiple of
             ``micro_batch_size * dp_world_size``, or the epoch's length (then the next epoch starts).
         epoch: the epoch to start in; ``cyclic`` draws a new order per epoch.
-        drop_last: keep only complete global batches (``total % global_batch_size`` positions are left out each
-            epoch); otherwise the final global batch and micro-step may be partial and some ranks may get
-            one batch fewer.
-        data_rearrange_map: None, a 1-D integer array or list, or a ``.npy`` path mapping each logical sample to
-            a physical dataset index; applied to the indices last.
-        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
-        data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
-            per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
-        seed: seed of the ``cyclic`` orders.
+        sampler_type, data_sharding, data_rearrange_map, drop_last, seed: see ``SamplerOptions``.
 
     Raises:
         DataConfigError: an argument is invalid or two contradict each other.
@@ -226,37 +331,23 @@ class DatasetBatchSampler:
         seed: int = 1234,
     ) -> None:
         self.total_samples = require_int("total_samples", total_samples, 1)
-        self.micro_batch_size = require_int("micro_batch_size", micro_batch_size, 1)
-        self.dp_world_size = require_int("dp_world_size", dp_world_size, 1)
-        self.dp_rank = require_int("dp_rank", dp_rank, 0)
-        if self.dp_rank >= self.dp_world_size:
-            raise DataConfigError(
-                f"dp_rank {self.dp_rank} is out of range for dp_world_size {self.dp_world_size}; ranks are "
-                f"0..{self.dp_world_size - 1}"
-            )
-        micro_step = self.micro_batch_size * self.dp_world_size
-        if global_batch_size is None:
-            global_batch_size = micro_step
-        self.global_batch_size = require_int("global_batch_size", global_batch_size, 1)
-        if self.global_batch_size % micro_step:
-            raise DataConfigError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                f"{self.micro_batch_size} x dp_world_size {self.dp_world_size} = {micro_step}; set it to a multiple "
-                f"of {micro_step} (gradient accumulation steps = global_batch_size / {micro_step})"
-            )
-        if sampler_type not in SAMPLER_TYPES:
-            raise DataConfigError(f"unknown sampler_type {sampler_type!r}; choose one of {list(SAMPLER_TYPES)}")
-        self.sampler_type = sampler_type
-        for name, flag in (("drop_last", drop_last), ("data_sharding", data_sharding)):
-            if not isinstance(flag, bool | np.bool_):
-                raise DataConfigError(f"{name} must be a bool, got {flag!r}")
-        self.drop_last, self.data_sharding = bool(drop_last), bool(data_sharding)
-        if self.data_sharding and sampler_type != "cyclic":
-            raise DataConfigError(
-                f"data_sharding needs sampler_type 'cyclic' (got {sampler_type!r}); the 'single' order is already "
-                "sequential, so set data_sharding to false or use the cyclic sampler"
-            )
-        self.seed = require_int("seed", seed, 0)
+        layout = BatchLayout(
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
+        options = SamplerOptions(
+            sampler_type=sampler_type,
+            data_sharding=data_sharding,
+            data_rearrange_map=data_rearrange_map,
+            drop_last=drop_last,
+            seed=seed,
+        )
+        self.micro_batch_size, self.global_batch_size = layout.micro_batch_size, layout.global_batch_size
+        self.dp_rank, self.dp_world_size = layout.dp_rank, layout.dp_world_size
+        self.sampler_type, self.seed = options.sampler_type, options.seed
+        self.drop_last, self.data_sharding = options.drop_last, options.data_sharding
         self.epoch_len = epoch_length(self.total_samples, self.global_batch_size, self.drop_last)
         if self.epoch_len == 0:
             raise DataConfigError(
@@ -264,7 +355,7 @@ class DatasetBatchSampler:
                 "with drop_last, so an epoch would hold no complete step; lower global_batch_size or set "
                 "drop_last to false"
             )
-        self.rearrange_map = load_rearrange_map(data_rearrange_map, self.total_samples)
+        self.rearrange_map = load_rearrange_map(options.data_rearrange_map, self.total_samples)
         self.num_micro_steps = num_micro_steps(self.epoch_len, self.micro_batch_size, self.dp_world_size)
         self._rank_batches = rank_num_batches(
             epoch_len=self.epoch_len,
@@ -277,10 +368,15 @@ class DatasetBatchSampler:
         self._generation = 0  # bumped by every new iterator and state change; older iterators then stop
         epoch = require_int("epoch", epoch, 0)
         consumed = require_int("consumed_samples", consumed_samples, 0)
-        problem = self._position_problem(consumed, self.micro_batch_size * self.dp_world_size)
+        problem = self._position_problem(consumed, layout.micro_step)
         if problem:
             raise DataConfigError(f"consumed_samples {consumed}: {problem}")
         self._set_position(epoch, consumed)
+
+    @classmethod
+    def from_options(cls, total_samples: int, layout: BatchLayout, options: SamplerOptions) -> DatasetBatchSampler:
+        """The sampler of one rank at the start of epoch 0, from the option groups a loader holds."""
+        return cls(total_samples=total_samples, **_option_values(layout), **_option_values(options))
 
     # -- position -------------------------------------------------------------------------------------------------
 
@@ -472,8 +568,3 @@ class DatasetBatchSampler:
                 "between ranks; resume with the saved layout, or from a checkpoint taken at a step boundary"
             )
         return self._normalized(epoch, consumed)
-
-
-def build_dataset_batch_sampler(**options: Any) -> DatasetBatchSampler:
-    """Build the DP-aware batch sampler of one rank (the arguments are ``DatasetBatchSampler``'s)."""
-    return DatasetBatchSampler(**options)

@@ -1,8 +1,10 @@
 """Apply a data transform lazily to an Online source: RawSample in, ModelSamples out, at read time.
 
 Owns: pairing a source with a transform so that records are tokenized only when read (in DataLoader workers when
-there are any), and naming the record in every transform error. Not responsible for: reading files (the sources),
-the transform itself (``build_data_transform``), order or batching (samplers and loaders).
+there are any), naming the record in every transform error, and telling the loaders how to read each kind
+(``record_reading``: by index, or a stream read in the main process whose records the workers transform). Not
+responsible for: reading files (the sources), the transform itself (``build_data_transform``), order or batching
+(samplers and loaders).
 
 A transform maps one record to a list of ModelSamples (``{"input_ids", "labels"}``, labels already shifted): one
 for a conversation, several for a long document cut into windows, none for a rejected record.
@@ -11,15 +13,33 @@ for a conversation, several for a long document cut into windows, none for a rej
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch.utils.data
 
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
 
-__all__ = ["IterableTransformDataset", "StreamRecordTransform", "TransformDataset"]
+__all__ = ["IterableTransformDataset", "RecordReading", "StreamRecordTransform", "TransformDataset"]
 
 Transform = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class RecordReading:
+    """How a loader reads a transform dataset, as the dataset describes itself (``record_reading()``).
+
+    Attributes:
+        transform: turns one record into a list of ModelSamples (its settings go into loader states).
+        stream: for an iterable source, the stream the loader reads in its main process (its cursor is saved
+            exactly); None for a source read by index.
+        records: for an iterable source, the worker-side half that transforms the streamed ``(position, record)``
+            keys; None for a source read by index (the dataset itself).
+    """
+
+    transform: Transform
+    stream: OnlineIterableDataset | None = None
+    records: StreamRecordTransform | None = None
 
 
 def _transform_batch(transform: Transform, records: list, wheres: list[str]) -> list[list[dict]]:
@@ -59,6 +79,10 @@ class TransformDataset(torch.utils.data.Dataset):
 
     def where(self, index: int) -> str:
         return self.source.where(index)
+
+    def record_reading(self) -> RecordReading:
+        """Read by index (the DP batch sampler's), each record transformed where it is fetched."""
+        return RecordReading(self.transform)
 
     def __repr__(self) -> str:
         return f"TransformDataset({self.source!r}, {type(self.transform).__name__})"
@@ -111,6 +135,10 @@ class IterableTransformDataset(torch.utils.data.IterableDataset):
         return StreamRecordTransform(
             self.transform, f"DP rank {self.stream.dp_rank}'s stream of {self.stream.description}"
         )
+
+    def record_reading(self) -> RecordReading:
+        """Read as a stream in the loader's main process, the records transformed in the workers."""
+        return RecordReading(self.transform, self.stream, self.record_transform())
 
     def __iter__(self) -> Iterator[dict]:
         worker = torch.utils.data.get_worker_info()
