@@ -39,6 +39,7 @@ __all__ = [
     "LIBRARY_TARGET_MODULES",
     "PARTIAL_KEY",
     "TARGET_KEY",
+    "check_config",
     "instantiate",
     "load_config",
     "load_config_text",
@@ -57,6 +58,7 @@ LIBRARY_TARGET_MODULES = frozenset(
         "hyper_parallel.data.batching",
         "hyper_parallel.data.batching.build_collate_fn",
         "hyper_parallel.data.batching.build_dataloader",
+        "hyper_parallel.data.batching.token_batcher",
         "hyper_parallel.data.indexed.indexed_data_config",
         "hyper_parallel.data.parallel.batch_sampler",
         "hyper_parallel.data.text.build_data_transform",
@@ -183,6 +185,19 @@ def instantiate(
         raise DataConfigError(f"context must be a mapping of name to value, got {type(context).__name__}")
     planner = _Planner(dict(context or {}), prefixes)
     return _execute(planner.plan(config, path))
+
+
+def check_config(
+    config: Any,
+    /,
+    *,
+    context: Mapping[str, Any] | None = None,
+    allowed_prefixes: Sequence[str] | str = DEFAULT_ALLOWED_PREFIXES,
+    path: str = "",
+) -> None:
+    """Check a config tree exactly as ``instantiate`` does before it builds anything, and build nothing: so that a
+    pipeline of several nodes checks them all before it builds the first. Only the names in ``context`` matter."""
+    _Planner(dict(context or {}), _normalise_prefixes(allowed_prefixes)).plan(config, path)
 
 
 def _normalise_prefixes(allowed_prefixes: Sequence[str] | str) -> tuple[str, ...]:

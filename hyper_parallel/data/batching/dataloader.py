@@ -1,10 +1,11 @@
 """Build a trainer's DataLoaders from a pipeline config (``dataset``, ``collate_fn`` and ``dataloader`` nodes).
 
-Owns: the order in which the pipeline is built and the runtime facts handed to it: the tokenizer, batch sizes, the
-seed and the rank layout reach every ``_target_`` that names them as a parameter (see ``instantiate``). The
-``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is built for each non-empty split.
-Not responsible for: what any node builds, or per-step delivery to model ranks (``get_batch``, built by the
-parallel layer).
+Owns: which top-level nodes a pipeline has, checking them all before the first is built, the order in which they
+are built, and the runtime facts handed to them: the tokenizer, batch sizes, the seed and the rank layout (checked
+as the loaders' ``BatchLayout`` and ``SamplerOptions`` check them) reach every ``_target_`` that names them as a
+parameter (see ``instantiate``). The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is
+built for each non-empty split. Not responsible for: what any node builds, or per-step delivery to model ranks
+(``get_batch``: its node is checked, but this library does not build it yet).
 
 Example (the Online mapping + dynamic batch pipeline)::
 
@@ -27,22 +28,32 @@ Example (the Online mapping + dynamic batch pipeline)::
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hyper_parallel.data.batching.loader_options import LoaderOptions
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, require_int
-from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, instantiate, load_config
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.instantiate import (
+    DEFAULT_ALLOWED_PREFIXES,
+    TARGET_KEY,
+    check_config,
+    instantiate,
+    load_config,
+)
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 
-__all__ = ["DataLoaders", "build_dataloaders"]
+__all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed; numpy's generators take any seed >= 0
+# The top-level nodes of a pipeline config, in the order they are built; get_batch is checked but not built yet.
+NODES = ("dataset", "collate_fn", "dataloader", "get_batch")
+_REQUIRED = ("dataset", "dataloader")
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,7 @@ def _as_splits(built) -> tuple:
 def _check_alignment(loader, collate_fn) -> None:
     """Warn when a token budget is not a multiple of the packing alignment: padded rows would then exceed it."""
     budget, alignment = getattr(loader, "token_budget", None), getattr(collate_fn, "alignment", None)
-    if budget is None or alignment is None or budget % alignment == 0:
+    if budget is None or alignment is None or budget % alignment == 0 or loader.max_seq_len is None:
         return
     # budget = micro_batch_size * max_seq_len is a multiple of the alignment when max_seq_len is a multiple of step
     step = alignment // math.gcd(alignment, loader.micro_batch_size)
@@ -91,6 +102,35 @@ def _check_alignment(loader, collate_fn) -> None:
     )
 
 
+def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]) -> None:
+    """Refuse unknown or missing top-level nodes, then check every node as ``instantiate`` would, building nothing,
+    so that a typo anywhere fails before the dataset is read."""
+    for key in config:
+        if key not in NODES:
+            close = difflib.get_close_matches(str(key), NODES, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise DataConfigError(
+                f"{key}: the pipeline config has no node '{key}'{hint}; its top-level nodes are {', '.join(NODES)}. "
+                "Rename or remove it"
+            )
+    for key in _REQUIRED:
+        if key not in config:
+            raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
+    check_config(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
+    check_config(config.get("collate_fn"), context=context, allowed_prefixes=allowed_prefixes, path="collate_fn")
+    loader_context = {**context, "dataset": None, "collate_fn": None}  # built later: only their names matter here
+    check_config(config["dataloader"], context=loader_context, allowed_prefixes=allowed_prefixes, path="dataloader")
+    if config.get("get_batch") is not None:
+        get_batch = config["get_batch"]
+        if isinstance(get_batch, Mapping) and TARGET_KEY in get_batch:
+            get_batch = {**get_batch, "_partial_": True}  # its runtime arguments come from the trainer
+        check_config(get_batch, context=context, allowed_prefixes=allowed_prefixes, path="get_batch")
+        logger.warning(
+            "get_batch: per-step delivery to model ranks (ParallelBatch: CP sharding, TP broadcast) is not built by "
+            "this library yet; the node is checked but not built, and the loaders deliver whole micro-batches"
+        )
+
+
 def build_dataloaders(
     config: Mapping | str | os.PathLike,
     *,
@@ -108,21 +148,28 @@ def build_dataloaders(
     """Instantiate ``config['dataset']``, ``config['collate_fn']`` and a ``config['dataloader']`` per split.
 
     Args:
-        config: the pipeline mapping, or the path of a YAML file holding it.
+        config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
+            and ``dataloader`` (required), ``collate_fn`` and ``get_batch`` (checked, not built yet); any other is
+            refused.
         tokenizer: a loaded tokenizer or the path of a local Hugging Face tokenizer.
         micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
-            runtime facts offered to every node that has a parameter of that name.
+            runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
+            are checked first, as the loaders check them.
         allowed_prefixes: module prefixes that ``_target_`` may name.
+
+    Raises:
+        DataConfigError: an unknown or missing node, a bad runtime fact, or any error ``instantiate`` finds in a
+            node, before anything is built.
     """
     if not isinstance(config, Mapping):
         config = load_config(config)
-    if require_int("seed", seed, 0) > MAX_SEED:
-        raise DataConfigError(f"seed must be an integer in [0, 2**64 - 1] (it seeds torch generators), got {seed}")
-    for key in ("dataset", "dataloader"):
-        if key not in config:
-            raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = build_tokenizer(tokenizer)
+    LoaderOptions.from_keywords(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+    )
     context = {
         "tokenizer": tokenizer,
         "micro_batch_size": micro_batch_size,
@@ -134,6 +181,9 @@ def build_dataloaders(
         "sequence_parallel": sequence_parallel,
         "seed": seed,
     }
+    _check_nodes(config, context, allowed_prefixes)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        context["tokenizer"] = build_tokenizer(tokenizer)
     datasets = _as_splits(
         instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
     )
