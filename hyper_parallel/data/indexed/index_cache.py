@@ -37,7 +37,7 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once
 
-__all__ = ["CacheOptions", "IndexCache", "LazyArrays", "writable_directory"]
+__all__ = ["CacheOptions", "IndexCache", "LazyArrays", "array_property", "writable_directory"]
 
 logger = get_logger("hyper_parallel.data.indexed.index_cache")
 
@@ -192,6 +192,11 @@ class LazyArrays(Mapping):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_records": None, "_arrays": {}}
+
+
+def array_property(name: str) -> property:
+    """A read-only attribute for the cached array ``name`` of a dataset's ``_arrays`` (megatron-core's names)."""
+    return property(lambda dataset: dataset._arrays[name], doc=f"The cached ``{name}`` array.")
 
 
 def writable_directory(directory: Path) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_helpers import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -102,13 +102,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._length
 
-    @property
-    def dataset_index(self) -> np.ndarray:
-        return self._arrays["dataset_index"]
-
-    @property
-    def dataset_sample_index(self) -> np.ndarray:
-        return self._arrays["dataset_sample_index"]
+    dataset_index = array_property("dataset_index")
+    dataset_sample_index = array_property("dataset_sample_index")
 
     def __getitem__(self, idx: int) -> dict:
         dataset_id = int(self.dataset_index[idx])

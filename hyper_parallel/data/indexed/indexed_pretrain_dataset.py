@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
+from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
@@ -297,17 +297,9 @@ class GPTDataset(_MidLevelDataset):
         )
         return {name: getattr(indices, name) for name in _INDEX_NAMES}
 
-    @property
-    def document_index(self) -> np.ndarray:
-        return self._arrays["document_index"]
-
-    @property
-    def sample_index(self) -> np.ndarray:
-        return self._arrays["sample_index"]
-
-    @property
-    def shuffle_index(self) -> np.ndarray:
-        return self._arrays["shuffle_index"]
+    document_index = array_property("document_index")
+    sample_index = array_property("sample_index")
+    shuffle_index = array_property("shuffle_index")
 
     def _text_of(self, idx: int) -> np.ndarray:
         """One sample's token ids with plain-integer arithmetic: cheaper than the vectorised path for one sample."""

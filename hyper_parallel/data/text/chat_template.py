@@ -188,9 +188,24 @@ class ChatTemplate(ABC):
     """
 
     name: str = ""
+    # attribute -> method of the Rust tokenizer that a subclass keeps bound for speed; a bound method cannot be
+    # pickled, so it is left out of the pickled state and bound again after unpickling.
+    _BACKEND_METHODS: dict[str, str] = {}
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._bind_backend()
+
+    def _bind_backend(self) -> None:
+        for attribute, method in self._BACKEND_METHODS.items():
+            setattr(self, attribute, getattr(self.tokenizer.backend, method))
+
+    def __getstate__(self):
+        return {name: value for name, value in self.__dict__.items() if name not in self._BACKEND_METHODS}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._bind_backend()
 
     @abstractmethod
     def encode_messages(self, messages: Sequence[Mapping], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
@@ -236,19 +251,11 @@ class _PiecewiseTemplate(ChatTemplate):
     boundary always falls between tokens. Constant pieces (role headers, separators) are encoded once.
     """
 
+    _BACKEND_METHODS = {"_encode_text": "encode"}
+
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self._encode_text = tokenizer.backend.encode
         self._constants: dict[str, list[int]] = {}
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        del state["_encode_text"]  # a bound method of the Rust tokenizer: rebuilt after unpickling
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._encode_text = self.tokenizer.backend.encode
 
     def _encode(self, text: str) -> list[int]:
         return self._encode_text(text, add_special_tokens=False).ids if text else []
@@ -393,6 +400,7 @@ class TokenizerChatTemplate(ChatTemplate):
     """
 
     name = "tokenizer"
+    _BACKEND_METHODS = {"_encode_batch": "encode_batch"}
 
     def __init__(self, tokenizer, template: str | None = None):
         """
@@ -412,17 +420,7 @@ class TokenizerChatTemplate(ChatTemplate):
                 "a named template: chat_template='chatml', 'llama2' or 'default'"
             )
         self.template = template
-        self._encode_batch = tokenizer.backend.encode_batch
         self._check_with_probe()
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        del state["_encode_batch"]  # a bound method of the Rust tokenizer: rebuilt after unpickling
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._encode_batch = self.tokenizer.backend.encode_batch
 
     def _check_with_probe(self) -> None:
         try:

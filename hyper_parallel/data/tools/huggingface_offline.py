@@ -31,6 +31,7 @@ from hyper_parallel.data.tools.offline_config import (
 from hyper_parallel.data.tools.offline_preparation import (
     PreparationSummary,
     RecordSource,
+    preparation_parser,
     run_cli,
     run_offline_preparation,
 )
@@ -97,13 +98,8 @@ def run_huggingface_offline(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m hyper_parallel.data.tools.huggingface_offline",
-        description=__doc__.split("Owns:")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--dataset-name-or-path", required=True, help="a save_to_disk folder or a local Hugging Face dataset directory"
+    parser = preparation_parser(
+        "huggingface_offline", __doc__, "a save_to_disk folder or a local Hugging Face dataset directory"
     )
     parser.add_argument("--split", default="train", help="split to convert (default: train)")
     parser.add_argument("--subset", default=None, help="configuration name, for dataset directories with several")

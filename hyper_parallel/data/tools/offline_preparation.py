@@ -60,7 +60,15 @@ from hyper_parallel.data.tools.offline_encoding import (
 from hyper_parallel.data.tools.offline_outputs import Outputs, plan_outputs
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
-__all__ = ["Interrupted", "PreparationSummary", "RecordSource", "main", "run_cli", "run_offline_preparation"]
+__all__ = [
+    "Interrupted",
+    "PreparationSummary",
+    "RecordSource",
+    "main",
+    "preparation_parser",
+    "run_cli",
+    "run_offline_preparation",
+]
 
 logger = get_logger("hyper_parallel.data.tools.offline_preparation")
 _MAX_LOGGED_BAD_RECORDS = 5
@@ -272,16 +280,23 @@ def _count_bad_records(encoded: EncodedChunk, skip: bool, summary: PreparationSu
     summary.bad_records += len(encoded.bad_records)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def preparation_parser(module: str, doc: str, input_help: str) -> argparse.ArgumentParser:
+    """The parser of a preparation command: ``python -m hyper_parallel.data.tools.<module>``, described by the
+    module docstring ``doc`` (up to its "Owns:"), with its input flag; the caller adds the rest."""
     parser = argparse.ArgumentParser(
-        prog="python -m hyper_parallel.data.tools.offline_preparation",
-        description=__doc__.split("Owns:")[0],
+        prog=f"python -m hyper_parallel.data.tools.{module}",
+        description=doc.split("Owns:")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--dataset-name-or-path",
-        required=True,
-        help="a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
+    parser.add_argument("--dataset-name-or-path", required=True, help=input_help)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = preparation_parser(
+        "offline_preparation",
+        __doc__,
+        "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
     )
     add_preparation_arguments(parser)
     return parser
