@@ -345,6 +345,44 @@ def test_dynamic_resume_with_another_dp_size_is_refused_mid_epoch(
         loader(1).load_state_dict(source.state_dict())
 
 
+def test_dynamic_resume_with_another_dp_size_at_an_epoch_boundary(plaintext_path, tokenizer, hf_cache_dir):
+    """A state saved after the last batch of an epoch (nothing buffered) resumes with another DP size: the epoch
+    ends, and the next one is read with the new layout. Mid-epoch, or on another rank of the same size, it is
+    refused."""
+
+    def loader(dp_rank, dp_world_size, dataset_type="mapping"):
+        dataset = plaintext_dataset(
+            plaintext_path,
+            tokenizer,
+            hf_cache_dir,
+            dataset_type=dataset_type,
+            max_seq_len=48,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+        )
+        layout = {"micro_batch_size": 2, "global_batch_size": 4, "dp_rank": dp_rank, "dp_world_size": dp_world_size}
+        return DynamicBatchDataLoader(dataset, min_buffered_samples=4, **layout)
+
+    saved = loader(1, 2)
+    epoch = len(list(loader(1, 2)))
+    take(saved, epoch)  # stopped right after the last batch of epoch 0
+    state = roundtrip(saved.state_dict())
+    resumed = loader(0, 1)
+    resumed.load_state_dict(state)
+    assert list(resumed) == []  # the rest of epoch 0
+    fresh = loader(0, 1)
+    fresh.set_epoch(1)
+    assert [plain(b) for b in resumed] == [plain(b) for b in fresh]
+
+    take(saved, 2)
+    with pytest.raises(ResumeStateError, match="state belongs to DP rank 1 but this loader is rank 0"):
+        loader(0, 2).load_state_dict(saved.state_dict())
+    stream = loader(1, 2, "iterable")
+    take(stream, 2)
+    with pytest.raises(ResumeStateError, match="saved by DP rank 1 of 2, but this loader is rank 0 of 2"):
+        loader(0, 2, "iterable").load_state_dict(stream.state_dict())
+
+
 def test_an_abandoned_iteration_continues_where_the_caller_stopped(plaintext_path, tokenizer, hf_cache_dir):
     for dataset_type in ("mapping", "iterable"):
         make = make_factory("dynamic", dataset_type, 2, plaintext_path, tokenizer, hf_cache_dir)
