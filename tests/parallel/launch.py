@@ -53,7 +53,7 @@ __all__ = ["DEADLINE_S", "grid_coordinates", "grid_groups", "launch"]
 
 DEADLINE_S = 60.0
 _PROCESS_GROUP_TIMEOUT_FACTOR = 20  # a rank still waiting at the deadline is a hang, never a timeout error
-_PRELOAD = ["torch", "torch.distributed", "hyper_parallel.data.text.build_dataset", "hyper_parallel.data.batching"]
+_PRELOAD = ["torch.distributed", "hyper_parallel.data.text.build_dataset"]  # the imports that take seconds
 
 
 # -- rank grids ---------------------------------------------------------------------------------------------------
@@ -129,7 +129,9 @@ def _rank_main(
         if port is not None:
             dist.destroy_process_group()
     result["logs"] = recorder.logs
-    Path(report).write_text(json.dumps(result), encoding="utf-8")
+    temporary = Path(f"{report}.tmp")
+    temporary.write_text(json.dumps(result), encoding="utf-8")
+    temporary.rename(report)  # a process that dies while writing leaves no report, so it counts as crashed
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -164,6 +166,8 @@ def launch(
     port = _free_port() if process_group else None
     start = context.Barrier(world_size)
     reports = [directory / f"rank{rank}.json" for rank in range(world_size)]
+    for report in reports:
+        report.unlink(missing_ok=True)  # left by an earlier launch into the same directory
     processes = [
         context.Process(
             target=_rank_main,
