@@ -324,63 +324,49 @@ def test_mid_step_dp_change_is_refused_with_the_reason(plaintext_path, tokenizer
         other.load_state_dict(state)
 
 
+def dp_dynamic_loader(paths, dataset_type: str, dp_rank: int, dp_world_size: int) -> DynamicBatchDataLoader:
+    """A dynamic loader of rank ``dp_rank`` of ``dp_world_size`` (global batch 4) over ``paths``' plaintext data."""
+    dataset = plaintext_dataset(
+        *paths, dataset_type=dataset_type, max_seq_len=48, dp_rank=dp_rank, dp_world_size=dp_world_size
+    )
+    layout = {"micro_batch_size": 2, "global_batch_size": 4, "dp_rank": dp_rank, "dp_world_size": dp_world_size}
+    return DynamicBatchDataLoader(dataset, min_buffered_samples=4, **layout)
+
+
 @pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
 def test_dynamic_resume_with_another_dp_size_is_refused_mid_epoch(
     dataset_type, plaintext_path, tokenizer, hf_cache_dir
 ):
-    def loader(dp_world_size):
-        dataset = plaintext_dataset(
-            plaintext_path,
-            tokenizer,
-            hf_cache_dir,
-            dataset_type=dataset_type,
-            max_seq_len=48,
-            dp_world_size=dp_world_size,
-        )
-        return DynamicBatchDataLoader(dataset, micro_batch_size=2, dp_world_size=dp_world_size, min_buffered_samples=4)
-
-    source = loader(2)
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    source = dp_dynamic_loader(paths, dataset_type, 0, 2)
     take(source, 3)
     with pytest.raises(ResumeStateError, match="DP|dp_world_size"):
-        loader(1).load_state_dict(source.state_dict())
+        dp_dynamic_loader(paths, dataset_type, 0, 1).load_state_dict(source.state_dict())
 
 
 def test_dynamic_resume_with_another_dp_size_at_an_epoch_boundary(plaintext_path, tokenizer, hf_cache_dir):
     """A state saved after the last batch of an epoch (nothing buffered) resumes with another DP size: the epoch
     ends, and the next one is read with the new layout. Mid-epoch, or on another rank of the same size, it is
     refused."""
-
-    def loader(dp_rank, dp_world_size, dataset_type="mapping"):
-        dataset = plaintext_dataset(
-            plaintext_path,
-            tokenizer,
-            hf_cache_dir,
-            dataset_type=dataset_type,
-            max_seq_len=48,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-        )
-        layout = {"micro_batch_size": 2, "global_batch_size": 4, "dp_rank": dp_rank, "dp_world_size": dp_world_size}
-        return DynamicBatchDataLoader(dataset, min_buffered_samples=4, **layout)
-
-    saved = loader(1, 2)
-    epoch = len(list(loader(1, 2)))
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    saved = dp_dynamic_loader(paths, "mapping", 1, 2)
+    epoch = len(list(dp_dynamic_loader(paths, "mapping", 1, 2)))
     take(saved, epoch)  # stopped right after the last batch of epoch 0
     state = roundtrip(saved.state_dict())
-    resumed = loader(0, 1)
+    resumed = dp_dynamic_loader(paths, "mapping", 0, 1)
     resumed.load_state_dict(state)
     assert list(resumed) == []  # the rest of epoch 0
-    fresh = loader(0, 1)
+    fresh = dp_dynamic_loader(paths, "mapping", 0, 1)
     fresh.set_epoch(1)
     assert [plain(b) for b in resumed] == [plain(b) for b in fresh]
 
     take(saved, 2)
     with pytest.raises(ResumeStateError, match="state belongs to DP rank 1 but this loader is rank 0"):
-        loader(0, 2).load_state_dict(saved.state_dict())
-    stream = loader(1, 2, "iterable")
+        dp_dynamic_loader(paths, "mapping", 0, 2).load_state_dict(saved.state_dict())
+    stream = dp_dynamic_loader(paths, "iterable", 1, 2)
     take(stream, 2)
     with pytest.raises(ResumeStateError, match="saved by DP rank 1 of 2, but this loader is rank 0 of 2"):
-        loader(0, 2, "iterable").load_state_dict(stream.state_dict())
+        dp_dynamic_loader(paths, "iterable", 0, 2).load_state_dict(stream.state_dict())
 
 
 def test_an_abandoned_iteration_continues_where_the_caller_stopped(plaintext_path, tokenizer, hf_cache_dir):

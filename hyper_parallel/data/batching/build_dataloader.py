@@ -142,10 +142,7 @@ class _Loader:
         self._tracked.set_epoch(epoch)
 
     def _state(self, source_state: dict, **extra) -> dict:
-        layout = self.options.layout
-        head = envelope(
-            type(self).__name__, layout.dp_rank, layout.dp_world_size, layout.micro_batch_size, self._source.identities
-        )
+        head = envelope(type(self).__name__, self.options.layout, self._source.identities)
         return {**head, "source": source_state, **extra}
 
     def _checked(self, state, fields: tuple = (), *, packs_per_rank: bool = False) -> dict:
@@ -158,7 +155,7 @@ class _Loader:
             state["source"],
             (state["dp_rank"], state["dp_world_size"]),
             packs_per_rank=packs_per_rank,
-            holds_samples=state.get("buffered_samples", 0) > 0,
+            holds_samples=state.get("buffered_samples", 0) > 0,  # the dynamic loader's field, checked above
         )
         return state
 
@@ -340,7 +337,8 @@ class DynamicBatchDataLoader(_Loader):
     def state_dict(self) -> dict:
         """The source position plus the packing policy's state (plain Python containers)."""
         unabsorbed = self._unabsorbed()
-        # A mapping source moves to the next epoch as it hands out its last batch: then only the buffer is left.
+        # A source may move to the next epoch as it hands out its last keys (a mapping source does): then only the
+        # policy's buffer is left of this epoch.
         source_moved_on = self._epoch is not None and self._tracked.next_epoch(unabsorbed) != self._epoch
         return self._state(
             self._tracked.state_dict(unabsorbed),

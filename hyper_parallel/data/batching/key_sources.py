@@ -88,8 +88,9 @@ class _KeySource:
     def check_kind(self, kind, where: str) -> None:
         if kind != self.kind:
             raise ResumeStateError(
-                f"{where} was saved over a {kind} source but this loader reads a {self.kind} one (source type); "
-                "resume with the same loader and source type, or start without the state"
+                f"{where} was saved over a source of kind {kind!r} but this loader reads one of kind {self.kind!r} "
+                "(the source type: mapping or iterable); resume with the same loader and source type, or start "
+                "without the state"
             )
 
 
@@ -311,7 +312,7 @@ def _saved_sample(sample, name: str) -> dict:
     return arrays
 
 
-class _OneSampleRecords(torch.utils.data.Dataset):
+class _ReadySamplesAsRecords(torch.utils.data.Dataset):
     """A dataset of ready samples (Indexed) read as records of one sample each, as the loaders read every dataset."""
 
     def __init__(self, dataset) -> None:
@@ -345,5 +346,5 @@ def key_source_for(dataset, options: LoaderOptions) -> MappingKeys | StreamKeys:
         )
     sampler = DatasetBatchSampler.from_options(len(dataset), layout, options.sampler)
     if reading is None:
-        return MappingKeys(dataset, _OneSampleRecords(dataset), sampler, layout, None)
+        return MappingKeys(dataset, _ReadySamplesAsRecords(dataset), sampler, layout, None)
     return MappingKeys(dataset, dataset, sampler, layout, reading.transform)

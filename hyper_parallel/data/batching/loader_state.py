@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import ResumeStateError
+from hyper_parallel.data.parallel.batch_sampler import BatchLayout
 from hyper_parallel.data.resume_checks import check_same_data, state_field, transform_changes
 
 __all__ = ["STATE_VERSION", "check_envelope", "envelope", "migrate_loader_state"]
@@ -75,15 +76,15 @@ def migrate_loader_state(state, owner: object) -> dict:
     return state
 
 
-def envelope(loader: str, dp_rank: int, dp_world_size: int, micro_batch_size: int, identities: tuple) -> dict:
+def envelope(loader: str, layout: BatchLayout, identities: tuple) -> dict:
     """The envelope of a new state; ``identities`` are the data's and the transform's (or None)."""
     data, transform = identities
     return {
         "version": STATE_VERSION,
         "loader": loader,
-        "dp_rank": dp_rank,
-        "dp_world_size": dp_world_size,
-        "micro_batch_size": micro_batch_size,
+        "dp_rank": layout.dp_rank,
+        "dp_world_size": layout.dp_world_size,
+        "micro_batch_size": layout.micro_batch_size,
         "data": data,
         "transform": transform,
     }

@@ -49,11 +49,11 @@ def _transform_batch(transform: Transform, records: list, wheres: list[str]) -> 
     return [transform(record, where=where) for record, where in zip(records, wheres, strict=True)]
 
 
-class TransformDataset(torch.utils.data.Dataset):
-    """A mapping source with its transform: ``dataset[i]`` is the list of ModelSamples of record ``i``."""
+class _Transformed:
+    """What both transform datasets share: the source they read and the transform, with what loaders ask of them."""
 
-    def __init__(self, source: OnlineMappingDataset, transform: Transform) -> None:
-        self.source = source
+    def __init__(self, read: OnlineMappingDataset | OnlineIterableDataset, transform: Transform) -> None:
+        self._read = read
         self.transform = transform
 
     @property
@@ -62,10 +62,18 @@ class TransformDataset(torch.utils.data.Dataset):
 
     @property
     def description(self) -> str:
-        return self.source.description
+        return self._read.description
 
-    def data_identity(self) -> dict:
-        return self.source.data_identity()
+    def data_identity(self) -> dict | None:
+        return self._read.data_identity()
+
+
+class TransformDataset(_Transformed, torch.utils.data.Dataset):
+    """A mapping source with its transform: ``dataset[i]`` is the list of ModelSamples of record ``i``."""
+
+    def __init__(self, source: OnlineMappingDataset, transform: Transform) -> None:
+        super().__init__(source, transform)
+        self.source = source
 
     def __len__(self) -> int:
         return len(self.source)
@@ -109,7 +117,7 @@ class StreamRecordTransform(torch.utils.data.Dataset):
         return f"record {key[0]} of {self.stream_description}"
 
 
-class IterableTransformDataset(torch.utils.data.IterableDataset):
+class IterableTransformDataset(_Transformed, torch.utils.data.IterableDataset):
     """An iterable source with its transform. Iterating yields this epoch's remaining ModelSamples in order.
 
     The loaders read ``stream`` themselves and tokenize in workers; iterating this object directly runs in the
@@ -117,19 +125,8 @@ class IterableTransformDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, stream: OnlineIterableDataset, transform: Transform) -> None:
+        super().__init__(stream, transform)
         self.stream = stream
-        self.transform = transform
-
-    @property
-    def max_seq_len(self) -> int | None:
-        return getattr(self.transform, "max_seq_len", None)
-
-    @property
-    def description(self) -> str:
-        return self.stream.description
-
-    def data_identity(self) -> dict | None:
-        return self.stream.data_identity()
 
     def record_transform(self) -> StreamRecordTransform:
         return StreamRecordTransform(
