@@ -96,7 +96,7 @@ def test_the_loaders_and_the_pipeline_check_options_the_same_way(plaintext_path,
         build_dataloaders(config, seed=np.int64(-3))
 
 
-def test_a_yaml_packing_policy_and_worker_options(tmp_path, plaintext_path, hf_cache_dir, tokenizer_path):
+def test_a_yaml_packing_policy_and_worker_options(tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog):
     config = {
         "dataset": {
             "_target_": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
@@ -123,3 +123,12 @@ def test_a_yaml_packing_policy_and_worker_options(tmp_path, plaintext_path, hf_c
     assert isinstance(loader.policy, TextTokenBatcher) and loader.token_budget == 96
     assert loader.options.workers == WorkerOptions(num_workers=2, timeout=120)
     check_exact_resume(make, stop_points=[3])
+
+    config["collate_fn"] = {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn"}
+    config["dataloader"]["packing_policy"]["token_budget"] = 90
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=4)
+    assert (
+        "the packing policy's token budget 90 is not a multiple of the packing alignment 4, so a padded micro-batch "
+        "can hold up to 92 tokens; set the policy's token_budget to a multiple of 4" in caplog.text
+    )

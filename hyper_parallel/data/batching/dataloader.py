@@ -81,7 +81,17 @@ def _as_splits(built) -> tuple:
 def _check_alignment(loader, collate_fn) -> None:
     """Warn when a token budget is not a multiple of the packing alignment: padded rows would then exceed it."""
     budget, alignment = getattr(loader, "token_budget", None), getattr(collate_fn, "alignment", None)
-    if budget is None or alignment is None or budget % alignment == 0 or loader.max_seq_len is None:
+    if budget is None or alignment is None or budget % alignment == 0:
+        return
+    if loader.max_seq_len is None or budget != loader.micro_batch_size * loader.max_seq_len:
+        logger.warning(
+            "the packing policy's token budget %d is not a multiple of the packing alignment %d, so a padded "
+            "micro-batch can hold up to %d tokens; set the policy's token_budget to a multiple of %d",
+            budget,
+            alignment,
+            budget - budget % alignment + alignment,
+            alignment,
+        )
         return
     # budget = micro_batch_size * max_seq_len is a multiple of the alignment when max_seq_len is a multiple of step
     step = alignment // math.gcd(alignment, loader.micro_batch_size)
