@@ -124,7 +124,7 @@ def test_an_unknown_top_level_node_is_refused_before_anything_is_built(
         build_dataloaders(config, tokenizer=tokenizer_path)
     message = str(refused.value)
     assert message.startswith(f"{node}: the pipeline config has no node '{node}'")
-    assert "its top-level nodes are dataset, collate_fn, dataloader, get_batch" in message
+    assert "its top-level nodes are dataset, collate_fn, dataloader, get_batch, debug, variables" in message
     assert (f"did you mean '{named}'?" in message) == (named is not None)
 
 
@@ -303,3 +303,53 @@ def test_a_token_budget_off_the_packing_alignment_names_the_fix(
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=2)
     assert not [r for r in caplog.records if "packing alignment" in r.getMessage()]
+
+
+def test_variables_interpolate_and_debug_sets_the_dataset_log_level(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    """``variables`` holds values for interpolations and is not built; ``debug.check_dataset`` sets this package's
+    log level (rank 0), as ``enable_dataset_logging`` does."""
+    import logging
+
+    text = online_config(tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="FixedBatchDataLoader")
+    config = load_config(text)
+    root = logging.getLogger("hyper_parallel.data")
+    saved = root.level, root.propagate, list(root.handlers)
+    try:
+        yaml = (
+            f"variables:\n  path: {plaintext_path}\n"
+            "debug:\n  check_dataset: debug\n"
+            "dataset:\n  data_path: ${variables.path}\n"
+        )
+        from omegaconf import OmegaConf
+
+        merged = OmegaConf.to_container(OmegaConf.merge(config, OmegaConf.create(yaml)), resolve=True)
+        loaders = build_dataloaders(merged, tokenizer=tokenizer_path, micro_batch_size=2)
+        assert merged["dataset"]["data_path"] == str(plaintext_path)
+        assert next(iter(loaders.train)) is not None
+        assert root.level == logging.DEBUG
+    finally:
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+        root.handlers[:] = saved[2]
+
+
+@pytest.mark.parametrize(
+    ("debug", "fragment"),
+    [
+        ({"check_dataset": "loud"}, "debug.check_dataset: 'loud' is not a log level"),
+        ({"check_datasets": "info"}, "debug.check_datasets: unknown key"),
+        ("info", "debug: must be a mapping"),
+    ],
+)
+def test_a_bad_debug_node_is_refused_before_anything_is_built(
+    debug, fragment, tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    config = load_config(
+        online_config(tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="FixedBatchDataLoader")
+    )
+    config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # reading it would fail
+    config["debug"] = debug
+    with pytest.raises(DataConfigError, match=fragment):
+        build_dataloaders(config, tokenizer=tokenizer_path)

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hyper_parallel.data.batching.loader_options import LoaderOptions
-from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.instantiate import (
     DEFAULT_ALLOWED_PREFIXES,
@@ -51,9 +51,13 @@ __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-# The top-level nodes of a pipeline config, in the order they are built; get_batch is checked but not built yet.
-NODES = ("dataset", "collate_fn", "dataloader", "get_batch")
+# The top-level nodes of a pipeline config: the built ones in build order (get_batch is checked but not built yet),
+# then ``debug`` (``check_dataset``: the dataset log level) and ``variables`` (free values for ``${variables.x}``
+# interpolations, never built).
+NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "debug", "variables")
 _REQUIRED = ("dataset", "dataloader")
+_DEBUG_KEYS = ("check_dataset",)
+_LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
     for key in _REQUIRED:
         if key not in config:
             raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
+    _check_debug(config.get("debug"))
     check_config(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
     check_config(config.get("collate_fn"), context=context, allowed_prefixes=allowed_prefixes, path="collate_fn")
     loader_context = {**context, "dataset": None, "collate_fn": None}  # built later: only their names matter here
@@ -138,6 +143,22 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
         logger.warning(
             "get_batch: per-step delivery to model ranks (ParallelBatch: CP sharding, TP broadcast) is not built by "
             "this library yet; the node is checked but not built, and the loaders deliver whole micro-batches"
+        )
+
+
+def _check_debug(debug) -> None:
+    if debug is None:
+        return
+    if not isinstance(debug, Mapping):
+        raise DataConfigError(f"debug: must be a mapping such as 'check_dataset: info', got {debug!r}")
+    for key in debug:
+        if key not in _DEBUG_KEYS:
+            raise DataConfigError(f"debug.{key}: unknown key; the debug node takes {', '.join(_DEBUG_KEYS)}")
+    level = debug.get("check_dataset")
+    if level is not None and str(level).lower() not in _LOG_LEVELS:
+        raise DataConfigError(
+            f"debug.check_dataset: {level!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}, or null to "
+            "follow the global level"
         )
 
 
@@ -159,8 +180,9 @@ def build_dataloaders(
 
     Args:
         config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
-            and ``dataloader`` (required), ``collate_fn`` and ``get_batch`` (checked, not built yet); any other is
-            refused.
+            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (checked, not built yet), ``debug``
+            (``check_dataset``: a log level for this package's logs on rank 0, or null) and ``variables`` (values
+            for ``${variables.name}`` interpolations); any other is refused.
         tokenizer: a loaded tokenizer or the path of a local Hugging Face tokenizer.
         micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
             runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
@@ -192,6 +214,9 @@ def build_dataloaders(
         "seed": seed,
     }
     _check_nodes(config, context, allowed_prefixes)
+    level = (config.get("debug") or {}).get("check_dataset")
+    if level is not None:
+        enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
     if isinstance(tokenizer, (str, os.PathLike)):
         context["tokenizer"] = build_tokenizer(tokenizer)
     datasets = _as_splits(
