@@ -21,6 +21,7 @@ from hyper_parallel.data.batching.build_collate_fn import (
     build_online_text_collate_fn,
     sequence_alignment,
 )
+from hyper_parallel.data.batching.build_dataloader import FixedBatchDataLoader
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -375,7 +376,7 @@ def test_indexed_builder_takes_the_eod_of_the_tokenizer(tokenizer, caplog):
     assert "no EOD id: cu_seq_lens mark row ends only" in caplog.text
 
 
-def test_a_gpt_dataset_batch_keeps_its_masks(tmp_path, tokenizer):
+def test_a_gpt_dataset_batch_keeps_its_masks(tmp_path, tokenizer, caplog):
     """A real pipeline with ``eod_mask_loss`` and reset position ids: the batch's loss mask is the dataset's, the
     labels are ignored exactly there, and sequences start where the dataset's position ids restart."""
     prefix = tmp_path / "corpus_text_document"
@@ -405,3 +406,7 @@ def test_a_gpt_dataset_batch_keeps_its_masks(tmp_path, tokenizer):
     restarts = np.flatnonzero(torch.stack([sample["position_ids"] for sample in samples]).reshape(-1) == 0)
     assert restarts.tolist() == batch.cu_seq_lens[:-1].tolist() and batch.num_sequences > 4
     assert train[0]["tokens"].shape == (32,) and "input_ids" not in train[0]  # samples keep megatron's names
+    # A loader without a collate_fn stacks with the dataset's own EOD id: the same boundaries, and no warning.
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        loaded = next(iter(FixedBatchDataLoader(train, micro_batch_size=4)))
+    assert torch.equal(loaded.cu_seq_lens, batch.cu_seq_lens) and "no EOD id" not in caplog.text

@@ -32,6 +32,7 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
     "IndexedStackingCollator",
@@ -241,8 +242,8 @@ def build_online_text_collate_fn(
     alignment = sequence_alignment(
         cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel, sequence_multiple=sequence_multiple
     )
-    if pad_token_id is None:
-        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None and tokenizer is not None:
+        pad_token_id = read_tokenizer(tokenizer).pad
     if pad_token_id is None:
         pad_token_id = 0
     return TextPackingCollator(alignment=alignment, pad_token_id=pad_token_id)
@@ -365,9 +366,7 @@ class IndexedStackingCollator:
 
 def _eod_of(tokenizer: Any) -> int:
     """The tokenizer's EOD id, found as the Indexed datasets find it (``eod``, else ``eos_token_id``)."""
-    eod = getattr(tokenizer, "eod", None)
-    if eod is None:
-        eod = getattr(tokenizer, "eos_token_id", None)
+    eod = read_tokenizer(tokenizer).eod
     if eod is None:
         raise DataConfigError(
             f"the tokenizer ({type(tokenizer).__name__}) has no EOD/EOS token id, so the Indexed collator cannot tell "

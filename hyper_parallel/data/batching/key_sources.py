@@ -75,7 +75,10 @@ class _KeySource:
 
     def default_collate_fn(self) -> Callable:
         """The collator for what the records give: packing for ModelSamples, stacking for ready samples."""
-        return build_online_text_collate_fn() if self.transform is not None else build_indexed_collate_fn()
+        if self.transform is not None:
+            return build_online_text_collate_fn()
+        # Indexed datasets say which id ends their documents; other map-style datasets have one sequence per row.
+        return build_indexed_collate_fn(eod_token_id=getattr(self._read, "eod_token_id", None))
 
     def require_model_samples(self, loader: str) -> None:
         """Refuse a dataset whose records are not turned into ModelSamples by a transform (an Indexed dataset)."""

@@ -99,6 +99,11 @@ class BlendedDataset(torch.utils.data.Dataset):
                     "lower its weight, or give it more data"
                 )
 
+    @property
+    def eod_token_id(self) -> int | None:
+        """The EOD id of the sources (one tokenizer builds them all)."""
+        return getattr(self.datasets[0], "eod_token_id", None) if self.datasets else None
+
     def __len__(self) -> int:
         return self._length
 

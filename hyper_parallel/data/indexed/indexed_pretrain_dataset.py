@@ -201,6 +201,11 @@ class _MidLevelDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def eod_token_id(self) -> int:
+        """The id that ends documents in the samples (what a collator reads to tell sequences apart)."""
+        return self._make_sample.eod
+
     def _positions(self, indices: Sequence[int]) -> np.ndarray:
         """Checked, non-negative sample positions."""
         idx = np.asarray(indices, dtype=np.int64)

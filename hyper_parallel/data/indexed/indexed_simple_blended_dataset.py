@@ -63,6 +63,11 @@ class SimpleBlendedDataset(torch.utils.data.Dataset):
             "size": len(self._locations),
         }
 
+    @property
+    def eod_token_id(self) -> int | None:
+        """The EOD id of the sources (one tokenizer builds them all)."""
+        return getattr(self.datasets[0], "eod_token_id", None) if self.datasets else None
+
     def __len__(self) -> int:
         return len(self._locations)
 
