@@ -21,6 +21,7 @@ import pytest
 import torch
 from permissions import read_only
 
+from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed import index_cache
 from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -216,7 +217,7 @@ def test_failed_write_leaves_an_incomplete_entry_that_is_rebuilt(tmp_path, monke
     """A write that fails half-way publishes no description, so the next caller rebuilds the entry."""
     cache = IndexCache(tmp_path, "GPTDataset", "train", {"case": "failed write"})
     _fail_second_save(monkeypatch)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DataFileError, match="cannot write .*-second.npy: No space left on device; free space"):
         cache.get_or_build(_NAMES, _arrays)
     assert not cache.is_complete(_NAMES)
     monkeypatch.undo()
@@ -232,7 +233,7 @@ def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     """A write that fails half-way removes its temporary file."""
     cache = IndexCache(tmp_path, "GPTDataset", "train", {"case": "failed write"})
     _fail_second_save(monkeypatch)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DataFileError, match="cannot write .*-second.npy: No space left on device; free space"):
         cache.get_or_build(_NAMES, _arrays)
 
     assert _files(tmp_path, "*.tmp-*") == []

@@ -23,8 +23,7 @@ import mmap
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -35,6 +34,7 @@ from xxhash import xxh3_64_intdigest
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed.io import atomic_output
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once
 
 __all__ = ["CacheOptions", "IndexCache", "LazyArrays", "array_property", "writable_directory"]
@@ -372,16 +372,9 @@ class IndexCache:
             text = json.dumps({"description": self.description, "arrays": records}, indent=4)
             temporary.write_text(text, encoding="utf-8")
 
-    @contextmanager
-    def _temporary(self, name: str) -> Iterator[Path]:
+    def _temporary(self, name: str):
         """A temporary name for ``name``'s file, renamed into place on success and removed on failure."""
-        final = self.path(name)
-        temporary = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-        try:
-            yield temporary
-            os.replace(temporary, final)
-        finally:
-            temporary.unlink(missing_ok=True)
+        return atomic_output(self.path(name))
 
     def _build_and_publish(self, request: _Request) -> None:
         problem = self._problem

@@ -29,7 +29,14 @@ from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.idx_format import IdxHeader, code_for_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
 
-__all__ = ["IndexedDatasetBuilder", "output_error", "remove_stale_temporaries", "temporary_path", "write_atomically"]
+__all__ = [
+    "IndexedDatasetBuilder",
+    "atomic_output",
+    "output_error",
+    "remove_stale_temporaries",
+    "temporary_path",
+    "write_atomically",
+]
 
 # The host is part of temporary names: on a shared file system a process id says nothing about other machines.
 _HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())[:40] or "host"
@@ -58,15 +65,24 @@ def output_error(path: str | os.PathLike, error: OSError) -> DataFileError:
     return DataFileError(f"cannot write {path}: {error.strerror or error}; {fix}")
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` under its temporary name, then rename it into place."""
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield the temporary name to write ``path`` under; rename it into place when the block ends, remove it if the
+    block fails. A failed write or rename is ``output_error``'s ``DataFileError``."""
     temporary = temporary_path(path)
     try:
-        temporary.write_bytes(data)
+        yield temporary
         os.replace(temporary, path)
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         raise output_error(path, error) from None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` under its temporary name, then rename it into place."""
+    with atomic_output(path) as temporary:
+        temporary.write_bytes(data)
 
 
 def _process_is_alive(pid: int) -> bool:

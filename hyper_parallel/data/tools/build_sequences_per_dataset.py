@@ -33,7 +33,8 @@ from tqdm import tqdm
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import DataPath, parse_blend
 from hyper_parallel.data.indexed.indexed_data_reader import read_sequence_counts
-from hyper_parallel.data.indexed.io import temporary_path
+from hyper_parallel.data.indexed.io import write_atomically
+from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "collect_prefixes", "main", "write_sequences_per_dataset"]
 
@@ -100,28 +101,20 @@ def write_sequences_per_dataset(
         prefix: list(read_sequence_counts(prefix))
         for prefix in tqdm(prefixes, desc="reading .idx headers", unit="prefix", disable=None if progress else True)
     }
-    temporary = temporary_path(output_path)
-    try:
-        temporary.write_text(json.dumps(counts, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, output_path)
-    except OSError as error:
-        raise DataConfigError(f"cannot write {output_path}: {error.strerror}") from None
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_atomically(output_path, (json.dumps(counts, indent=1) + "\n").encode("utf-8"))
     return counts
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
-    parser = argparse.ArgumentParser(
-        prog=_PROG,
-        description=(
+    parser = command_parser(
+        _PROG,
+        (
             "Read the header of every dataset prefix of a training run and write their sequence and document "
             "counts to one JSON file, for per_dataset_sequences_path: training then reads one file instead of "
             "opening every .idx at start-up."
         ),
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _EXAMPLES,
     )
     for name, example in (
         ("data", "30 /data/a_text_document 70 /data/b_text_document"),

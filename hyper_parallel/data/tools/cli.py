@@ -5,10 +5,11 @@ Each subcommand is a module that also runs on its own with ``python -m hyper_par
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "command_parser", "main"]
 
 # subcommand -> (module, one-line description)
 COMMANDS = {
@@ -23,6 +24,13 @@ COMMANDS = {
         "write the {prefix: [sequences, documents]} file for per_dataset_sequences_path",
     ),
 }
+
+
+def command_parser(prog: str, description: str, examples: str | None = None) -> argparse.ArgumentParser:
+    """The parser every tool starts from: its program name, a description and worked examples kept as written."""
+    return argparse.ArgumentParser(
+        prog=prog, description=description, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def _usage() -> str:

@@ -46,6 +46,7 @@ from hyper_parallel.data.text.records import (
     iter_record_chunks,
     resolve_data_files,
 )
+from hyper_parallel.data.tools.cli import command_parser
 from hyper_parallel.data.tools.offline_config import (
     OfflinePreparationConfig,
     add_preparation_arguments,
@@ -283,11 +284,7 @@ def _count_bad_records(encoded: EncodedChunk, skip: bool, summary: PreparationSu
 def preparation_parser(module: str, doc: str, input_help: str) -> argparse.ArgumentParser:
     """The parser of a preparation command: ``python -m hyper_parallel.data.tools.<module>``, described by the
     module docstring ``doc`` (up to its "Owns:"), with its input flag; the caller adds the rest."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m hyper_parallel.data.tools.{module}",
-        description=doc.split("Owns:")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser(f"python -m hyper_parallel.data.tools.{module}", doc.split("Owns:")[0])
     parser.add_argument("--dataset-name-or-path", required=True, help=input_help)
     return parser
 

@@ -38,6 +38,7 @@ from hyper_parallel.data.indexed.index_cache import writable_directory
 from hyper_parallel.data.indexed.indexed_data_config import SPLIT_NAMES, DataPath, IndexedDataConfig
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = [
     "CacheRequest",
@@ -399,14 +400,13 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
-    parser = argparse.ArgumentParser(
-        prog=_PROG,
-        description=(
+    parser = command_parser(
+        _PROG,
+        (
             "Build the document, sample, shuffle and blending indices of a training run into --data-cache-path "
             "ahead of training, through the same construction as training, so that start-up only loads them."
         ),
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _EXAMPLES,
     )
     _add_dataset_arguments(parser)
     _add_sample_arguments(parser)

@@ -24,8 +24,9 @@ import numpy as np
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
-from hyper_parallel.data.indexed.io import temporary_path
+from hyper_parallel.data.indexed.io import atomic_output
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
+from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "format_summary", "main", "summarize"]
 
@@ -80,15 +81,14 @@ def _non_negative(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
-    parser = argparse.ArgumentParser(
-        prog=_PROG,
-        description=(
+    parser = command_parser(
+        _PROG,
+        (
             "Summarise a Megatron .idx/.bin indexed dataset: dtype, sequence, document and token counts, file size, "
             "and length statistics (min, mean, p50/p90/p99, max) of sequences and documents. Optionally decode "
             "sequences, verify the pair, or plot the length distribution."
         ),
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _EXAMPLES,
     )
     parser.add_argument(
         "prefix",
@@ -383,14 +383,8 @@ def _write_histogram(reader: IndexedDataReader, summary: dict, out: str) -> Path
         f"{summary['tokens']:,} tokens",
         fontsize=9,
     )
-    tmp = temporary_path(out_path)
-    try:
-        figure.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, out_path)
-    except OSError as error:
-        raise _UsageError(f"cannot write the histogram to {out_path}: {error}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_output(out_path) as temporary:
+        figure.savefig(temporary, format="png", dpi=120)
     return out_path
 
 
