@@ -136,6 +136,19 @@ def test_padding_is_a_synthetic_sequence():
     assert batch["input_ids"][0, :5].tolist() == samples[0]["input_ids"].tolist() + samples[1]["input_ids"].tolist()
 
 
+def test_position_ids_restart_at_every_packed_sequence_when_asked_for():
+    """Worked example: lengths 3 and 2, alignment 4: positions [0, 1, 2, 0, 1] then the padding's own [0, 1, 2];
+    they are absent unless asked for."""
+    samples = make_samples([3, 2])
+    asked = TextPackingCollator(alignment=4, position_ids=True)(samples)
+    assert asked.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert TextPackingCollator(alignment=4)(samples).position_ids is None
+    built = build_online_text_collate_fn(position_ids=True)(samples)
+    assert built.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    with pytest.raises(DataConfigError, match="position_ids must be true or false"):
+        TextPackingCollator(position_ids="yes")
+
+
 def test_no_padding_when_aligned():
     samples = make_samples([3, 1])
     batch = TextPackingCollator(alignment=4, pad_token_id=9)(samples)

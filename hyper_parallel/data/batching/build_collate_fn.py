@@ -31,7 +31,7 @@ from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
-from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends
+from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends, positions_within_sequences
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
@@ -135,9 +135,10 @@ class TextPackingCollator:
     Attributes:
         alignment: the packed length is padded at its tail to a multiple of this.
         pad_token_id: input id used for that padding (its labels are ``IGNORE_INDEX``).
+        position_ids: also return ``position_ids``, restarting at 0 at every sequence (the padding included).
     """
 
-    def __init__(self, *, alignment: int = 1, pad_token_id: int = 0) -> None:
+    def __init__(self, *, alignment: int = 1, pad_token_id: int = 0, position_ids: bool = False) -> None:
         """Validate and store the settings.
 
         Args:
@@ -159,9 +160,15 @@ class TextPackingCollator:
             "a token id of the vocabulary (the padding carries no loss and is its own sequence, so 0 works)",
             minimum=0,
         )
+        if not isinstance(position_ids, bool):
+            raise DataConfigError(f"position_ids must be true or false, got {position_ids!r}")
+        self.position_ids = position_ids
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id})"
+        return (
+            f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id}, "
+            f"position_ids={self.position_ids})"
+        )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
         """Concatenate ``samples`` into one padded row.
@@ -209,10 +216,12 @@ class TextPackingCollator:
         np.cumsum(lengths, out=cu_seq_lens[1 : len(lengths) + 1])
         if pad:
             cu_seq_lens[-1] = packed_length
+        positions = positions_within_sequences(cu_seq_lens) if self.position_ids else None
         return Batch(
             input_ids=torch.from_numpy(input_row).unsqueeze(0),
             labels=torch.from_numpy(label_row).unsqueeze(0),
             cu_seq_lens=torch.from_numpy(cu_seq_lens),
+            position_ids=None if positions is None else torch.from_numpy(positions).unsqueeze(0),
         )
 
 
@@ -224,6 +233,7 @@ def build_online_text_collate_fn(
     sequence_parallel: bool = False,
     sequence_multiple: int = 1,
     pad_token_id: int | None = None,
+    position_ids: bool = False,
 ) -> TextPackingCollator:
     """Build the packing collator of the Online path for a parallel layout.
 
@@ -232,6 +242,7 @@ def build_online_text_collate_fn(
         cp_size, tp_size, sequence_parallel, sequence_multiple: see ``sequence_alignment``.
         pad_token_id: explicit padding id; otherwise the tokenizer's, otherwise 0 (the padding carries no loss
             and is its own sequence in ``cu_seq_lens``, so any valid id works).
+        position_ids: also return ``position_ids`` that restart at every sequence of the packed row.
 
     Returns:
         A picklable ``TextPackingCollator``.
@@ -246,7 +257,7 @@ def build_online_text_collate_fn(
         pad_token_id = read_tokenizer(tokenizer).pad
     if pad_token_id is None:
         pad_token_id = 0
-    return TextPackingCollator(alignment=alignment, pad_token_id=pad_token_id)
+    return TextPackingCollator(alignment=alignment, pad_token_id=pad_token_id, position_ids=position_ids)
 
 
 def _shape(value: Any) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LtorFields", "cu_seq_lens_from_ends", "ltor_fields"]
+__all__ = ["LtorFields", "cu_seq_lens_from_ends", "ltor_fields", "positions_within_sequences"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,15 @@ def cu_seq_lens_from_ends(ends_after: np.ndarray) -> np.ndarray:
     return np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(ends) + 1))
 
 
+def positions_within_sequences(cu_seq_lens: np.ndarray) -> np.ndarray:
+    """int64 ``[cu_seq_lens[-1]]``: each position's distance from the start of its sequence.
+
+    Example: boundaries ``[0, 2, 5]`` give ``[0, 1, 0, 1, 2]``.
+    """
+    bounds = np.asarray(cu_seq_lens, dtype=np.int64)
+    return np.arange(bounds[-1], dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
+
+
 def ltor_fields(
     tokens: np.ndarray,
     eod: int,
@@ -72,16 +81,15 @@ def ltor_fields(
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     positions = np.arange(length, dtype=np.int64)
-    segment = None
     if reset_position_ids or reset_attention_mask:
         bounds = cu_seq_lens_from_ends(is_eod)
-        segment = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))  # the sequence holding each position
     if reset_position_ids:
-        positions = positions - bounds[segment]  # distance from the start of the sequence
+        positions = positions_within_sequences(bounds)
     attention_mask = None
     if create_attention_mask:
         visible = np.tril(np.ones((length, length), dtype=bool))
         if reset_attention_mask:
+            segment = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))  # the sequence holding each position
             visible &= segment[:, None] == segment[None, :]
         attention_mask = ~visible[None]
     return LtorFields(loss_mask, positions, attention_mask)
