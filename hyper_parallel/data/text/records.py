@@ -1,11 +1,12 @@
-"""Finding data files and reading their raw records, shared by the offline tools and the online sources.
+"""Finding data files and reading their raw records, shared by the offline tools and the Online sources.
 
 Owns: resolving a file, glob or directory into an ordered list of files of one format, and streaming raw
 records out of them in chunks with their line or row numbers, so that errors can name where a record came
 from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
-the line; recognising a ``save_to_disk`` directory and opening local files (or one) with Hugging Face
-``datasets``. JSON and text lines stay undecoded bytes here: decoding and parsing happen where the records are
-consumed (often a worker process). Not responsible for: tokenization, transforms or sampling.
+the line; recognising a ``save_to_disk`` directory and choosing its split. JSON and text lines stay undecoded
+bytes here: decoding and parsing happen where the records are consumed (often a worker process).
+Not responsible for: opening files with Hugging Face ``datasets`` (``text.online.online_utils``), tokenization,
+transforms or sampling.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ __all__ = [
     "file_format",
     "iter_record_chunks",
     "is_saved_hf_dataset",
-    "open_hf_dataset",
     "resolve_data_files",
     "select_hf_split",
 ]
@@ -48,8 +48,6 @@ FILE_FORMATS = {
 _GZIP_FORMATS = {"json", "csv", "text"}
 # What reading a truncated or damaged .gz raises: EOFError (no end marker), zlib.error, BadGzipFile (header, CRC).
 _GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
-# Our format name -> the Hugging Face ``datasets`` builder that reads it (the names happen to agree).
-_HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow", "text": "text"}
 _GLOB_CHARS = set("*?[")
 
 RecordKind = Literal["json_lines", "text_lines", "records"]
@@ -412,43 +410,3 @@ def select_hf_split(loaded, split: str, path: Path, fix: str):
     if split not in loaded:
         raise DataConfigError(f"{path} has splits {sorted(loaded)}, not '{split}'; {fix}")
     return loaded[split]
-
-
-def open_hf_dataset(
-    data_path: str | os.PathLike, *, streaming: bool, cache_dir: str | os.PathLike | None = None, split: str = "train"
-):
-    """Open local data files with Hugging Face ``datasets``.
-
-    Args:
-        data_path: a JSON/JSONL/Parquet/CSV/Arrow/text file, a glob, a directory of such files, or a directory
-            written by ``save_to_disk``.
-        streaming: False gives a random-access ``datasets.Dataset`` (its Arrow cache is written under
-            ``cache_dir``); True gives a ``datasets.IterableDataset`` read as it is iterated.
-        split: the split of a saved ``DatasetDict``.
-
-    Returns:
-        The dataset and a short description of where it comes from, for messages.
-    """
-    path = Path(os.fspath(data_path)).expanduser()
-    if path.is_dir() and is_saved_hf_dataset(path):
-        from datasets import load_from_disk
-
-        dataset = select_hf_split(load_from_disk(str(path)), split, path, "set split to one of them")
-        if streaming:
-            dataset = dataset.to_iterable_dataset(num_shards=max(1, len(dataset.cache_files)))
-        return dataset, str(path)
-    files, fmt = resolve_data_files(data_path)
-    from datasets import load_dataset
-
-    description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {os.fspath(data_path)}"
-    try:
-        dataset = load_dataset(
-            _HF_BUILDERS[fmt],
-            data_files=[str(f) for f in files],
-            split="train",
-            streaming=streaming,
-            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-        )
-    except Exception as error:  # noqa: BLE001 - the builders raise many types; all get the file named
-        raise DataFileError(f"{description}: Hugging Face datasets could not read it as {fmt} ({error})") from error
-    return dataset, description

@@ -12,7 +12,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
-from hyper_parallel.data.text.records import open_hf_dataset
+from hyper_parallel.data.text.online.online_utils import open_hf_dataset
 
 RECORDS = [{"id": index, "text": f"record number {index}"} for index in range(23)]
 

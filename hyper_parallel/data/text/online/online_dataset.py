@@ -18,7 +18,8 @@ from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.parallel.build_barrier import rank_zero_first
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
-from hyper_parallel.data.text.records import is_saved_hf_dataset, open_hf_dataset, resolve_data_files
+from hyper_parallel.data.text.online.online_utils import open_hf_dataset
+from hyper_parallel.data.text.records import is_saved_hf_dataset, resolve_data_files
 
 __all__ = ["OnlineDataConfig", "open_online_source"]
 
