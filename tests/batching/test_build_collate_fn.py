@@ -149,6 +149,47 @@ def test_position_ids_restart_at_every_packed_sequence_when_asked_for():
         TextPackingCollator(position_ids="yes")
 
 
+@pytest.mark.parametrize("multiple", [2, 4, 8])
+@pytest.mark.parametrize("lengths", [[1], [4], [3, 2], [7, 1, 13, 4], list(range(1, 12))])
+def test_each_sequence_is_padded_inside_its_boundaries(lengths, multiple):
+    """``pad_each_sequence_to`` (the zigzag_thd layout's 2 * cp): every sample padded at its end, with the pad id
+    and ignored labels, its padding part of its own sequence; the tail padding a multiple too."""
+    samples = make_samples(lengths, seed=multiple)
+    batch = TextPackingCollator(alignment=2 * multiple, pad_token_id=3, pad_each_sequence_to=multiple)(samples)
+    ids, labels, cu = [], [], [0]
+    for sample in samples:
+        pad = -len(sample["input_ids"]) % multiple
+        ids += [int(x) for x in sample["input_ids"]] + [3] * pad
+        labels += [int(x) for x in sample["labels"]] + [IGNORE_INDEX] * pad
+        cu.append(len(ids))
+    tail = -len(ids) % (2 * multiple)
+    ids, labels = ids + [3] * tail, labels + [IGNORE_INDEX] * tail
+    cu += [len(ids)] if tail else []
+    assert batch.input_ids[0].tolist() == ids and batch.labels[0].tolist() == labels
+    assert batch.cu_seq_lens.tolist() == cu
+    assert all(length % multiple == 0 for length in np.diff(cu))
+    assert batch.trained_tokens == sum(int((sample["labels"] != IGNORE_INDEX).sum()) for sample in samples)
+
+
+def test_per_sequence_padding_worked_example():
+    """Lengths 3 and 2 padded to 4, alignment 8: [a a a p | b b p p], boundaries [0, 4, 8]; position ids restart
+    at each sequence and run on through its padding."""
+    samples = [{"input_ids": [11, 12, 13], "labels": [12, 13, -100]}, {"input_ids": [21, 22], "labels": [-100, 23]}]
+    batch = TextPackingCollator(alignment=8, pad_each_sequence_to=4, position_ids=True)(samples)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 0, 21, 22, 0, 0]]
+    assert batch.labels.tolist() == [[12, 13, -100, -100, -100, 23, -100, -100]]
+    assert batch.cu_seq_lens.tolist() == [0, 4, 8]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert "pad_each_sequence_to=4" in repr(TextPackingCollator(alignment=8, pad_each_sequence_to=4))
+
+
+def test_per_sequence_padding_needs_an_alignment_of_its_multiple():
+    with pytest.raises(DataConfigError, match=r"alignment 6 is not a multiple of pad_each_sequence_to 4.*set align"):
+        TextPackingCollator(alignment=6, pad_each_sequence_to=4)
+    with pytest.raises(DataConfigError, match=r"pad_each_sequence_to must be an integer >= 1, got 0.*zigzag_thd"):
+        TextPackingCollator(pad_each_sequence_to=0)
+
+
 def test_no_padding_when_aligned():
     samples = make_samples([3, 1])
     batch = TextPackingCollator(alignment=4, pad_token_id=9)(samples)

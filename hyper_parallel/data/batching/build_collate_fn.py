@@ -5,7 +5,9 @@ follow, documented with a worked example in the package README). Online ``ModelS
 already-shifted ``labels``) are concatenated into a single ``[1, packed_length]`` row with ``cu_seq_lens`` marking
 the sequence boundaries for variable-length attention; the row is padded at its tail to the multiple that
 context/tensor parallelism (and the attention kernels) need, and that padding is recorded as one extra synthetic
-sequence with ``IGNORE_INDEX`` labels, so that it attends only to itself. Indexed samples, already of equal length,
+sequence with ``IGNORE_INDEX`` labels, so that it attends only to itself; for the ``zigzag_thd`` context-parallel
+layout each sample is also padded at its own end to a multiple of ``2 * cp`` (``pad_each_sequence_to``), inside its
+sequence. Indexed samples, already of equal length,
 are stacked into ``[micro_batch_size, seq_length]`` rows; their ``tokens`` become ``input_ids`` here (the one
 place the name changes), their labels become ``IGNORE_INDEX`` where the dataset's loss mask is 0, and their
 ``cu_seq_lens`` end a sequence after each EOD token and at each row end (``indexed.ltor_fields``). Not responsible
@@ -39,6 +41,7 @@ __all__ = [
     "TextPackingCollator",
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
+    "indexed_batch",
     "sequence_alignment",
 ]
 
@@ -136,17 +139,25 @@ class TextPackingCollator:
         alignment: the packed length is padded at its tail to a multiple of this.
         pad_token_id: input id used for that padding (its labels are ``IGNORE_INDEX``).
         position_ids: also return ``position_ids``, restarting at 0 at every sequence (the padding included).
+        pad_each_sequence_to: every sample is padded at its end to a multiple of this, inside its own sequence
+            (``2 * cp_size`` for the ``zigzag_thd`` context-parallel layout; 1 for none).
     """
 
-    def __init__(self, *, alignment: int = 1, pad_token_id: int = 0, position_ids: bool = False) -> None:
+    def __init__(
+        self, *, alignment: int = 1, pad_token_id: int = 0, position_ids: bool = False, pad_each_sequence_to: int = 1
+    ) -> None:
         """Validate and store the settings.
 
         Args:
             alignment: multiple of the packed length, usually from ``sequence_alignment``.
             pad_token_id: a valid token id (``>= 0``); it is never trained on, but it goes through the embedding.
+            pad_each_sequence_to: multiple of every sequence's length; the padding of a sequence is at its end,
+                with ``pad_token_id`` inputs and ``IGNORE_INDEX`` labels, and belongs to that sequence in
+                ``cu_seq_lens``. ``alignment`` must be a multiple of it, so that the tail padding is one too.
 
         Raises:
-            DataConfigError: a setting is not a non-negative integer, or the alignment is 0.
+            DataConfigError: a setting is not a non-negative integer, the alignment or ``pad_each_sequence_to``
+                is 0, or the alignment is not a multiple of ``pad_each_sequence_to``.
         """
         self.alignment = _setting(
             alignment,
@@ -163,11 +174,22 @@ class TextPackingCollator:
         if not isinstance(position_ids, bool):
             raise DataConfigError(f"position_ids must be true or false, got {position_ids!r}")
         self.position_ids = position_ids
+        self.pad_each_sequence_to = _setting(
+            pad_each_sequence_to,
+            "pad_each_sequence_to",
+            "the multiple every sequence's length is padded to (2 * cp_size for the zigzag_thd layout, else 1)",
+        )
+        if self.alignment % self.pad_each_sequence_to:
+            raise DataConfigError(
+                f"alignment {self.alignment} is not a multiple of pad_each_sequence_to {self.pad_each_sequence_to}, "
+                "so the tail padding would be a sequence of another multiple; set alignment to "
+                f"{math.lcm(self.alignment, self.pad_each_sequence_to)} (their least common multiple)"
+            )
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id}, "
-            f"position_ids={self.position_ids})"
+            f"position_ids={self.position_ids}, pad_each_sequence_to={self.pad_each_sequence_to})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
@@ -199,7 +221,8 @@ class TextPackingCollator:
             labels.append(targets)
 
         lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
-        total = int(lengths.sum())
+        padded = lengths + -lengths % self.pad_each_sequence_to  # each sequence's length with its own padding
+        total = int(padded.sum())
         pad = -total % self.alignment
         packed_length = total + pad
         if packed_length > _INT32_MAX:
@@ -207,13 +230,21 @@ class TextPackingCollator:
                 f"the packed row would hold {packed_length} tokens, more than cu_seq_lens (int32) can address; "
                 "use a smaller micro-batch"
             )
-        # One allocation per output; the padding tail is written by ``full`` and the samples by one concatenate.
+        # One allocation per output; every padding is written by ``full`` and the samples by one concatenate.
         input_row = np.full(packed_length, self.pad_token_id, dtype=np.int64)
         label_row = np.full(packed_length, IGNORE_INDEX, dtype=np.int64)
-        np.concatenate(inputs, out=input_row[:total])
-        np.concatenate(labels, out=label_row[:total])
         cu_seq_lens = np.zeros(len(lengths) + 1 + (pad > 0), dtype=np.int32)
-        np.cumsum(lengths, out=cu_seq_lens[1 : len(lengths) + 1])
+        np.cumsum(padded, out=cu_seq_lens[1 : len(lengths) + 1])
+        if total == lengths.sum():
+            np.concatenate(inputs, out=input_row[:total])
+            np.concatenate(labels, out=label_row[:total])
+        else:
+            # Lengths 3 and 2 padded to 4: tokens go to [0, 1, 2] and [4, 5], i.e. each token's index among the
+            # samples' tokens plus the padding of the sequences before its own: [0, 0, 0, 1, 1].
+            shift = np.repeat(cu_seq_lens[: len(lengths)] - (np.cumsum(lengths) - lengths), lengths)
+            where = np.arange(int(lengths.sum())) + shift
+            input_row[where] = np.concatenate(inputs)
+            label_row[where] = np.concatenate(labels)
         if pad:
             cu_seq_lens[-1] = packed_length
         positions = positions_within_sequences(cu_seq_lens) if self.position_ids else None
@@ -361,18 +392,40 @@ class IndexedStackingCollator:
             DataFileError: the batch is empty, a sample is None or not a mapping, the samples' fields differ or
                 lack ``tokens``/``labels``/``loss_mask``, or a field's shape differs from sample 0's.
         """
-        stacked = _stack(samples)
-        tokens, labels, loss_mask = (_stacked_array(stacked, key) for key in _INDEXED_FIELDS)
-        tokens, labels = tokens.long(), labels.long()  # no copy for the datasets' int64
-        labels.masked_fill_(loss_mask == 0, IGNORE_INDEX)  # a fresh stacked tensor: no sample changes
-        return Batch(
-            input_ids=tokens,
-            labels=labels,
-            cu_seq_lens=_boundaries(tokens, self.eod_token_id),
-            position_ids=stacked.pop("position_ids", None),
-            attention_mask=stacked.pop("attention_mask", None),
-            extras=stacked,
+        return indexed_batch(_stack(samples), eod_token_id=self.eod_token_id)
+
+
+def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Batch:
+    """The ``Batch`` of Indexed samples already stacked into ``[B, S]`` tensors (megatron-core's batch dict).
+
+    The one place where ``tokens`` becomes ``input_ids`` and the labels become ``IGNORE_INDEX`` where the loss
+    mask is 0; used by ``IndexedStackingCollator`` and by readers handed a plain megatron-style dict.
+
+    Args:
+        stacked: ``tokens``, ``labels``, ``loss_mask`` ``[B, S]`` tensors, optional ``position_ids`` and
+            ``attention_mask``; other fields become extras. Not modified.
+        eod_token_id: the EOD id that ends a sequence; None makes each row one sequence.
+
+    Raises:
+        DataFileError: a required field is missing or is not a ``[B, S]`` tensor.
+    """
+    stacked = dict(stacked)
+    missing = [key for key in _INDEXED_FIELDS if key not in stacked]
+    if missing:
+        raise DataFileError(
+            f"the Indexed batch has no {missing} (its fields: {sorted(map(str, stacked))}); Indexed batches need "
+            f"{list(_INDEXED_FIELDS)}, as GPTDataset's samples stacked by default_collate hold them"
         )
+    tokens, labels, loss_mask = (_stacked_array(stacked, key) for key in _INDEXED_FIELDS)
+    tokens = tokens.long()  # no copy for the datasets' int64
+    return Batch(
+        input_ids=tokens,
+        labels=labels.long().masked_fill(loss_mask == 0, IGNORE_INDEX),  # out of place: the caller's stay unchanged
+        cu_seq_lens=_boundaries(tokens, eod_token_id),
+        position_ids=stacked.pop("position_ids", None),
+        attention_mask=stacked.pop("attention_mask", None),
+        extras=stacked,
+    )
 
 
 def _eod_of(tokenizer: Any) -> int:
