@@ -75,6 +75,38 @@ def test_sequence_alignment(kwargs, expected):
     assert sequence_alignment(**kwargs) == expected
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"cp_size": 2, "cp_layout": "contiguous"}, 2),
+        ({"cp_size": 2, "cp_layout": "zigzag"}, 4),
+        ({"cp_size": 4, "cp_layout": "zigzag_thd"}, 8),
+        ({"cp_size": 1, "cp_layout": "zigzag"}, 1),  # one CP rank cuts nothing
+        ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "cp_layout": "zigzag"}, 8),
+        ({"cp_size": 4, "tp_size": 2, "sequence_parallel": True, "cp_layout": "zigzag_thd"}, 8),
+        ({"cp_size": 2, "cp_layout": "zigzag", "sequence_multiple": 3}, 12),
+    ],
+)
+def test_the_zigzag_layouts_cut_rows_into_twice_cp_chunks(kwargs, expected):
+    assert sequence_alignment(**kwargs) == expected
+
+
+def test_an_unknown_layout_is_named_with_the_closest():
+    with pytest.raises(DataConfigError, match=r"cp_layout is 'zigzag-thd' \(did you mean 'zigzag_thd'\?\); use one of"):
+        sequence_alignment(cp_size=2, cp_layout="zigzag-thd")
+
+
+def test_the_builder_pads_each_sequence_for_zigzag_thd():
+    """``cp_layout="zigzag_thd"`` with cp 2: rows a multiple of 4, and every sequence too (inside its boundaries);
+    the other layouts pad only the row."""
+    collator = build_online_text_collate_fn(cp_size=2, cp_layout="zigzag_thd")
+    assert (collator.alignment, collator.pad_each_sequence_to) == (4, 4)
+    batch = collator(make_samples([3, 2, 5]))
+    assert batch.cu_seq_lens.tolist() == [0, 4, 8, 16]
+    assert build_online_text_collate_fn(cp_size=2, cp_layout="zigzag").pad_each_sequence_to == 1
+    assert build_online_text_collate_fn(cp_size=1, cp_layout="zigzag_thd").pad_each_sequence_to == 1
+
+
 def test_sequence_alignment_is_the_lcm():
     for cp in (1, 2, 3, 4):
         for tp in (1, 2, 6):

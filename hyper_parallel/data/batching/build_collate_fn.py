@@ -10,7 +10,7 @@ layout each sample is also padded at its own end to a multiple of ``2 * cp`` (``
 sequence. Indexed samples, already of equal length,
 are stacked into ``[micro_batch_size, seq_length]`` rows; their ``tokens`` become ``input_ids`` here (the one
 place the name changes), their labels become ``IGNORE_INDEX`` where the dataset's loss mask is 0, and their
-``cu_seq_lens`` end a sequence after each EOD token and at each row end (``indexed.ltor_fields``). Not responsible
+``cu_seq_lens`` end a sequence after each EOD and at each row end (``batching.sequence_boundaries``). Not responsible
 for: choosing which samples form a batch (the samplers in ``parallel``), splitting the packed row across
 context-parallel ranks, or tokenization.
 
@@ -21,6 +21,7 @@ Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens 
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,10 +31,12 @@ import torch
 from torch.utils.data import default_collate
 
 from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.sequence_boundaries import indexed_cu_seq_lens
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
-from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends, positions_within_sequences
+from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
+from hyper_parallel.data.parallel.batch_parallel import CP_LAYOUTS
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
@@ -52,31 +55,47 @@ _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max
 
 
 def sequence_alignment(
-    *, cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False, sequence_multiple: int = 1
+    *,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    sequence_multiple: int = 1,
+    cp_layout: str = "contiguous",
 ) -> int:
     """Return the multiple every packed row length must be padded to.
 
-    Context parallelism splits the row into ``cp_size`` parts; sequence parallelism further splits each part
-    across the ``tp_size`` tensor-parallel ranks. An extra multiple required by the kernels (e.g. 32) is combined
-    with that by least common multiple, so both constraints hold at once.
+    Context parallelism splits the row into ``cp_size`` parts (``2 * cp_size`` chunks for the zigzag layouts);
+    sequence parallelism further splits each rank's part across the ``tp_size`` tensor-parallel ranks. An extra
+    multiple required by the kernels (e.g. 32) is combined with that by least common multiple, so every constraint
+    holds at once.
 
     Args:
         cp_size: context-parallel size.
         tp_size: tensor-parallel size; counts only with ``sequence_parallel``.
         sequence_parallel: whether activations are split along the sequence across tensor-parallel ranks.
         sequence_multiple: any further multiple the row length must satisfy.
+        cp_layout: how ``ParallelBatch`` cuts rows across CP ranks (``parallel.batch_parallel.CP_LAYOUTS``).
 
     Returns:
-        ``lcm(cp_size * tp_size if sequence_parallel else cp_size, sequence_multiple)``.
+        ``lcm(cp_size * tp_size if sequence_parallel else cp_size, 2 * cp_size for zigzag layouts when cp_size > 1,
+        sequence_multiple)``.
 
     Raises:
-        DataConfigError: a size is not a positive integer, or ``sequence_parallel`` is not a bool.
+        DataConfigError: a size is not a positive integer, ``sequence_parallel`` is not a bool, or the layout is
+            unknown.
 
     Example:
         ``cp_size=2, tp_size=4, sequence_parallel=True`` gives 8; adding ``sequence_multiple=32`` gives 32, and
-        ``sequence_multiple=12`` gives 24.
+        ``sequence_multiple=12`` gives 24. ``cp_size=2, cp_layout="zigzag"`` gives 4.
     """
     cp = _setting(cp_size, "cp_size", "the context-parallel size of the trainer (1 without context parallelism)")
+    if cp_layout not in CP_LAYOUTS:
+        close = difflib.get_close_matches(str(cp_layout), CP_LAYOUTS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise DataConfigError(
+            f"cp_layout is {cp_layout!r}{hint}; use one of {', '.join(CP_LAYOUTS)}, the layout of the get_batch node"
+        )
+    chunks = 2 * cp if cp_layout != "contiguous" and cp > 1 else cp
     tp = _setting(tp_size, "tp_size", "the tensor-parallel size of the trainer (1 without tensor parallelism)")
     multiple = _setting(
         sequence_multiple, "sequence_multiple", "a multiple the attention kernels need, such as 32 (1 for none)"
@@ -87,7 +106,7 @@ def sequence_alignment(
             " set it as the trainer does: true when activations are split along the sequence across tensor-parallel"
             " ranks"
         )
-    return math.lcm(cp * tp if sequence_parallel else cp, multiple)
+    return math.lcm(cp * tp if sequence_parallel else cp, chunks, multiple)
 
 
 def _setting(value, name: str, meaning: str, minimum: int = 1) -> int:
@@ -265,12 +284,16 @@ def build_online_text_collate_fn(
     sequence_multiple: int = 1,
     pad_token_id: int | None = None,
     position_ids: bool = False,
+    cp_layout: str = "contiguous",
 ) -> TextPackingCollator:
     """Build the packing collator of the Online path for a parallel layout.
 
     Args:
         tokenizer: optional; its ``pad_token_id`` is the padding id when ``pad_token_id`` is not given.
-        cp_size, tp_size, sequence_parallel, sequence_multiple: see ``sequence_alignment``.
+        cp_size, tp_size, sequence_parallel, sequence_multiple, cp_layout: see ``sequence_alignment``;
+            ``cp_layout="zigzag_thd"`` with ``cp_size > 1`` also pads every sequence to a multiple of
+            ``2 * cp_size`` (``pad_each_sequence_to``). ``build_dataloaders`` passes the sizes and the
+            ``get_batch`` node's layout.
         pad_token_id: explicit padding id; otherwise the tokenizer's, otherwise 0 (the padding carries no loss
             and is its own sequence in ``cu_seq_lens``, so any valid id works).
         position_ids: also return ``position_ids`` that restart at every sequence of the packed row.
@@ -282,13 +305,22 @@ def build_online_text_collate_fn(
         DataConfigError: a size or the padding id is invalid.
     """
     alignment = sequence_alignment(
-        cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel, sequence_multiple=sequence_multiple
+        cp_size=cp_size,
+        tp_size=tp_size,
+        sequence_parallel=sequence_parallel,
+        sequence_multiple=sequence_multiple,
+        cp_layout=cp_layout,
     )
     if pad_token_id is None and tokenizer is not None:
         pad_token_id = read_tokenizer(tokenizer).pad
     if pad_token_id is None:
         pad_token_id = 0
-    return TextPackingCollator(alignment=alignment, pad_token_id=pad_token_id, position_ids=position_ids)
+    return TextPackingCollator(
+        alignment=alignment,
+        pad_token_id=pad_token_id,
+        position_ids=position_ids,
+        pad_each_sequence_to=2 * cp_size if cp_layout == "zigzag_thd" and cp_size > 1 else 1,
+    )
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -345,17 +377,6 @@ def _stacked_array(stacked: dict[str, Any], key: str) -> torch.Tensor:
     return value
 
 
-def _boundaries(rows: torch.Tensor, eod_token_id: int | None) -> torch.Tensor:
-    """int32 ``cu_seq_lens`` of stacked rows: a sequence ends after each EOD and at each row end."""
-    if rows.numel() > _INT32_MAX:
-        raise DataFileError(
-            f"the batch holds {rows.numel()} tokens ({list(rows.shape)}), more than cu_seq_lens (int32) can address; "
-            "use a smaller micro_batch_size"
-        )
-    ends = np.zeros(rows.shape, dtype=bool) if eod_token_id is None else (rows == eod_token_id).cpu().numpy()
-    return torch.from_numpy(cu_seq_lens_from_ends(ends).astype(np.int32))
-
-
 class IndexedStackingCollator:
     """Stack fixed-length Indexed samples into a ``Batch`` of ``[micro_batch_size, seq_length]`` rows.
 
@@ -363,9 +384,10 @@ class IndexedStackingCollator:
     and ``attention_mask``) and scalars such as ``dataset_id``; numpy arrays and torch tensors both work. Following
     the batch contract (``batching.batch``): ``tokens`` become ``input_ids``; labels are ``IGNORE_INDEX`` where
     the loss mask is 0 (padding, EOD inputs under ``eod_mask_loss``, batch-padding samples), so the batch's
-    ``loss_mask`` equals the dataset's; ``cu_seq_lens`` end a sequence after each EOD token and at each row end,
-    the rule of megatron-core's ``reset_position_ids``/``reset_attention_mask``; the attention mask keeps
-    megatron-core's polarity (True = masked out); other fields go to ``Batch.extras``. Picklable (plain
+    ``loss_mask`` equals the dataset's; ``cu_seq_lens`` end a sequence after each EOD input and at each row end,
+    the rule of megatron-core's ``reset_position_ids``/``reset_attention_mask``, and after an EOD label not followed
+    by the EOD input (``sequence_boundaries.eod_sequence_ends``, the rule ``get_batch`` uses too); the attention
+    mask keeps megatron-core's polarity (True = masked out); other fields go to ``Batch.extras``. Picklable (plain
     attributes only), so it can be handed to ``DataLoader`` workers.
 
     Attributes:
@@ -418,10 +440,11 @@ def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Ba
         )
     tokens, labels, loss_mask = (_stacked_array(stacked, key) for key in _INDEXED_FIELDS)
     tokens = tokens.long()  # no copy for the datasets' int64
+    labels = labels.long().masked_fill(loss_mask == 0, IGNORE_INDEX)  # out of place: the caller's stay unchanged
     return Batch(
         input_ids=tokens,
-        labels=labels.long().masked_fill(loss_mask == 0, IGNORE_INDEX),  # out of place: the caller's stay unchanged
-        cu_seq_lens=_boundaries(tokens, eod_token_id),
+        labels=labels,
+        cu_seq_lens=indexed_cu_seq_lens(tokens, labels, eod_token_id),
         position_ids=stacked.pop("position_ids", None),
         attention_mask=stacked.pop("attention_mask", None),
         extras=stacked,
