@@ -1,0 +1,304 @@
+"""Global sequence boundaries of a collated batch: where each packed or EOD-separated sequence starts and ends.
+
+Owns: the validated int32 ``cu_seq_lens`` that the parallel delivery step (``batching.get_batch``) shards, broadcasts
+and builds attention metadata from; the Indexed path's rule for where a sequence ends (``eod_sequence_ends``, the
+one rule the Indexed collator uses too, so a batch's ``cu_seq_lens`` and ``IndexedBoundaryResolver`` agree); the
+checks every boundary list passes (``validate_cu_seq_lens``) and each position's sequence span within its row
+(``row_boundaries``). Not responsible for: turning "ends here" marks into boundaries (``indexed.ltor_fields.
+cu_seq_lens_from_ends``), cutting rows across context-parallel ranks (``parallel.batch_parallel``), or the masks
+built from the boundaries (``batching.attention_runtime``).
+
+Boundaries are global: over the batch's ``R`` rows of ``T`` tokens flattened one after another, a leading 0, strictly
+increasing, ending at ``R * T``, and every row end is one (no sequence crosses rows), as the batch contract says.
+
+The Indexed rule. A sequence ends after position ``j`` of a row when
+
+* ``input_ids[j]`` is the EOD: GPTDataset rows carry each document's EOD as an input, and it belongs to the document
+  it ends (megatron-core's ``reset_position_ids``/``reset_attention_mask`` rule, as ``indexed.ltor_fields``); or
+* ``labels[j]`` is the EOD and ``input_ids[j + 1]`` is not: the EOD is predicted but never fed, as in rows laid out
+  with each document's EOD only as a target; or
+* ``j`` is the last column of the row.
+
+On GPTDataset rows the second clause never adds a boundary (there ``labels[j] == input_ids[j + 1]``, so an EOD
+label is followed by the EOD input that the first clause already ends on), which keeps megatron-core's boundaries
+exactly. Worked example (the golden example of hyper_parallel upstream), seq_length 8, EOD 9, documents
+``[3, 4, 5, 9]`` and ``[1, 2, 9]`` laid out as::
+
+    input_ids  [[3, 4, 5, 1, 2, 0, 0, 0]]
+    labels     [[4, 5, 9, 2, 9, -100, -100, -100]]
+    ends after      2        4           7         (labels 9 at columns 2 and 4; the row end)
+    cu_seq_lens [0, 3, 5, 8]
+
+and the GPTDataset row ``input_ids [5, 9, 7, 8]`` (labels ``[9, 7, 8, 2]``) ends after column 1 and at the row
+end: ``[0, 2, 4]``. The rule reads the batch's labels, which are ``IGNORE_INDEX`` where no loss is taken: an EOD that
+is only a target and carries no loss leaves no trace, so a dataset that lays documents out that way must keep the
+loss on the EOD target (GPTDataset rows always carry the EOD input, so they do not depend on it).
+
+Upstream hyper_parallel also stops reading a row at its first pair of adjacent EODs, taking the rest of the row as
+padding. That is not adopted: an empty document (a record that tokenizes to nothing) legitimately gives two
+adjacent EODs, and treating everything after them as one sequence would let the following documents attend each
+other. Adjacent EODs here make a one-token sequence each, as megatron-core's reset masks do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends
+
+__all__ = [
+    "IndexedBoundaryResolver",
+    "OnlineBoundaryResolver",
+    "eod_sequence_ends",
+    "indexed_cu_seq_lens",
+    "row_boundaries",
+    "validate_cu_seq_lens",
+]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_FIX = (
+    "build batches with the library's collators (TextPackingCollator, build_indexed_collate_fn), whose boundaries "
+    "follow the batch contract"
+)
+
+
+def _shown(values: np.ndarray) -> list:
+    return values.tolist() if len(values) <= 12 else [*values[:6].tolist(), "...", *values[-5:].tolist()]
+
+
+def _boundary_problem(values: np.ndarray, total: int, row_length: int | None) -> str:
+    """Which rule ``values`` breaks, with the entry that breaks it; empty when none."""
+    if len(values) < 2:
+        return f"it must hold at least [0, {total}] (one sequence), but has {len(values)} entries"
+    if values[0] != 0:
+        return f"the leading entry must be 0, but it is {values[0]}"
+    if (steps := np.diff(values) <= 0).any():
+        at = int(np.argmax(steps)) + 1
+        return f"it must strictly increase (no empty sequence), but entry {at} is {values[at]} after {values[at - 1]}"
+    if values[-1] != total:
+        return f"the last entry must be the token count {total}, but it is {values[-1]}"
+    if row_length is not None and total > row_length:
+        wanted = np.arange(row_length, total, row_length)
+        found = values[np.minimum(np.searchsorted(values, wanted), len(values) - 1)]
+        if (missing := wanted[found != wanted]).size:
+            return (
+                f"every row end must be a boundary (no sequence crosses rows of {row_length}), but {missing[0]} is not"
+            )
+    return ""
+
+
+def validate_cu_seq_lens(
+    cu_seq_lens: Any, total_tokens: int, where: str, *, row_length: int | None = None
+) -> torch.Tensor:
+    """``cu_seq_lens`` as an int32 tensor, once checked to be the boundaries of ``total_tokens`` tokens.
+
+    Args:
+        cu_seq_lens: 1-D integers (tensor, array or list).
+        total_tokens: the token count they must end at (``R * T`` for ``R`` rows of ``T``).
+        where: what they are, for the message (e.g. ``"the Online collator's cu_seq_lens"``).
+        row_length: when given, every multiple of it below ``total_tokens`` must be a boundary (row ends).
+
+    Returns:
+        The same values, int32; the input tensor itself when it already is a 1-D int32 tensor.
+
+    Raises:
+        DataFileError: naming the rule broken and the entry that breaks it: a leading 0, strictly increasing,
+            ending at the token count, every row end a boundary, fitting int32, 1-D integers.
+
+    Example: ``validate_cu_seq_lens([0, 3, 3, 8], 8, "x")`` raises "it must strictly increase (no empty sequence),
+    but entry 2 is 3 after 3".
+    """
+    total = require_int("total_tokens", total_tokens, 1)
+    if not _integer_1d(cu_seq_lens):
+        shape = list(getattr(cu_seq_lens, "shape", np.shape(cu_seq_lens)))
+        raise DataFileError(
+            f"{where}: cu_seq_lens must be a 1-D sequence of integers, got {type(cu_seq_lens).__name__} of shape "
+            f"{shape}; {_FIX}"
+        )
+    tensor = cu_seq_lens if isinstance(cu_seq_lens, torch.Tensor) else None
+    values = tensor.detach().cpu().numpy() if tensor is not None else np.asarray(cu_seq_lens)
+    values = values.astype(np.int64, copy=False)
+    if total > _INT32_MAX:
+        raise DataFileError(
+            f"{where}: the batch holds {total} tokens, more than int32 cu_seq_lens can address; use smaller batches"
+        )
+    if problem := _boundary_problem(values, total, row_length):
+        raise DataFileError(
+            f"{where} {_shown(values)} are not sequence boundaries of {total} tokens: {problem}; {_FIX}"
+        )
+    if tensor is not None and tensor.dtype == torch.int32:
+        return tensor
+    return tensor.to(torch.int32) if tensor is not None else torch.from_numpy(values.astype(np.int32))
+
+
+def _integer_1d(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return (
+            value.ndim == 1 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+        )
+    array = np.asarray(value)
+    return array.ndim == 1 and (np.issubdtype(array.dtype, np.integer) or array.size == 0)
+
+
+def row_boundaries(cu_seq_lens: Any, rows: int, row_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's sequence as a span of columns of its row: ``(starts, ends)``, int64 ``[rows, row_length]``.
+
+    Position ``(r, t)`` belongs to the sequence of columns ``starts[r, t] <= column < ends[r, t]`` of row ``r``
+    (a vectorised form of each row's boundaries: sequences never cross rows).
+
+    Raises:
+        DataFileError: ``cu_seq_lens`` are not valid boundaries of ``rows`` rows of ``row_length``.
+
+    Example: boundaries ``[0, 3, 5, 8]`` of one row of 8 give starts ``[[0, 0, 0, 3, 3, 5, 5, 5]]`` and ends
+    ``[[3, 3, 3, 5, 5, 8, 8, 8]]``.
+    """
+    rows, row_length = require_int("rows", rows, 1), require_int("row_length", row_length, 1)
+    bounds = validate_cu_seq_lens(cu_seq_lens, rows * row_length, "row_boundaries", row_length=row_length)
+    bounds = bounds.cpu().numpy().astype(np.int64)
+    lengths = np.diff(bounds)
+    offsets = np.arange(0, rows * row_length, row_length, dtype=np.int64)[:, None]
+    starts = np.repeat(bounds[:-1], lengths).reshape(rows, row_length) - offsets
+    ends = np.repeat(bounds[1:], lengths).reshape(rows, row_length) - offsets
+    return starts, ends
+
+
+# -- the Indexed rule ----------------------------------------------------------------------------------------------
+
+
+def eod_sequence_ends(input_ids: torch.Tensor, labels: torch.Tensor, eod_token_id: int) -> np.ndarray:
+    """bool ``[R, T]``: True after the positions where a sequence ends, by the Indexed rule (module docstring).
+
+    Row ends are not marked here; ``cu_seq_lens_from_ends`` adds them.
+    """
+    is_eod = input_ids == eod_token_id
+    ends = is_eod.clone()
+    ends[:, :-1] |= (labels[:, :-1] == eod_token_id) & ~is_eod[:, 1:]
+    return ends.cpu().numpy()
+
+
+def indexed_cu_seq_lens(input_ids: torch.Tensor, labels: torch.Tensor, eod_token_id: int | None) -> torch.Tensor:
+    """int32 ``cu_seq_lens`` of ``[R, T]`` Indexed rows by the Indexed rule; each row one sequence without an EOD id.
+
+    Raises:
+        DataFileError: the rows hold more tokens than int32 boundaries can address.
+    """
+    if input_ids.numel() > _INT32_MAX:
+        raise DataFileError(
+            f"the batch holds {input_ids.numel()} tokens ({list(input_ids.shape)}), more than cu_seq_lens (int32) can "
+            "address; use a smaller micro_batch_size"
+        )
+    if eod_token_id is None:
+        ends = np.zeros(tuple(input_ids.shape), dtype=bool)
+    else:
+        ends = eod_sequence_ends(input_ids, labels, eod_token_id)
+    return torch.from_numpy(cu_seq_lens_from_ends(ends).astype(np.int32))
+
+
+# -- resolvers -----------------------------------------------------------------------------------------------------
+
+
+def _rows(batch: Any, name: str, *aliases: str) -> torch.Tensor:
+    """Field ``name`` (or an alias) of ``batch`` as a 2-D integer tensor; a ``DataFileError`` otherwise."""
+    if not isinstance(batch, Mapping):
+        raise DataFileError(
+            f"the boundary resolver received a {type(batch).__name__}, not a batch; pass the collator's Batch"
+        )
+    key = next((key for key in (name, *aliases) if key in batch), None)
+    value = batch[key] if key is not None else None
+    if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.is_floating_point():
+        found = "missing" if key is None else f"{type(value).__name__} {list(getattr(value, 'shape', []))}"
+        raise DataFileError(
+            f"the batch's {name!r} is {found}; the boundary resolver needs [R, T] integer tensors; {_FIX}"
+        )
+    return value
+
+
+class OnlineBoundaryResolver:
+    """The Online packing collator's ``cu_seq_lens``, checked: ``resolver(batch) -> int32 [K + 1]``.
+
+    The tail padding the collator adds is its own sequence, so the boundaries cover every position.
+    """
+
+    def __call__(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Validated global boundaries of ``batch`` (a ``Batch`` or a mapping with ``input_ids``, ``cu_seq_lens``).
+
+        Raises:
+            DataFileError: the batch has no ``cu_seq_lens`` or they break a rule (which one is named).
+        """
+        input_ids = _rows(batch, "input_ids")
+        if "cu_seq_lens" not in batch:
+            raise DataFileError(
+                "the Online batch has no 'cu_seq_lens'; Online batches come from TextPackingCollator, which records "
+                "the packed sequences' boundaries (use build_online_text_collate_fn as the loader's collate_fn)"
+            )
+        return validate_cu_seq_lens(
+            batch["cu_seq_lens"],
+            input_ids.numel(),
+            "the Online collator's cu_seq_lens",
+            row_length=input_ids.shape[1],
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class IndexedBoundaryResolver:
+    """Boundaries of ``[R, T]`` Indexed rows from EOD tokens and row ends: ``resolver(batch) -> int32 [K + 1]``.
+
+    The rule is the module docstring's, shared with the Indexed collator. When the batch already carries
+    ``cu_seq_lens`` (the collator's), they must be these, or the row ends only (a collator built without an EOD
+    id); anything else means the collator and this resolver were given different EOD ids, which is an error
+    rather than a silent choice.
+
+    Attributes:
+        eod_token_id: the EOD id.
+    """
+
+    def __init__(self, eod_token_id: int) -> None:
+        """Raises ``DataConfigError`` unless ``eod_token_id`` is an integer ``>= 0``."""
+        self.eod_token_id = require_int("eod_token_id", eod_token_id, 0)
+
+    def __call__(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Validated global boundaries of ``batch`` (a ``Batch``, or a mapping with ``input_ids``/``tokens`` and
+        ``labels`` whose labels are ``IGNORE_INDEX`` where no loss is taken).
+
+        Raises:
+            DataFileError: the batch lacks ``input_ids`` or ``labels``, their shapes differ, or they hold more tokens
+                than int32 boundaries address.
+            DataConfigError: the batch's own ``cu_seq_lens`` come from another EOD id.
+        """
+        input_ids, labels = _rows(batch, "input_ids", "tokens"), _rows(batch, "labels")
+        if labels.shape != input_ids.shape:
+            raise DataFileError(
+                f"the batch's labels have shape {list(labels.shape)} but its input_ids {list(input_ids.shape)}; "
+                f"they must match (one label per position); {_FIX}"
+            )
+        rows, row_length = input_ids.shape
+        where = f"the Indexed boundaries (EOD {self.eod_token_id})"
+        bounds = validate_cu_seq_lens(
+            indexed_cu_seq_lens(input_ids, labels, self.eod_token_id), rows * row_length, where, row_length=row_length
+        )
+        carried = batch.get("cu_seq_lens")
+        if carried is not None:
+            self._check_agrees(torch.as_tensor(carried).cpu(), bounds, rows, row_length)
+        return bounds
+
+    def _check_agrees(self, carried: torch.Tensor, bounds: torch.Tensor, rows: int, row_length: int) -> None:
+        if torch.equal(carried.long(), bounds.long()):
+            return
+        row_ends = torch.arange(0, rows * row_length + 1, row_length)
+        if torch.equal(carried.long(), row_ends):
+            return  # a collator without an EOD id: its row ends are a subset of these boundaries
+        raise DataConfigError(
+            f"the batch's cu_seq_lens {_shown(carried.numpy())} are not those of EOD id {self.eod_token_id} "
+            f"({_shown(bounds.numpy())}): the Indexed collator was built with another EOD id than get_batch; give "
+            "both the tokenizer's EOD id (eod_token_id)"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(eod_token_id={self.eod_token_id})"
