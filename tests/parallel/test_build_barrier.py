@@ -24,7 +24,12 @@ from indexed.test_index_cache import write_corpus
 
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
-from hyper_parallel.data.parallel.build_barrier import exclusive_file_lock, rank_zero_first
+from hyper_parallel.data.parallel.build_barrier import (
+    exclusive_file_lock,
+    process_group_ready,
+    rank_zero_first,
+    without_rank_collectives,
+)
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from parallel.launch import DEADLINE_S, launch
@@ -251,3 +256,53 @@ def test_a_process_waiting_for_a_held_lock_says_so_once_and_gives_up(tmp_path):
     assert error.startswith(f"gave up after 1 s waiting for the lock {lock}, held by pid {holder['value']['pid']} on ")
     assert "raise data_config.cache_lock_timeout" in error and "Do not delete the lock file" in error
     assert not cache.is_complete(("values",))
+
+
+# -- ranks that take no part --------------------------------------------------------------------------------------
+
+
+def load_on_even_ranks(rank: int, world_size: int, directory: str) -> dict:
+    """Ranks 0 and 2 load (rank 2 checks that rank 0 finished first); ranks 1 and 3 take no part. Inside each load
+    the ranks take no collective, so a builder's ``process_group_ready()`` is False there."""
+    del world_size
+    done = Path(directory) / "rank0_done"
+
+    def load() -> dict:
+        seen = {"rank 0 done before": done.exists(), "process group ready": process_group_ready()}
+        if rank == 0:
+            done.touch()
+        return seen
+
+    def load_alone() -> dict:
+        with without_rank_collectives():
+            return load()
+
+    return {"result": rank_zero_first(load_alone, takes_part=rank % 2 == 0), "after": process_group_ready()}
+
+
+def test_ranks_that_take_no_part_wait_for_those_that_load_and_get_none(tmp_path):
+    reports = launch(functools.partial(load_on_even_ranks, directory=str(tmp_path)), tmp_path, WORLD_SIZE)
+
+    assert [r.get("error") for r in reports] == [None] * WORLD_SIZE
+    assert [r["value"]["result"] for r in reports] == [
+        {"rank 0 done before": False, "process group ready": False},
+        None,
+        {"rank 0 done before": True, "process group ready": False},
+        None,
+    ]
+    assert [r["value"]["after"] for r in reports] == [True] * WORLD_SIZE
+
+
+def rank_0_takes_no_part(rank: int, world_size: int) -> int | None:
+    del world_size
+    return rank_zero_first(lambda: rank, takes_part=rank != 0, what="build the datasets")
+
+
+def test_rank_0_must_take_part_and_every_rank_says_so(tmp_path):
+    reports = launch(rank_0_takes_no_part, tmp_path, WORLD_SIZE)
+
+    own = reports[0]["error"]
+    assert own["type"] == "DataConfigError"
+    assert own["message"].startswith("rank 0 must build the datasets first (it writes the caches the other ranks")
+    relayed = f"rank 0 failed to build the datasets (DataConfigError: {own['message']}); see rank 0's log"
+    assert [reports[rank]["error"] for rank in (1, 2, 3)] == [{"type": "DataFileError", "message": relayed}] * 3

@@ -8,7 +8,8 @@ differing fields, instead of a misleading "cannot see the cache". A rank that fa
 block (a whole dataset build) writes its error to the process group's store; ranks waiting in a collective poll
 the store and raise that error within about a second instead of waiting for the process-group timeout. Without a
 process group, an exclusive ``flock`` on a lock file serialises concurrent processes; a process that has to wait
-says once what for, and gives up after a timeout.
+says once what for, and gives up after a timeout. Inside ``without_rank_collectives`` (what runs on some ranks
+only, such as the data ranks' dataset builds) the builders behave as without a process group: file locks only.
 Not responsible for: what is built, or where (``indexed.index_cache``).
 """
 
@@ -37,6 +38,7 @@ __all__ = [
     "failures_shared",
     "process_group_ready",
     "rank_zero_first",
+    "without_rank_collectives",
 ]
 
 logger = get_logger("hyper_parallel.data.parallel.build_barrier")
@@ -50,13 +52,36 @@ _STORE_LINGER_S = 3.0  # how long rank 0, which may host the store, waits for th
 _SHOWN_DIFFERENCES = 5
 
 
+_collectives_off = 0  # depth of ``without_rank_collectives`` blocks this process is in
+
+
 def process_group_ready() -> bool:
-    """Whether a torch.distributed process group of more than one rank is initialised."""
+    """Whether the ranks synchronise through torch.distributed here: a process group of more than one rank is
+    initialised, and this process is not inside ``without_rank_collectives``."""
+    if _collectives_off:
+        return False
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch always ships distributed on supported platforms
         return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextmanager
+def without_rank_collectives() -> Iterator[None]:
+    """Run a block that only some ranks run as if there were no process group.
+
+    Inside, ``process_group_ready()`` is False, so ``build_once``, ``rank_zero_first``, ``failures_shared`` and the
+    dataset builders that ask it take no collective (which would wait for ever for the ranks that do not run the
+    block) and coordinate through the file locks only. The caller orders the ranks instead: ``rank_zero_first``
+    runs the block on rank 0 before the others, so the caches are written once, by rank 0, and read by the others.
+    """
+    global _collectives_off
+    _collectives_off += 1
+    try:
+        yield
+    finally:
+        _collectives_off -= 1
 
 
 # -- file locks ---------------------------------------------------------------------------------------------------
@@ -408,18 +433,32 @@ def build_once(
             )
 
 
-def rank_zero_first(load: Callable[[], T]) -> T:
+def rank_zero_first(load: Callable[[], T], *, takes_part: bool = True, what: str = "load the data") -> T | None:
     """Run ``load`` on rank 0, then on the other ranks, so that a cache it writes is written once.
 
-    Without a process group this is just ``load()``. A failure on any rank raises on every rank instead of hanging.
+    Every rank of the process group calls it. Without a process group this is just ``load()``. A failure on any rank
+    raises on every rank instead of hanging.
+
+    Args:
+        load: what to run.
+        takes_part: False on a rank that runs nothing and returns None; it still waits with the others, so that it
+            goes on only once every rank that loads has loaded, and it raises their failures. Rank 0 must take
+            part.
+        what: what ``load`` does, for the messages of the other ranks when it fails ("load the data").
     """
     if not process_group_ready():
-        return load()
-    with failures_shared("load the data"):
+        return load() if takes_part else None
+    with failures_shared(what):
         session = _current
+        done = f"rank 0 did {what}"  # the same text on every rank
         if session.rank == 0:
+            if not takes_part:
+                raise DataConfigError(
+                    f"rank 0 must {what} first (it writes the caches the other ranks read), but it was told not to "
+                    "take part; let global rank 0 take part (a DataLoaderParallelContext always makes it a data rank)"
+                )
             result = load()
-            session.step("the data rank 0 loaded")
+            session.step(done)
             return result
-        session.step("the data rank 0 loaded")
-        return load()
+        session.step(done)
+        return load() if takes_part else None
