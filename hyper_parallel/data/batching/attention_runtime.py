@@ -1,0 +1,305 @@
+"""Attention metadata of one context-parallel rank, from the global sequence boundaries and its local columns.
+
+Owns: three pure functions of the global ``cu_seq_lens`` (``batching.sequence_boundaries``) and the global columns a
+CP rank holds (``parallel.batch_parallel.cp_local_columns``): the dense boolean mask of the rank's queries against
+all keys (``dense_attention_mask``, with its sliding-window variant), Megatron-Core's ``PackedSeqParams`` for THD
+kernels (``packed_seq_params``), and a FlexAttention ``BlockMask`` (``flex_block_mask``). Not responsible for: where
+sequences end, which columns a rank holds, moving tensors between ranks, or running attention.
+
+Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns of each row, in local order):
+
+* A query at global column ``q`` may attend a key at global column ``k`` of the same row when both are in the same
+  sequence, and, when ``causal``, ``k <= q``. Sequences never cross rows, and the Online tail padding is a sequence
+  of its own, so no real token attends it and it attends only itself.
+* ``sliding_window = w`` additionally keeps ``q - w <= k``: the query sees itself and the ``w`` keys before it,
+  Transformer Engine's and Megatron-Core's window ``(w, 0)``; without ``causal`` it also keeps ``k <= q + w``
+  (window ``(w, w)``). A Hugging Face model's ``sliding_window`` counts the query itself: its ``w`` is ours
+  ``w - 1``.
+* Dense masks are True where the query **may attend** (``torch.nn.functional.scaled_dot_product_attention``'s
+  convention, the opposite of the batch's megatron-style ``attention_mask``).
+
+Every query's visible keys are thus one interval of its row, ``lo <= k <= hi`` (``_key_intervals``); every function
+here is built from those two int arrays of ``[R, s]`` entries, so nothing of ``[T, T]`` is ever materialised.
+
+Worked example: one row of 8, boundaries ``[0, 3, 5, 8]`` (sequences ``[0, 3)``, ``[3, 5)``, ``[5, 8)``), cp 2,
+zigzag layout: rank 0 holds columns ``[0, 1, 6, 7]``, so its queries see the keys ``[0, 0]``, ``[0, 1]``,
+``[5, 6]`` and ``[5, 7]``, and its dense mask (rows = local queries, columns = the 8 keys) is::
+
+    1 . . . . . . .
+    1 1 . . . . . .
+    . . . . . 1 1 .
+    . . . . . 1 1 1
+
+With ``sliding_window=1`` the last row keeps keys 6 and 7 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from hyper_parallel.data.batching.sequence_boundaries import row_boundaries, validate_cu_seq_lens
+from hyper_parallel.data.errors import DataConfigError, require_int
+
+__all__ = ["PackedSeqParams", "dense_attention_mask", "flex_block_mask", "packed_seq_params"]
+
+
+def _local_columns(local_columns: Any, row_length: int, where: str) -> np.ndarray:
+    """``local_columns`` as int64 ``[R, s]`` numpy, checked to be columns of rows of ``row_length``."""
+    if isinstance(local_columns, torch.Tensor):
+        local_columns = local_columns.detach().cpu().numpy()
+    columns = np.asarray(local_columns)
+    if columns.ndim != 2 or columns.shape[1] == 0 or not np.issubdtype(columns.dtype, np.integer):
+        raise DataConfigError(
+            f"{where}: local_columns must be a non-empty [rows, local_length] integer array (the global columns a CP "
+            f"rank holds, as cp_local_columns gives them), got {columns.dtype} of shape {list(columns.shape)}"
+        )
+    if columns.min() < 0 or columns.max() >= row_length:
+        bad = columns.min() if columns.min() < 0 else columns.max()
+        raise DataConfigError(
+            f"{where}: local column {bad} is not a column of rows of {row_length}; pass the row length of the "
+            "reader's batch (local_length * cp_size) and the columns cp_local_columns gives"
+        )
+    return columns.astype(np.int64, copy=False)
+
+
+def _window(sliding_window: Any) -> int | None:
+    return None if sliding_window is None else require_int("sliding_window", sliding_window, 0)
+
+
+def _key_intervals(
+    cu_seq_lens: Any, local_columns: Any, row_length: int, causal: bool, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(columns, lo, hi)`` int64 ``[R, s]``: each local query's column and the interval of keys it may attend.
+
+    Example: boundaries ``[0, 3, 5, 8]``, columns ``[[0, 1, 6, 7]]``, causal: ``lo = [[0, 0, 5, 5]]``,
+    ``hi = [[0, 1, 6, 7]]``; not causal: ``hi = [[2, 2, 7, 7]]``.
+    """
+    row_length = require_int("row_length", row_length, 1)
+    if not isinstance(causal, bool):
+        raise DataConfigError(f"{where}: causal must be true or false, got {causal!r}")
+    columns = _local_columns(local_columns, row_length, where)
+    starts, ends = row_boundaries(cu_seq_lens, len(columns), row_length)
+    lo = np.take_along_axis(starts, columns, axis=1)
+    hi = columns.copy() if causal else np.take_along_axis(ends, columns, axis=1) - 1
+    return columns, lo, hi
+
+
+def _windowed(
+    columns: np.ndarray, lo: np.ndarray, hi: np.ndarray, window: int | None, causal: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals cut to the sliding window: ``q - w <= k``, and ``k <= q + w`` when not causal."""
+    if window is None:
+        return lo, hi
+    return np.maximum(lo, columns - window), hi if causal else np.minimum(hi, columns + window)
+
+
+# -- dense ---------------------------------------------------------------------------------------------------------
+
+
+def _interval_mask(lo: torch.Tensor, hi: torch.Tensor, row_length: int) -> torch.Tensor:
+    """bool ``[R, 1, s, T]``: ``lo <= key <= hi`` for each query (one temporary of the output's size)."""
+    keys = torch.arange(row_length, device=lo.device)
+    mask = keys >= lo[:, None, :, None]
+    mask &= keys <= hi[:, None, :, None]
+    return mask
+
+
+def dense_attention_mask(
+    cu_seq_lens: Any,
+    local_columns: Any,
+    row_length: int,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dense masks of one CP rank's queries against all keys: ``(attention_mask, swa_mask)``.
+
+    Args:
+        cu_seq_lens: the batch's global boundaries (int32 ``[K + 1]`` over the rows flattened).
+        local_columns: int ``[R, s]``, the global columns this rank holds (``cp_local_columns``).
+        row_length: ``T``, the reader's row length.
+        causal: keys at or before the query only.
+        sliding_window: ``w``: also ``q - w <= k`` (and ``k <= q + w`` without ``causal``); None for none.
+        device: where the masks are built (default CPU).
+
+    Returns:
+        ``attention_mask`` bool ``[R, 1, s, T]``, True = may attend, and ``swa_mask`` (the same with the window) or
+        None without ``sliding_window``. Each is ``R * s * T`` bytes: ``1 / cp`` of a global mask.
+
+    Raises:
+        DataFileError: the boundaries are not those of ``R`` rows of ``T``.
+        DataConfigError: bad columns, window or flags.
+    """
+    window = _window(sliding_window)
+    columns, lo, hi = _key_intervals(cu_seq_lens, local_columns, row_length, causal, "dense_attention_mask")
+    device = torch.device("cpu" if device is None else device)
+
+    def mask(lo: np.ndarray, hi: np.ndarray) -> torch.Tensor:
+        return _interval_mask(torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device), row_length)
+
+    return mask(lo, hi), None if window is None else mask(*_windowed(columns, lo, hi, window, causal))
+
+
+# -- packed (THD) --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedSeqParams:
+    """THD metadata with Megatron-Core's field names (``megatron.core.packed_seq_params.PackedSeqParams``).
+
+    All boundaries are global (over the rows flattened), int32, as Transformer Engine's THD attention takes them
+    with context parallelism in the ``zigzag_thd`` layout: every sequence is cut into ``2 * cp`` chunks and each
+    rank passes the global boundaries. Sequences are padded to ``2 * cp`` inside their own boundaries (their padding
+    at their end carries no loss, and causal attention keeps real tokens from seeing it), so the real and padded
+    boundaries are the same physical ones, as Megatron-Core passes them. A Megatron-Core trainer converts with
+    ``megatron.core.packed_seq_params.PackedSeqParams(**vars(params))``.
+
+    Attributes:
+        qkv_format: ``"thd"``.
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: int32 ``[K + 1]`` (one tensor).
+        max_seqlen_q, max_seqlen_kv: the longest sequence.
+    """
+
+    qkv_format: str
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    cu_seqlens_q_padded: torch.Tensor
+    cu_seqlens_kv_padded: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_kv: int
+
+
+def packed_seq_params(
+    cu_seq_lens: Any, *, cp_size: int = 1, device: torch.device | str | None = None
+) -> PackedSeqParams:
+    """``PackedSeqParams`` of the global boundaries (see the class for the layout they describe).
+
+    Args:
+        cu_seq_lens: the batch's global boundaries.
+        cp_size: the context-parallel size; above 1, every sequence must be a multiple of ``2 * cp_size`` long.
+        device: where the boundary tensor is (default CPU).
+
+    Raises:
+        DataFileError: the boundaries are not valid (which rule is named).
+        DataConfigError: a sequence does not divide into ``2 * cp_size`` chunks.
+
+    Example: boundaries ``[0, 4, 12, 16]``, cp 2: ``cu_seqlens_q = [0, 4, 12, 16]``, ``max_seqlen_q = 8``.
+    """
+    cp_size = require_int("cp_size", cp_size, 1)
+    if isinstance(cu_seq_lens, torch.Tensor):
+        cu_seq_lens = cu_seq_lens.detach().cpu()
+    total = int(np.asarray(cu_seq_lens)[-1]) if np.size(cu_seq_lens) else 0
+    bounds = validate_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
+    lengths = np.diff(bounds.numpy())
+    if cp_size > 1 and (bad := np.flatnonzero(lengths % (2 * cp_size))).size:
+        raise DataConfigError(
+            f"packed_seq_params: with cp_size {cp_size}, THD attention cuts every sequence into {2 * cp_size} chunks, "
+            f"but sequence {bad[0]} has {lengths[bad[0]]} tokens ({bad.size} of {lengths.size} do not divide); pad "
+            f"every sequence to a multiple of {2 * cp_size} (cp_layout zigzag_thd makes the collator do it)"
+        )
+    bounds = bounds.to(torch.device("cpu" if device is None else device))
+    longest = int(lengths.max())
+    return PackedSeqParams("thd", bounds, bounds, bounds, bounds, longest, longest)
+
+
+# -- FlexAttention -------------------------------------------------------------------------------------------------
+
+
+def _block_tables(
+    lo: torch.Tensor, hi: torch.Tensor, row_length: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``(partial, full)`` ``[R, 1, QB, KB]``: the key blocks each query block touches and those it sees whole.
+
+    A query sees the keys ``[lo, hi]``, so it touches the key blocks ``[lo // b, hi // b]`` and sees whole the
+    blocks ``[ceil(lo / b), last block ending at or before hi]``. A query block touches the union of its queries'
+    ranges (a difference array over the blocks, then a running sum) and sees whole the intersection (the largest
+    start, the smallest end). ``lo``/``hi`` are padded to whole query blocks with empty intervals.
+    """
+    rows, padded = lo.shape
+    q_blocks, kv_blocks = padded // block_size, -(-row_length // block_size)
+    valid = (lo <= hi).view(rows, q_blocks, block_size)
+    first, last = lo.div(block_size, rounding_mode="floor"), hi.div(block_size, rounding_mode="floor")
+    slot = torch.arange(rows * q_blocks, device=lo.device).view(rows, q_blocks, 1) * (kv_blocks + 1)
+    flat = valid.reshape(-1)
+    starts = (slot + first.view(rows, q_blocks, block_size)).reshape(-1)[flat]
+    stops = (slot + last.view(rows, q_blocks, block_size) + 1).reshape(-1)[flat]
+    steps = torch.zeros(rows * q_blocks * (kv_blocks + 1), dtype=torch.int32, device=lo.device)
+    steps.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
+    steps.index_add_(0, stops, torch.full_like(stops, -1, dtype=torch.int32))
+    touched = steps.view(rows, q_blocks, kv_blocks + 1).cumsum(-1)[..., :kv_blocks] > 0
+
+    whole_first = (lo + block_size - 1).div(block_size, rounding_mode="floor")
+    whole_last = torch.where(hi == row_length - 1, kv_blocks - 1, (hi + 1).div(block_size, rounding_mode="floor") - 1)
+    whole_first = whole_first.masked_fill(lo > hi, 0).view(rows, q_blocks, block_size).amax(-1)
+    whole_last = whole_last.masked_fill(lo > hi, kv_blocks - 1).view(rows, q_blocks, block_size).amin(-1)
+    blocks = torch.arange(kv_blocks, device=lo.device)
+    full = (blocks >= whole_first[..., None]) & (blocks <= whole_last[..., None]) & valid.any(-1, keepdim=True)
+    return (touched & ~full)[:, None], full[:, None]
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's tables of a bool ``[..., QB, KB]``: how many key blocks per query block, and which, ascending."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, indices
+
+
+def flex_block_mask(
+    cu_seq_lens: Any,
+    local_columns: Any,
+    row_length: int,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    block_size: int = 128,
+    device: torch.device | str = "cpu",
+) -> BlockMask:
+    """A FlexAttention ``BlockMask`` of one CP rank's queries (local order) against all ``T`` keys of their row.
+
+    Built at block level from the boundaries: for each block of ``block_size`` local queries, the key blocks it
+    sees whole (``full_kv_*``, no ``mask_mod`` call) and those it sees in part (``kv_*``, where ``mask_mod``
+    decides), both computed from each query's key interval (module docstring) in ``O(R * s + R * QB * KB)``; the
+    ``mask_mod`` reads two int32 ``[R, s]`` tensors (each query's first and last visible key). Nothing of
+    ``[s, T]`` is materialised. Its batch dimension is the ``R`` rows and its head dimension 1 (broadcast).
+
+    Args:
+        cu_seq_lens, local_columns, row_length, causal, sliding_window: as ``dense_attention_mask``.
+        block_size: the sparse block size, for queries and keys (FlexAttention's default 128).
+        device: where the tables and the ``mask_mod``'s tensors are.
+
+    Returns:
+        ``BlockMask`` of ``seq_lengths (s, T)``; ``create_mask`` or the tables plus ``mask_mod`` expand it to the
+        dense ``attention_mask`` (True = may attend).
+
+    Raises:
+        DataFileError, DataConfigError: as ``dense_attention_mask``; a ``block_size`` below 1.
+    """
+    block_size = require_int("block_size", block_size, 1)
+    window = _window(sliding_window)
+    columns, lo, hi = _key_intervals(cu_seq_lens, local_columns, row_length, causal, "flex_block_mask")
+    lo, hi = _windowed(columns, lo, hi, window, causal)
+    rows, local = lo.shape
+    padded = -(-local // block_size) * block_size
+    # Queries past ``s`` (the last block's padding) get empty intervals, so they touch nothing and mask everything.
+    first = torch.ones(rows, padded, dtype=torch.int32)
+    last = torch.zeros(rows, padded, dtype=torch.int32)
+    first[:, :local], last[:, :local] = torch.from_numpy(lo), torch.from_numpy(hi)
+    first, last = first.to(device), last.to(device)
+    partial, full = _block_tables(first.long(), last.long(), row_length, block_size)
+
+    def document_mask(batch, head, q_index, kv_index):
+        return (kv_index >= first[batch, q_index]) & (kv_index <= last[batch, q_index])
+
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=block_size,
+        mask_mod=document_mask,
+        seq_lengths=(local, row_length),
+    )
