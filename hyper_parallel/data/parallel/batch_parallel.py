@@ -333,6 +333,11 @@ class TPBatchBroadcaster:
         """
         if self.group is None:
             return
+        if not self.is_src:
+            raise DataConfigError(
+                f"broadcast_failure is for the TP source (global rank {self.src}), which reads; the other TP ranks "
+                "learn of its failure from their broadcast"
+            )
         message = f"global rank {self.src} (TP rank 0) failed to {what} ({type(error).__name__}: {error}); see rank "
         message += f"{self.src}'s log"
         text = torch.frombuffer(bytearray(message.encode("utf-8")), dtype=torch.uint8).to(self.device)
