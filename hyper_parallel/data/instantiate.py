@@ -58,6 +58,7 @@ LIBRARY_TARGET_MODULES = frozenset(
         "hyper_parallel.data.batching",
         "hyper_parallel.data.batching.build_collate_fn",
         "hyper_parallel.data.batching.build_dataloader",
+        "hyper_parallel.data.batching.get_batch",
         "hyper_parallel.data.batching.token_batcher",
         "hyper_parallel.data.indexed.indexed_data_config",
         "hyper_parallel.data.parallel.batch_sampler",

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader
+from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, ParallelBatch
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -128,27 +128,27 @@ def test_an_unknown_top_level_node_is_refused_before_anything_is_built(
     assert (f"did you mean '{named}'?" in message) == (named is not None)
 
 
-def test_a_get_batch_node_is_checked_and_said_not_to_be_built(
+def test_the_get_batch_node_is_built_and_checked_before_anything_else(
     tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
 ):
-    """ParallelBatch is not part of the library yet: a get_batch node whose target resolves (any building block
-    stands in for it here) gives one warning that it is not built; one that does not resolve is refused, before
-    anything is built, like any other node."""
+    """The get_batch node is built (a ParallelBatch beside the loaders, no warning); one whose target or keys do
+    not resolve is refused before anything is built, like any other node."""
     path = online_config(tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="FixedBatchDataLoader")
     config = load_config(path)
-    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn", "cp_size": 2}
+    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_type": "online"}
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         loaders = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2)
-    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("get_batch:")]
-    assert len(warnings) == 1 and "not built by this library yet" in warnings[0]
-    assert next(iter(loaders.train)) is not None
+    assert not [r for r in caplog.records if r.getMessage().startswith("get_batch:")]
+    assert type(loaders.get_batch) is ParallelBatch
+    model_inputs, loss_inputs = loaders.get_batch(iter(loaders.train))
+    assert model_inputs["attention_mask"].shape[-1] == loss_inputs["loss_mask"].shape[-1]
 
     config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # reading it would fail
-    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_type": "online"}
-    with pytest.raises(DataConfigError, match=r"^get_batch\._target_: target 'hyper_parallel\.data\.batching\.Para"):
+    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.ParalelBatch", "source_type": "online"}
+    with pytest.raises(DataConfigError, match=r"^get_batch\._target_: .*ParalelBatch"):
         build_dataloaders(config, tokenizer=tokenizer_path)
-    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn", "cp_sise": 2}
-    with pytest.raises(DataConfigError, match=r"^get_batch\.cp_sise: .*did you mean 'cp_size'"):
+    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_typ": "online"}
+    with pytest.raises(DataConfigError, match=r"^get_batch\.source_typ: .*did you mean 'source_type'"):
         build_dataloaders(config, tokenizer=tokenizer_path)
 
 

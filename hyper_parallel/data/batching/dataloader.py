@@ -1,11 +1,15 @@
-"""Build a trainer's DataLoaders from a pipeline config (``dataset``, ``collate_fn`` and ``dataloader`` nodes).
+"""Build a trainer's pipeline from a config: its DataLoaders (dataset, collate_fn, dataloader) and get_batch.
 
 Owns: which top-level nodes a pipeline has, checking them all before the first is built, the order in which they
 are built, and the runtime facts handed to them: the tokenizer, batch sizes, the seed and the rank layout (checked
 as the loaders' ``BatchLayout`` and ``SamplerOptions`` check them) reach every ``_target_`` that names them as a
-parameter (see ``instantiate``). The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is
-built for each non-empty split. Not responsible for: what any node builds, or per-step delivery to model ranks
-(``get_batch``: its node is checked, but this library does not build it yet).
+parameter (see ``instantiate``). With a ``DataLoaderParallelContext`` the rank layout comes from it: datasets and
+loaders are built on the data ranks only (``build_on_data_ranks``; the other ranks get None), the collator's
+alignment follows the CP size, the TP size with sequence parallelism and the ``get_batch`` node's CP layout, and
+the ``get_batch`` node (``ParallelBatch``) is built on every rank with the context and the tokenizer's EOD id. A
+layout the collator's alignment (or the Indexed row length) cannot serve is refused while the pipeline is built.
+The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is built for each non-empty
+split. Not responsible for: what any node builds, or the per-step delivery itself (``get_batch``).
 
 Example (the Online mapping + dynamic batch pipeline)::
 
@@ -24,6 +28,9 @@ Example (the Online mapping + dynamic batch pipeline)::
       min_buffered_samples: 200
     collate_fn:
       _target_: hyper_parallel.data.batching.build_online_text_collate_fn
+    get_batch:
+      _target_: hyper_parallel.data.batching.ParallelBatch
+      source_type: online
 """
 
 from __future__ import annotations
@@ -34,39 +41,44 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hyper_parallel.data.batching.build_collate_fn import sequence_alignment
+from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import LoaderOptions
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.instantiate import (
-    DEFAULT_ALLOWED_PREFIXES,
-    TARGET_KEY,
-    check_config,
-    instantiate,
-    load_config,
-)
+from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_config, instantiate, load_config
+from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-# The top-level nodes of a pipeline config: the built ones in build order (get_batch is checked but not built yet),
-# then ``debug`` (``check_dataset``: the dataset log level) and ``variables`` (free values for ``${variables.x}``
-# interpolations, never built).
+# The top-level nodes of a pipeline config: the built ones (built get_batch, collate_fn, then dataset and
+# dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log level) and ``variables`` (free
+# values for ``${variables.x}`` interpolations, never built).
 NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "debug", "variables")
 _REQUIRED = ("dataset", "dataloader")
 _DEBUG_KEYS = ("check_dataset",)
 _LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
+_RANK_DEFAULTS = {"dp_rank": 0, "dp_world_size": 1, "cp_size": 1, "tp_size": 1}
 
 
 @dataclass(frozen=True)
 class DataLoaders:
-    """The loaders of one pipeline; a split without data has None."""
+    """The loaders of one pipeline and its ``get_batch``.
+
+    A split without data has None, and so has every split on a rank that reads no data (a TP rank other than 0).
+    ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the node.
+    Iterating gives the three loaders, so ``train, valid, test = build_dataloaders(...)`` keeps working.
+    """
 
     train: object | None
     valid: object | None
     test: object | None
+    get_batch: object | None = None
 
     def __iter__(self):
         return iter((self.train, self.valid, self.test))
@@ -116,6 +128,37 @@ def _check_alignment(loader, collate_fn) -> None:
     )
 
 
+def _rank_layout(parallel_context, given: dict[str, int]) -> dict[str, int]:
+    """The DP rank and size, CP size and TP size: the context's when there is one (a value also given by keyword
+    must agree with it), else the keywords."""
+    if parallel_context is None:
+        return given
+    if not isinstance(parallel_context, DataLoaderParallelContext):
+        raise DataConfigError(
+            f"parallel_context must be a DataLoaderParallelContext (from_mesh, from_groups or standalone), got "
+            f"{type(parallel_context).__name__}"
+        )
+    derived = {
+        "dp_rank": parallel_context.dp_rank,
+        "dp_world_size": parallel_context.dp_size,
+        "cp_size": parallel_context.cp_size,
+        "tp_size": parallel_context.tp_size,
+    }
+    for name, value in given.items():
+        if value != _RANK_DEFAULTS[name] and value != derived[name]:
+            raise DataConfigError(
+                f"{name} is {value!r}, but the parallel_context gives {derived[name]}; pass the rank layout once: "
+                f"drop {name}, which the context gives"
+            )
+    return derived
+
+
+def _get_batch_context(context: dict, parallel_context, tokenizer) -> dict:
+    """What the get_batch node is offered beyond the runtime facts: the parallel context and the EOD id."""
+    eod = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else read_tokenizer(tokenizer).eod
+    return {**context, "parallel_context": parallel_context, "eod_token_id": eod}
+
+
 def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]) -> None:
     """Refuse unknown or missing top-level nodes, then check every node as ``instantiate`` would, building nothing,
     so that a typo anywhere fails before the dataset is read."""
@@ -135,15 +178,10 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
     check_config(config.get("collate_fn"), context=context, allowed_prefixes=allowed_prefixes, path="collate_fn")
     loader_context = {**context, "dataset": None, "collate_fn": None}  # built later: only their names matter here
     check_config(config["dataloader"], context=loader_context, allowed_prefixes=allowed_prefixes, path="dataloader")
-    if config.get("get_batch") is not None:
-        get_batch = config["get_batch"]
-        if isinstance(get_batch, Mapping) and TARGET_KEY in get_batch:
-            get_batch = {**get_batch, "_partial_": True}  # its runtime arguments come from the trainer
-        check_config(get_batch, context=context, allowed_prefixes=allowed_prefixes, path="get_batch")
-        logger.warning(
-            "get_batch: per-step delivery to model ranks (ParallelBatch: CP sharding, TP broadcast) is not built by "
-            "this library yet; the node is checked but not built, and the loaders deliver whole micro-batches"
-        )
+    get_batch_context = _get_batch_context(context, None, None)
+    check_config(
+        config.get("get_batch"), context=get_batch_context, allowed_prefixes=allowed_prefixes, path="get_batch"
+    )
 
 
 def _check_debug(debug) -> None:
@@ -175,41 +213,55 @@ def build_dataloaders(
     sequence_parallel: bool = False,
     seed: int = 1234,
     allowed_prefixes: Sequence[str] = DEFAULT_ALLOWED_PREFIXES,
+    parallel_context: DataLoaderParallelContext | None = None,
 ) -> DataLoaders:
-    """Instantiate ``config['dataset']``, ``config['collate_fn']`` and a ``config['dataloader']`` per split.
+    """Build the pipeline a config describes: its ``get_batch``, its collator, and a loader per non-empty split.
+
+    Every rank calls it. The ``get_batch`` and ``collate_fn`` nodes are built first, on every rank (they are
+    cheap, and a layout the collator cannot serve fails before any data is read); then the ``dataset`` node and a
+    ``dataloader`` per split, on the data ranks only when a ``parallel_context`` is given (rank 0 first, through
+    ``build_on_data_ranks``; a failure on any rank raises on every rank).
 
     Args:
         config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
-            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (checked, not built yet), ``debug``
+            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``), ``debug``
             (``check_dataset``: a log level for this package's logs on rank 0, or null) and ``variables`` (values
             for ``${variables.name}`` interpolations); any other is refused.
         tokenizer: a loaded tokenizer or the path of a local Hugging Face tokenizer.
         micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
             runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
-            are checked first, as the loaders check them.
+            are checked first, as the loaders check them. With a ``parallel_context``, leave the ranks and sizes
+            out: they come from it.
         allowed_prefixes: module prefixes that ``_target_`` may name.
+        parallel_context: this rank's ``DataLoaderParallelContext``. It gives the DP rank and size, the CP and TP
+            sizes, and it is offered to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``); the
+            ``get_batch`` node's ``cp_layout`` is offered to the ``collate_fn`` node.
+
+    Returns:
+        ``DataLoaders(train, valid, test, get_batch)``; the loaders are None on ranks that read no data.
 
     Raises:
-        DataConfigError: an unknown or missing node, a bad runtime fact, or any error ``instantiate`` finds in a
-            node, before anything is built.
+        DataConfigError: an unknown or missing node, a bad runtime fact, a rank layout given twice and differently,
+            any error ``instantiate`` finds in a node (before anything is built), or a collator alignment or
+            Indexed row length that the ``get_batch`` node's CP layout cannot cut.
     """
     if not isinstance(config, Mapping):
         config = load_config(config)
+    ranks = _rank_layout(
+        parallel_context, {"dp_rank": dp_rank, "dp_world_size": dp_world_size, "cp_size": cp_size, "tp_size": tp_size}
+    )
     LoaderOptions.from_keywords(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
+        dp_rank=ranks["dp_rank"],
+        dp_world_size=ranks["dp_world_size"],
         seed=seed,
     )
     context = {
         "tokenizer": tokenizer,
         "micro_batch_size": micro_batch_size,
         "global_batch_size": global_batch_size,
-        "dp_rank": dp_rank,
-        "dp_world_size": dp_world_size,
-        "cp_size": cp_size,
-        "tp_size": tp_size,
+        **ranks,
         "sequence_parallel": sequence_parallel,
         "seed": seed,
     }
@@ -219,14 +271,37 @@ def build_dataloaders(
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
     if isinstance(tokenizer, (str, os.PathLike)):
         context["tokenizer"] = build_tokenizer(tokenizer)
-    datasets = _as_splits(
-        instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
-    )
+    get_batch = None
+    if config.get("get_batch") is not None:
+        get_batch = instantiate(
+            config["get_batch"],
+            context=_get_batch_context(context, parallel_context, context["tokenizer"]),
+            allowed_prefixes=allowed_prefixes,
+            path="get_batch",
+        )
     collate_fn = None
     if config.get("collate_fn") is not None:
+        layout = {"cp_layout": get_batch.cp_layout} if isinstance(get_batch, ParallelBatch) else {}
         collate_fn = instantiate(
-            config["collate_fn"], context=context, allowed_prefixes=allowed_prefixes, path="collate_fn"
+            config["collate_fn"], context={**context, **layout}, allowed_prefixes=allowed_prefixes, path="collate_fn"
         )
+        _check_collator_layout(get_batch, collate_fn)
+
+    def build_readers() -> list:
+        datasets = _as_splits(
+            instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
+        )
+        _check_row_length(get_batch, datasets)
+        return _build_loaders(config, context, datasets, collate_fn, allowed_prefixes)
+
+    if parallel_context is None:
+        loaders = build_readers()
+    else:
+        loaders = build_on_data_ranks(parallel_context, build_readers) or [None, None, None]
+    return DataLoaders(*loaders, get_batch=get_batch)
+
+
+def _build_loaders(config: Mapping, context: dict, datasets: tuple, collate_fn, allowed_prefixes) -> list:
     loaders = []
     for split, dataset in zip(SPLITS, datasets, strict=True):
         if dataset is None:
@@ -242,4 +317,51 @@ def build_dataloaders(
         if all(built is None for built in loaders):
             _check_alignment(loader, collate_fn)  # the same loader settings for every split: say it once
         loaders.append(loader)
-    return DataLoaders(*loaders)
+    return loaders
+
+
+def _layout_parts(get_batch: ParallelBatch) -> int:
+    """Into how many equal parts the get_batch node's CP layout cuts a row (each sequence, for zigzag_thd)."""
+    return sequence_alignment(cp_size=get_batch.context.cp_size, cp_layout=get_batch.cp_layout)
+
+
+def _check_collator_layout(get_batch, collate_fn) -> None:
+    """Refuse an Online collator whose rows (or sequences, for zigzag_thd) the CP layout cannot cut evenly."""
+    if not isinstance(get_batch, ParallelBatch) or get_batch.context.cp_size == 1 or get_batch.source_type != "online":
+        return
+    layout, cp, parts = get_batch.cp_layout, get_batch.context.cp_size, _layout_parts(get_batch)
+    alignment = getattr(collate_fn, "alignment", None)
+    if alignment is not None and alignment % parts:
+        raise DataConfigError(
+            f"collate_fn: the packing alignment {alignment} does not make every row a multiple of {parts}, which "
+            f"get_batch's cp_layout {layout!r} with cp_size {cp} needs (it cuts a row into {parts} equal parts); "
+            f"remove alignment settings from the collate_fn node so that build_online_text_collate_fn derives it "
+            f"(cp_size and cp_layout come from the pipeline), or set its cp_layout to {layout!r}"
+        )
+    per_sequence = getattr(collate_fn, "pad_each_sequence_to", None)
+    if layout == "zigzag_thd" and per_sequence is not None and per_sequence % parts:
+        raise DataConfigError(
+            f"collate_fn: sequences are padded to a multiple of {per_sequence} (pad_each_sequence_to), but "
+            f"get_batch's cp_layout 'zigzag_thd' with cp_size {cp} cuts every sequence into {parts} chunks, so each "
+            f"must be a multiple of {parts}; set the collate_fn node's cp_layout to zigzag_thd (or remove it: the "
+            "pipeline offers the get_batch node's), or use another cp_layout"
+        )
+
+
+def _check_row_length(get_batch, datasets: tuple) -> None:
+    """Refuse Indexed rows whose length the CP layout cannot cut evenly (read from the first sample)."""
+    if not isinstance(get_batch, ParallelBatch) or get_batch.context.cp_size == 1 or get_batch.source_type != "indexed":
+        return
+    dataset = next((d for d in datasets if d is not None and hasattr(d, "__getitem__") and len(d) > 0), None)
+    sample = dataset[0] if dataset is not None else None
+    if not isinstance(sample, Mapping) or "tokens" not in sample:
+        return
+    length, parts = len(sample["tokens"]), _layout_parts(get_batch)
+    if length % parts:
+        lower = length - length % parts
+        such_as = " or ".join(str(value) for value in (lower, lower + parts) if value > 0)
+        raise DataConfigError(
+            f"dataset: Indexed rows hold {length} tokens (seq_length), but get_batch's cp_layout "
+            f"{get_batch.cp_layout!r} with cp_size {get_batch.context.cp_size} cuts every row into {parts} equal parts;"
+            f" set data_config.seq_length to a multiple of {parts}, such as {such_as}"
+        )
