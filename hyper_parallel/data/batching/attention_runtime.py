@@ -101,11 +101,48 @@ def _windowed(
 # -- dense ---------------------------------------------------------------------------------------------------------
 
 
-def _interval_mask(lo: torch.Tensor, hi: torch.Tensor, row_length: int) -> torch.Tensor:
-    """bool ``[R, 1, s, T]``: ``lo <= key <= hi`` for each query (one temporary of the output's size)."""
-    keys = torch.arange(row_length, device=lo.device)
-    mask = keys >= lo[:, None, :, None]
-    mask &= keys <= hi[:, None, :, None]
+def _runs(columns: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(row, first, end)`` of each run of local queries at consecutive columns of one sequence.
+
+    Every layout holds few runs: one per sequence piece of a rank's slice (contiguous), one more where the two
+    chunks meet (zigzag), two per sequence (zigzag_thd). Example: columns ``[[0, 1, 6, 7]]`` of sequences starting
+    at ``[[0, 0, 5, 5]]`` are two runs, local ``[0, 2)`` and ``[2, 4)``.
+    """
+    rows, local = columns.shape
+    first = np.ones((rows, local), dtype=bool)
+    first[:, 1:] = (np.diff(columns, axis=1) != 1) | (np.diff(starts, axis=1) != 0)
+    flat = np.flatnonzero(first)
+    ends = np.append(flat[1:], rows * local)  # every row's first query starts a run, so no run crosses a row
+    return flat // local, flat % local, ends - flat + flat % local
+
+
+def _interval_mask(
+    columns: np.ndarray,
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bands: tuple[int | None, int | None],
+    row_length: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """bool ``[R, 1, s, T]``, True where ``lo <= key <= hi``: zeros, then one band per run of queries.
+
+    Along a run the query column grows by one per row, and ``lo``/``hi`` are the sequence's bounds clipped to the
+    diagonal bands ``q - left <= key <= q + right`` (``bands = (left, right)``, None for no bound), so each run's
+    block of ``[lo[first], hi[last]]`` keys is filled and cut by ``tril_``/``triu_``. The work is the zeroing plus
+    the visible area, with one step per run, not per query.
+    """
+    left, right = bands
+    mask = torch.zeros(*columns.shape[:1], 1, columns.shape[1], row_length, dtype=torch.bool, device=device)
+    for row, first, end in zip(*(part.tolist() for part in runs), strict=True):
+        key_first, key_end = int(lo[row, first]), int(hi[row, end - 1]) + 1
+        block = mask[row, 0, first:end, key_first:key_end]
+        block.fill_(True)
+        offset = int(columns[row, first]) - key_first  # diagonal of the query's own column in the block
+        if right is not None:
+            block.tril_(offset + right)
+        if left is not None:
+            block.triu_(offset - left)
     return mask
 
 
@@ -139,11 +176,14 @@ def dense_attention_mask(
     window = _window(sliding_window)
     columns, lo, hi = _key_intervals(cu_seq_lens, local_columns, row_length, causal, "dense_attention_mask")
     device = torch.device("cpu" if device is None else device)
-
-    def mask(lo: np.ndarray, hi: np.ndarray) -> torch.Tensor:
-        return _interval_mask(torch.from_numpy(lo).to(device), torch.from_numpy(hi).to(device), row_length)
-
-    return mask(lo, hi), None if window is None else mask(*_windowed(columns, lo, hi, window, causal))
+    runs = _runs(columns, lo)
+    attention_mask = _interval_mask(columns, runs, lo, hi, (None, 0 if causal else None), row_length, device)
+    if window is None:
+        return attention_mask, None
+    bands = (window, 0 if causal else window)
+    return attention_mask, _interval_mask(
+        columns, runs, *_windowed(columns, lo, hi, window, causal), bands, row_length, device
+    )
 
 
 # -- packed (THD) --------------------------------------------------------------------------------------------------
