@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from hyper_parallel.data.batching.attention_runtime import (
     PackedSeqParams,
@@ -326,6 +326,33 @@ def test_block_masks_with_partial_blocks(row_length, block_size):
         block_mask = flex_block_mask(bounds, columns, row_length, sliding_window=window, block_size=block_size)
         assert torch.equal(expand_block_mask(block_mask, 2, row_length // 2, row_length), wanted[:, 0])
         assert exact_block_tables(block_mask, wanted[:, 0])
+
+
+@pytest.mark.parametrize("cp", [1, 4])
+def test_block_tables_are_ordered_as_flex_attention_orders_them(cp):
+    """Listed blocks first, ascending, then the others (FlexAttention's stable argsort); the query-major tables are
+    those FlexAttention's own transposition of the key-major tables gives."""
+    case = online_case(11, cp, "zigzag")
+    columns = cp_local_columns("zigzag", case.cu_seq_lens, 1, case.row_length, cp, cp - 1)
+    block_mask = flex_block_mask(case.cu_seq_lens, columns, case.row_length, block_size=8)
+    for counts, indices in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_q_num_blocks, block_mask.full_q_indices),
+    ):
+        listed = torch.arange(indices.shape[-1]) < counts[..., None]
+        table = torch.zeros_like(listed).scatter_(-1, indices.long(), listed)  # each row's listed blocks
+        expected = torch.argsort(table.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        assert torch.equal(indices, expected)
+    transposed = BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+        BLOCK_SIZE=8,
+        seq_lengths=block_mask.seq_lengths,
+    )
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(block_mask, name), getattr(transposed, name)), name
 
 
 def test_flex_attention_with_the_block_mask_equals_each_document_alone():

@@ -284,10 +284,18 @@ def _block_tables(
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """BlockMask's tables of a bool ``[..., QB, KB]``: how many key blocks per query block, and which, ascending."""
-    counts = blocks.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts, indices
+    """BlockMask's tables of a bool ``[..., N, M]``: how many blocks each row lists, and which (int32).
+
+    Each row's listed columns come first, ascending, then the others, ascending: the order of FlexAttention's own
+    ``argsort(descending=True, stable=True)``, placed here by a running count instead of a sort. Example: row
+    ``[0, 1, 0, 1]`` lists 2, with indices ``[1, 3, 0, 2]``.
+    """
+    listed_so_far = blocks.cumsum(-1, dtype=torch.int32)
+    counts = listed_so_far[..., -1:]
+    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand_as(listed_so_far)
+    places = torch.where(blocks, listed_so_far - 1, counts + columns - listed_so_far)
+    indices = torch.empty_like(listed_so_far).scatter_(-1, places.long(), columns)
+    return counts.squeeze(-1).contiguous(), indices
 
 
 def flex_block_mask(
@@ -336,10 +344,21 @@ def flex_block_mask(
     def document_mask(batch, head, q_index, kv_index):
         return (kv_index >= first[batch, q_index]) & (kv_index <= last[batch, q_index])
 
-    return BlockMask.from_kv_blocks(
-        *_ordered(partial),
-        *_ordered(full),
-        BLOCK_SIZE=block_size,
-        mask_mod=document_mask,
+    # The query-major tables the backward pass reads are the transposed block tables, ordered the same way.
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered(full)
+    q_num_blocks, q_indices = _ordered(partial.transpose(-2, -1))
+    full_q_num_blocks, full_q_indices = _ordered(full.transpose(-2, -1))
+    return BlockMask(
         seq_lengths=(local, row_length),
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_num_blocks,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num_blocks,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=document_mask,
     )
