@@ -137,7 +137,13 @@ class ParallelBatch:
     def _window(self, sliding_window: Any) -> int | None:
         if sliding_window is None:
             return None
-        window = require_int("sliding_window", sliding_window, 1)
+        try:
+            window = require_int("sliding_window", sliding_window, 1)
+        except DataConfigError as error:
+            raise DataConfigError(
+                f"{error}; set it to how many keys before its own a query sees (Transformer Engine's window (w, 0)), "
+                "or null for no window"
+            ) from None
         if self.attention_mode in ("packed", "none"):
             raise DataConfigError(
                 f"sliding_window {window} has no effect with attention_mode {self.attention_mode!r}: only dense and "
