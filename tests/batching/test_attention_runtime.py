@@ -394,3 +394,5 @@ def test_bad_inputs_are_refused_with_the_rule_and_the_fix():
         packed_seq_params([0, 4, 10, 14], cp_size=2)
     with pytest.raises(DataFileError, match="packed_seq_params .* must strictly increase"):
         packed_seq_params([0, 4, 4, 8])
+    with pytest.raises(DataFileError, match=r"packed_seq_params: cu_seq_lens must be a 1-D .* shape \[1, 2\]"):
+        packed_seq_params(np.array([[0, 8]]))

@@ -234,7 +234,8 @@ def packed_seq_params(
     cp_size = require_int("cp_size", cp_size, 1)
     if isinstance(cu_seq_lens, torch.Tensor):
         cu_seq_lens = cu_seq_lens.detach().cpu()
-    total = int(np.asarray(cu_seq_lens)[-1]) if np.size(cu_seq_lens) else 0
+    values = np.asarray(cu_seq_lens)
+    total = int(values[-1]) if values.ndim == 1 and values.size else 1  # the boundaries' own end; checked below
     bounds = validate_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
     lengths = np.diff(bounds.numpy())
     if cp_size > 1 and (bad := np.flatnonzero(lengths % (2 * cp_size))).size:
