@@ -13,13 +13,12 @@ Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns
   of its own, so no real token attends it and it attends only itself.
 * ``sliding_window = w`` additionally keeps ``q - w <= k``: the query sees itself and the ``w`` keys before it,
   Transformer Engine's and Megatron-Core's window ``(w, 0)``; without ``causal`` it also keeps ``k <= q + w``
-  (window ``(w, w)``). A Hugging Face model's ``sliding_window`` counts the query itself: its ``w`` is ours
-  ``w - 1``.
+  (window ``(w, w)``). A Hugging Face ``sliding_window`` counts the query itself: ours ``w`` is its ``w + 1``.
 * Dense masks are True where the query **may attend** (``torch.nn.functional.scaled_dot_product_attention``'s
   convention, the opposite of the batch's megatron-style ``attention_mask``).
 
-Every query's visible keys are thus one interval of its row, ``lo <= k <= hi`` (``_key_intervals``); every function
-here is built from those two int arrays of ``[R, s]`` entries, so nothing of ``[T, T]`` is ever materialised.
+Every query's visible keys are thus one interval of its row, ``lo <= k <= hi`` (``_key_intervals``); the dense and
+flex masks are built from those two int arrays of ``[R, s]`` entries, so nothing of ``[T, T]`` is ever materialised.
 
 Worked example: one row of 8, boundaries ``[0, 3, 5, 8]`` (sequences ``[0, 3)``, ``[3, 5)``, ``[5, 8)``), cp 2,
 zigzag layout: rank 0 holds columns ``[0, 1, 6, 7]``, so its queries see the keys ``[0, 0]``, ``[0, 1]``,
