@@ -16,6 +16,7 @@ from hyper_parallel.data.batching import (
     FixedBatchDataLoader,
     PackingPolicy,
     TextTokenBatcher,
+    build_online_text_collate_fn,
     calculate_num_micro_batches,
 )
 from hyper_parallel.data.constants import IGNORE_INDEX
@@ -213,6 +214,33 @@ def test_another_packing_policy_plugs_into_the_dynamic_loader(dataset_type, plai
         DynamicBatchDataLoader(everything, min_buffered_samples=4, packing_policy=PaddedTokenBudget(96, 16))
     with pytest.raises(DataConfigError, match="is not a PackingPolicy: it has no token_budget, cost"):
         DynamicBatchDataLoader(everything, packing_policy=object())
+
+
+@pytest.mark.parametrize("dataset_type", ["mapping", "iterable"])
+def test_the_default_policy_charges_the_padding_of_every_sequence(
+    dataset_type, plaintext_path, tokenizer, hf_cache_dir
+):
+    """With the zigzag_thd collator every sequence is padded to 2 * cp; the default policy charges the padded
+    lengths, so a packed row stays within the budget, and the state records the multiple and resumes exactly."""
+    collate_fn = build_online_text_collate_fn(cp_size=2, cp_layout="zigzag_thd")
+
+    def make():
+        dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type=dataset_type, max_seq_len=46)
+        return DynamicBatchDataLoader(dataset, collate_fn, micro_batch_size=2, min_buffered_samples=4)
+
+    loader = make()
+    assert loader.policy.sequence_multiple == 4 and loader.token_budget == 92
+    rows = [batch.input_ids.shape[1] for batch in loader]
+    assert max(rows) <= 92 and sum(rows) > 92  # 46-token windows padded to 48: two fit only if charged padded
+    check_exact_resume(make, stop_points=[2, -1])
+    other = DynamicBatchDataLoader(
+        plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type=dataset_type, max_seq_len=46),
+        micro_batch_size=2,
+        min_buffered_samples=4,
+    )
+    state = loader.state_dict()
+    with pytest.raises(ResumeStateError, match="saved with sequence_multiple=4 but this loader has 1"):
+        other.load_state_dict(state)
 
 
 def test_packing_masks_nothing_but_the_first_label_of_each_window(plaintext_path, tokenizer, hf_cache_dir):

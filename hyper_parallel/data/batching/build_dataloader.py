@@ -265,6 +265,7 @@ class DynamicBatchDataLoader(_Loader):
         super().__init__(dataset, LoaderOptions.from_keywords(**options))
         self._source.require_model_samples(type(self).__name__)
         self.max_seq_len = max_seq_len if max_seq_len is not None else dataset.max_seq_len
+        self.collate_fn = collate_fn if collate_fn is not None else build_online_text_collate_fn()
         if packing_policy is None:
             packing_policy = self._default_policy(min_buffered_samples)
         elif max_seq_len is not None or min_buffered_samples is not None:
@@ -273,7 +274,6 @@ class DynamicBatchDataLoader(_Loader):
                 "the budget and the buffer on the policy and leave them out"
             )
         self.policy = checked_policy(packing_policy)
-        self.collate_fn = collate_fn if collate_fn is not None else build_online_text_collate_fn()
         self._track(_as_lists, batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size))
         self._reading: KeyBatch | None = None  # the read being absorbed into the policy
         self._absorbed = 0  # how many of its records are in the policy
@@ -289,7 +289,9 @@ class DynamicBatchDataLoader(_Loader):
         budget = self.micro_batch_size * require_int("max_seq_len", self.max_seq_len, 1)
         if min_buffered_samples is None:
             min_buffered_samples = _DEFAULT_MIN_BUFFERED_SAMPLES
-        return TextTokenBatcher(budget, min_buffered_samples)
+        # A collator that pads every sequence (the zigzag_thd layout) fills the budget with that padding too.
+        multiple = getattr(self.collate_fn, "pad_each_sequence_to", 1)
+        return TextTokenBatcher(budget, min_buffered_samples, sequence_multiple=multiple)
 
     @property
     def token_budget(self) -> int:

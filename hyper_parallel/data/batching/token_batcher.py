@@ -7,8 +7,9 @@ packing the chosen samples into tensors (the collators).
 Its state (``state['packing']`` of a dynamic loader's state)::
 
     {"policy": "TextTokenBatcher", "token_budget": int, "min_buffered_samples": int,
+     "sequence_multiple": int (absent in states saved before it existed: 1),
      "buffer": the buffered samples, encoded by the key source, in arrival order,
-     "buffer_tokens": their tokens (checked on load: a changed transform would give others)}
+     "buffer_tokens": their cost (checked on load: a changed transform would give another)}
 """
 
 from __future__ import annotations
@@ -34,19 +35,26 @@ class TextTokenBatcher:
     Args:
         token_budget: most tokens per micro-batch (``micro_batch_size * max_seq_len``).
         min_buffered_samples: samples to hold before a batch is chosen, so that small samples can fill gaps.
+        sequence_multiple: each sample is charged its length rounded up to this multiple: the collator pads every
+            sequence to it (``pad_each_sequence_to``, for the ``zigzag_thd`` layout), and the budget holds padding.
     """
 
-    def __init__(self, token_budget: int, min_buffered_samples: int) -> None:
-        for name, value in (("token_budget", token_budget), ("min_buffered_samples", min_buffered_samples)):
+    def __init__(self, token_budget: int, min_buffered_samples: int, sequence_multiple: int = 1) -> None:
+        for name, value in (
+            ("token_budget", token_budget),
+            ("min_buffered_samples", min_buffered_samples),
+            ("sequence_multiple", sequence_multiple),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise DataConfigError(f"{name} is {value!r}; use a positive integer")
         self.token_budget = token_budget
         self.min_buffered_samples = min_buffered_samples
+        self.sequence_multiple = sequence_multiple
         self._entries: list[tuple[Hashable | None, Mapping, int]] = []  # (key, sample, cost) in arrival order
         self._buffered_cost = 0
 
     def cost(self, sample: Mapping) -> int:
-        return len(sample["input_ids"])
+        return -(-len(sample["input_ids"]) // self.sequence_multiple) * self.sequence_multiple
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,6 +89,7 @@ class TextTokenBatcher:
             "policy": type(self).__name__,
             "token_budget": self.token_budget,
             "min_buffered_samples": self.min_buffered_samples,
+            "sequence_multiple": self.sequence_multiple,
             "buffer": codec.encode_samples([(key, sample) for key, sample, _ in self._entries]),
             "buffer_tokens": self._buffered_cost,
         }
@@ -93,12 +102,13 @@ class TextTokenBatcher:
                 f"{_WHERE} was saved by the packing policy {policy}, but this loader packs with "
                 f"{type(self).__name__}; resume with the same packing_policy, or start without the state"
             )
-        for key in ("token_budget", "min_buffered_samples"):
-            if state_field(state, key, int, _WHERE) != getattr(self, key):
+        saved = {**state, "sequence_multiple": state.get("sequence_multiple", 1)}
+        for key in ("token_budget", "min_buffered_samples", "sequence_multiple"):
+            if state_field(saved, key, int, _WHERE) != getattr(self, key):
                 raise ResumeStateError(
-                    f"the state was saved with {key}={state[key]} but this loader has {getattr(self, key)}; the "
+                    f"the state was saved with {key}={saved[key]} but this loader has {getattr(self, key)}; the "
                     "choice of samples per micro-batch depends on it, so resume with the same micro_batch_size, "
-                    "max_seq_len and min_buffered_samples"
+                    "max_seq_len, min_buffered_samples and CP layout"
                 )
         saved_cost = state_field(state, "buffer_tokens", int, _WHERE)
         entries = codec.decode_samples(state_field(state, "buffer", list, _WHERE), f"{_WHERE}['buffer']")
@@ -112,4 +122,7 @@ class TextTokenBatcher:
         self._buffered_cost = saved_cost
 
     def __repr__(self) -> str:
-        return f"TextTokenBatcher(token_budget={self.token_budget}, min_buffered_samples={self.min_buffered_samples})"
+        return (
+            f"TextTokenBatcher(token_budget={self.token_budget}, min_buffered_samples={self.min_buffered_samples}, "
+            f"sequence_multiple={self.sequence_multiple})"
+        )
