@@ -536,3 +536,23 @@ def test_unmapped_reads_survive_short_preads(tmp_path, monkeypatch):
     reader = IndexedDataReader(corpus.prefix, mmap=False)
     for i, sequence in enumerate(corpus.sequences):
         assert_tokens(reader[i], sequence, corpus.dtype)
+
+
+# -- naming the pair ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extension", [".idx", ".bin"])
+def test_a_path_ending_in_idx_or_bin_opens_its_pair(tmp_path, extension):
+    corpus = random_corpus(tmp_path / "books", seed=3, dtype=np.uint16)
+    reader = IndexedDataReader(str(corpus.prefix) + extension)
+    assert reader.path_prefix == str(corpus.prefix)
+    assert_token_lists(reader[0 : len(corpus.sequences)], corpus.sequences, corpus.dtype)
+
+
+def test_a_prefix_that_itself_ends_in_bin_stays_a_prefix(tmp_path):
+    """``data.bin`` names the pair ``data.bin.idx``/``data.bin.bin`` when that pair exists, not ``data.idx``."""
+    random_corpus(tmp_path / "data", seed=4, dtype=np.uint16)
+    corpus = random_corpus(tmp_path / "data.bin", seed=5, dtype=np.int32)
+    reader = IndexedDataReader(tmp_path / "data.bin")
+    assert reader.path_prefix == str(tmp_path / "data.bin")
+    assert_token_lists(reader[0 : len(corpus.sequences)], corpus.sequences, corpus.dtype)

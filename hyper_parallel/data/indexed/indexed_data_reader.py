@@ -58,6 +58,15 @@ def _pread_full(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+def pair_prefix(path: str) -> str:
+    """The prefix of the pair ``path`` names: ``path`` without a trailing ``.idx``/``.bin``, unless ``path`` is
+    itself a prefix (``<path>.idx`` exists). Only paths with such an ending cost a ``stat``."""
+    stem, extension = os.path.splitext(path)
+    if extension in (".idx", ".bin") and not os.path.exists(path + ".idx"):
+        return stem
+    return path
+
+
 def missing_pair_error(prefix: str) -> DataFileError:
     """The error for a prefix whose ``.idx`` or ``.bin`` is missing, naming which."""
     missing = [str(p) for p in data_file_paths(prefix) if not p.is_file()]
@@ -176,14 +185,15 @@ class IndexedDataReader:
     ``mmap=False`` each read is one ``pread``.
 
     Args:
-        path_prefix: the path without ``.idx``/``.bin``.
+        path_prefix: the path without ``.idx``/``.bin``; a path ending in ``.idx`` or ``.bin`` names its pair too
+            (``data/books.idx`` is the prefix ``data/books``), unless a pair ``<path>.idx``/``<path>.bin`` exists.
         mmap: memory-map the ``.bin`` (required for slicing).
         multimodal: the index carries one int8 mode per sequence after the document indices. The header does
             not record this, so the caller must say so.
     """
 
     def __init__(self, path_prefix: str | os.PathLike, mmap: bool = True, multimodal: bool = False) -> None:
-        self.path_prefix = os.fspath(path_prefix)
+        self.path_prefix = pair_prefix(os.fspath(path_prefix))
         self.mmap = mmap
         self.multimodal = multimodal
         self._open()
