@@ -31,6 +31,15 @@ def test_help_lists_every_command(capsys, argv):
     assert set(COMMANDS) == set(commands)
 
 
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_help_names_it_as_hp_data_command(capsys, command):
+    """``hp-data <command> --help`` shows the command as the user typed it, whatever module runs it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: hp-data {command} ")
+
+
 def test_unknown_command_exits_2(capsys):
     """An unknown command prints an error and the usage on stderr and exits 2."""
     assert main(["tokenise"]) == 2

@@ -272,4 +272,4 @@ def test_runs_as_a_module():
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m hyper_parallel.data.tools.prepare_cache")
+    assert result.stdout.startswith("usage: hp-data prepare-cache")

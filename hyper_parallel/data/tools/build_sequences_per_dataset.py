@@ -38,7 +38,7 @@ from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "collect_prefixes", "main", "write_sequences_per_dataset"]
 
-_PROG = "python -m hyper_parallel.data.tools.build_sequences_per_dataset"
+_PROG = "hp-data sequences-per-dataset"
 
 _EXAMPLES = f"""\
 examples:
@@ -108,7 +108,7 @@ def write_sequences_per_dataset(
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
     parser = command_parser(
-        _PROG,
+        "sequences-per-dataset",
         (
             "Read the header of every dataset prefix of a training run and write their sequence and document "
             "counts to one JSON file, for per_dataset_sequences_path: training then reads one file instead of "

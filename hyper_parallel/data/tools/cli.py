@@ -26,10 +26,14 @@ COMMANDS = {
 }
 
 
-def command_parser(prog: str, description: str, examples: str | None = None) -> argparse.ArgumentParser:
-    """The parser every tool starts from: its program name, a description and worked examples kept as written."""
+def command_parser(command: str, description: str, examples: str | None = None) -> argparse.ArgumentParser:
+    """The parser every tool starts from: ``hp-data <command>`` (its usage line, also when the module runs as
+    ``python -m``), a description and worked examples kept as written."""
     return argparse.ArgumentParser(
-        prog=prog, description=description, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=f"hp-data {command}",
+        description=description,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
 

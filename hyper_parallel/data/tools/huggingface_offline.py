@@ -99,7 +99,7 @@ def run_huggingface_offline(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = preparation_parser(
-        "huggingface_offline", __doc__, "a save_to_disk folder or a local Hugging Face dataset directory"
+        "prepare-hf", __doc__, "a save_to_disk folder or a local Hugging Face dataset directory"
     )
     parser.add_argument("--split", default="train", help="split to convert (default: train)")
     parser.add_argument("--subset", default=None, help="configuration name, for dataset directories with several")

@@ -281,17 +281,17 @@ def _count_bad_records(encoded: EncodedChunk, skip: bool, summary: PreparationSu
     summary.bad_records += len(encoded.bad_records)
 
 
-def preparation_parser(module: str, doc: str, input_help: str) -> argparse.ArgumentParser:
-    """The parser of a preparation command: ``python -m hyper_parallel.data.tools.<module>``, described by the
-    module docstring ``doc`` (up to its "Owns:"), with its input flag; the caller adds the rest."""
-    parser = command_parser(f"python -m hyper_parallel.data.tools.{module}", doc.split("Owns:")[0])
+def preparation_parser(command: str, doc: str, input_help: str) -> argparse.ArgumentParser:
+    """The parser of the preparation command ``hp-data <command>``, described by the module docstring ``doc`` (up
+    to its "Owns:"), with its input flag; the caller adds the rest."""
+    parser = command_parser(command, doc.split("Owns:")[0])
     parser.add_argument("--dataset-name-or-path", required=True, help=input_help)
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = preparation_parser(
-        "offline_preparation",
+        "prepare",
         __doc__,
         "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
     )

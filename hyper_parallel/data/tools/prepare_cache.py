@@ -52,7 +52,7 @@ __all__ = [
     "request_from_args",
 ]
 
-_PROG = "python -m hyper_parallel.data.tools.prepare_cache"
+_PROG = "hp-data prepare-cache"
 
 # Settings that only make sense once the cache exists, or that would skip building: off while preparing.
 _TURNED_OFF = ("fast_cache_load", "defer_npy_index_mmap", "data_lazy_load")
@@ -401,7 +401,7 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
     parser = command_parser(
-        _PROG,
+        "prepare-cache",
         (
             "Build the document, sample, shuffle and blending indices of a training run into --data-cache-path "
             "ahead of training, through the same construction as training, so that start-up only loads them."

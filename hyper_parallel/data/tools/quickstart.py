@@ -69,7 +69,7 @@ def run_quickstart(output_dir: str | os.PathLike, workers: int, preview_chars: i
     print("  " + tokenizer.decode(sample["tokens"][:40].tolist()).replace("\n", " ") + " [...]")
     online_quickstart(output_dir / "online_cache", tokenizer, seq_length)
     print(
-        f"\nnext: `python -m hyper_parallel.data.tools.read_indexed_dataset {prefix} --decode 1`, prepare your own "
+        f"\nnext: `hp-data inspect {prefix} --decode 1 --tokenizer {BUNDLED_TOKENIZER_PATH}`, prepare your own "
         "files with `hp-data prepare --help`, or preview a pipeline config with `hp-data preview --help`"
     )
     return 0

@@ -30,7 +30,7 @@ from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "format_summary", "main", "summarize"]
 
-_PROG = "python -m hyper_parallel.data.tools.read_indexed_dataset"
+_PROG = "hp-data inspect"
 _PERCENTILES = (50, 90, 99)
 _SHOWN_IDS = 64
 _HISTOGRAM_BINS = 100
@@ -82,7 +82,7 @@ def _non_negative(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option's help carries an example."""
     parser = command_parser(
-        _PROG,
+        "inspect",
         (
             "Summarise a Megatron .idx/.bin indexed dataset: dtype, sequence, document and token counts, file size, "
             "and length statistics (min, mean, p50/p90/p99, max) of sequences and documents. Optionally decode "
