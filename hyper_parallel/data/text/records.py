@@ -1,8 +1,8 @@
 """Finding data files and reading their raw records, shared by the offline tools and the Online sources.
 
-Owns: resolving a file, glob or directory into an ordered list of files of one format, and streaming raw
-records out of them in chunks with their line or row numbers, so that errors can name where a record came
-from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
+Owns: resolving a file, glob or directory (or a list of them) into an ordered list of files of one format, and
+streaming raw records out of them in chunks with their line or row numbers, so that errors can name where a record
+came from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
 the line; recognising a ``save_to_disk`` directory and choosing its split. JSON and text lines stay undecoded
 bytes here: decoding and parsing happen where the records are consumed (often a worker process).
 Not responsible for: opening files with Hugging Face ``datasets`` (``text.online.online_utils``), tokenization,
@@ -32,6 +32,7 @@ __all__ = [
     "file_format",
     "iter_record_chunks",
     "is_saved_hf_dataset",
+    "data_path_entries",
     "resolve_data_files",
     "select_hf_split",
 ]
@@ -97,13 +98,58 @@ def _supported() -> str:
     return ", ".join(sorted(FILE_FORMATS)) + " (json, jsonl, csv and txt also as .gz)"
 
 
-def resolve_data_files(path_or_pattern: str | os.PathLike) -> tuple[list[Path], str]:
-    """Resolve a file, a glob or a directory (not recursive) into sorted files of one format.
+def data_path_entries(data_path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The paths, globs or directories a ``data_path`` names: itself, or each entry of a list of them.
+
+    Raises:
+        DataConfigError: an empty list, or an entry that is not a path.
+    """
+    if isinstance(data_path, str | os.PathLike):
+        return [os.fspath(data_path)]
+    entries = list(data_path) if isinstance(data_path, Iterable) else [data_path]
+    if not entries:
+        raise DataConfigError("data_path is an empty list; give a file, a glob, a directory or a list of them")
+    for entry in entries:
+        if not isinstance(entry, str | os.PathLike):
+            raise DataConfigError(
+                f"data_path entry {entry!r} is a {type(entry).__name__}; every entry of a data_path list must be a "
+                "file, a glob or a directory"
+            )
+    return [os.fspath(entry) for entry in entries]
+
+
+def resolve_data_files(path_or_pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], str]:
+    """Resolve a file, a glob or a directory (not recursive), or a list of them, into files of one format.
 
     Returns:
-        The files, sorted by path for a deterministic order, and their format name.
+        The files and their format name: each entry's files sorted by path for a deterministic order, the entries
+        in the order given.
+
+    Raises:
+        DataFileError: an entry matches nothing, a file is named twice, or the files mix formats.
     """
-    spec = os.fspath(path_or_pattern)
+    entries = data_path_entries(path_or_pattern)
+    if len(entries) > 1:
+        resolved = [(entry, *_resolve_one(entry)) for entry in entries]
+        files = [file for _, entry_files, _ in resolved for file in entry_files]
+        seen: dict[Path, str] = {}
+        for entry, entry_files, _ in resolved:
+            for file in entry_files:
+                if file.resolve() in seen:
+                    raise DataFileError(
+                        f"data_path names {file} twice (through {seen[file.resolve()]!r} and {entry!r}); list each "
+                        "file once"
+                    )
+                seen[file.resolve()] = entry
+        kinds = sorted({fmt for _, _, fmt in resolved})
+        if len(kinds) > 1:
+            raise DataFileError(f"the data_path list {entries} mixes formats {kinds}; give files of one format")
+        return files, kinds[0]
+    return _resolve_one(entries[0])
+
+
+def _resolve_one(spec: str) -> tuple[list[Path], str]:
+    """One file, glob or directory: its files sorted by path, of one format."""
     path = Path(spec).expanduser()
     if _GLOB_CHARS & set(spec):
         candidates = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]

@@ -56,6 +56,55 @@ def test_globs_and_directories_read_files_in_path_order(tmp_path):
         assert "2 json files" in description
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_list_of_files_and_globs_reads_them_in_the_order_given(tmp_path, streaming):
+    """Each entry's files in path order, the entries in list order: the later-named glob comes first here."""
+    write_format(tmp_path / "parts", "json", RECORDS[:5], name="a")
+    write_format(tmp_path / "parts", "json", RECORDS[5:9], name="b")
+    last = write_format(tmp_path, "json", RECORDS[9:], name="z")
+    spec = [str(tmp_path / "parts" / "*.jsonl"), last]
+    dataset, description = open_hf_dataset(spec, streaming=streaming, cache_dir=tmp_path / "cache")
+    assert ids(dataset) == list(range(23))
+    assert "3 json files" in description
+    reversed_spec = [last, str(tmp_path / "parts" / "*.jsonl")]
+    dataset, _ = open_hf_dataset(reversed_spec, streaming=streaming, cache_dir=tmp_path / "cache")
+    assert ids(dataset) == list(range(9, 23)) + list(range(9))
+
+
+def test_a_data_path_list_is_checked(tmp_path):
+    path = write_format(tmp_path, "json")
+    with pytest.raises(DataFileError, match="names .*data.jsonl twice"):
+        open_hf_dataset([path, str(tmp_path / "*.jsonl")], streaming=False)
+    with pytest.raises(DataFileError, match="mixes formats"):
+        open_hf_dataset([path, write_format(tmp_path, "csv")], streaming=False)
+    with pytest.raises(DataConfigError, match="empty list"):
+        open_hf_dataset([], streaming=False)
+    with pytest.raises(DataConfigError, match="entry 3 is a int"):
+        open_hf_dataset([path, 3], streaming=False)
+    with pytest.raises(DataFileError, match="matches no files"):
+        open_hf_dataset([path, str(tmp_path / "missing*.jsonl")], streaming=False)
+
+
+def test_the_online_builder_takes_data_path_lists_from_yaml(tmp_path, tokenizer):
+    """A YAML list reaches the builder through instantiate, for the train and the validation paths."""
+    from hyper_parallel.data.instantiate import instantiate, load_config_text
+
+    first = write_format(tmp_path, "json", RECORDS[:3], name="first")
+    second = write_format(tmp_path, "json", RECORDS[3:5], name="second")
+    config = load_config_text(
+        f"""
+_target_: hyper_parallel.data.text.build_dataset.build_online_text_dataset
+data_path: [{first}, {second}]
+data_transform: {{data_type: plaintext, max_seq_len: 32}}
+data_config: {{valid_data_path: [{second}], cache_dir: {tmp_path / "cache"}}}
+"""
+    )
+    train, valid, test = instantiate(config, context={"tokenizer": tokenizer})
+    assert (len(train), len(valid), test) == (5, 2, None)
+    (sample,) = train[3]
+    assert tokenizer.decode(sample["input_ids"]) == "record number 3"
+
+
 def test_save_to_disk_directories_and_their_splits(tmp_path):
     from datasets import Dataset, DatasetDict
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -19,7 +19,7 @@ from hyper_parallel.data.parallel.build_barrier import rank_zero_first
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
 from hyper_parallel.data.text.online.online_utils import open_hf_dataset
-from hyper_parallel.data.text.records import is_saved_hf_dataset, resolve_data_files
+from hyper_parallel.data.text.records import data_path_entries, is_saved_hf_dataset, resolve_data_files
 
 __all__ = ["OnlineDataConfig", "open_online_source"]
 
@@ -44,8 +44,8 @@ class OnlineDataConfig:
     shuffle_buffer_size: int = 10_000
     cache_dir: str | None = None
     split: str = "train"
-    valid_data_path: str | None = None
-    test_data_path: str | None = None
+    valid_data_path: str | list[str] | None = None
+    test_data_path: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.dataset_type not in DATASET_TYPES:
@@ -68,16 +68,17 @@ class OnlineDataConfig:
         return cls(**values)
 
 
-def _source_files(data_path: str | os.PathLike) -> list[Path]:
+def _source_files(data_path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """The files a source reads: the data files the path names, or every file of a ``save_to_disk`` directory."""
-    path = Path(os.fspath(data_path)).expanduser()
-    if path.is_dir() and is_saved_hf_dataset(path):
+    entries = data_path_entries(data_path)
+    path = Path(entries[0]).expanduser()
+    if len(entries) == 1 and path.is_dir() and is_saved_hf_dataset(path):
         return sorted(item for item in path.rglob("*") if item.is_file())
     return resolve_data_files(data_path)[0]
 
 
 def open_online_source(
-    data_path: str | os.PathLike,
+    data_path: str | os.PathLike | Sequence[str | os.PathLike],
     config: OnlineDataConfig,
     *,
     dp_rank: int = 0,

@@ -9,10 +9,11 @@ shared with the offline tools), sampling, or DP sharding (the sources).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.text.records import is_saved_hf_dataset, resolve_data_files, select_hf_split
+from hyper_parallel.data.text.records import data_path_entries, is_saved_hf_dataset, resolve_data_files, select_hf_split
 
 __all__ = ["open_hf_dataset"]
 
@@ -21,13 +22,17 @@ _HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "ar
 
 
 def open_hf_dataset(
-    data_path: str | os.PathLike, *, streaming: bool, cache_dir: str | os.PathLike | None = None, split: str = "train"
+    data_path: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    streaming: bool,
+    cache_dir: str | os.PathLike | None = None,
+    split: str = "train",
 ):
     """Open local data files with Hugging Face ``datasets``.
 
     Args:
-        data_path: a JSON/JSONL/Parquet/CSV/Arrow/text file, a glob, a directory of such files, or a directory
-            written by ``save_to_disk``.
+        data_path: a JSON/JSONL/Parquet/CSV/Arrow/text file, a glob, a directory of such files, a list of those
+            (read in the order given), or a directory written by ``save_to_disk``.
         streaming: False gives a random-access ``datasets.Dataset`` (its Arrow cache is written under
             ``cache_dir``); True gives a ``datasets.IterableDataset`` read as it is iterated.
         split: the split of a saved ``DatasetDict``.
@@ -35,8 +40,9 @@ def open_hf_dataset(
     Returns:
         The dataset and a short description of where it comes from, for messages.
     """
-    path = Path(os.fspath(data_path)).expanduser()
-    if path.is_dir() and is_saved_hf_dataset(path):
+    entries = data_path_entries(data_path)
+    path = Path(entries[0]).expanduser()
+    if len(entries) == 1 and path.is_dir() and is_saved_hf_dataset(path):
         from datasets import load_from_disk
 
         dataset = select_hf_split(load_from_disk(str(path)), split, path, "set split to one of them")
@@ -46,7 +52,7 @@ def open_hf_dataset(
     files, fmt = resolve_data_files(data_path)
     from datasets import load_dataset
 
-    description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {os.fspath(data_path)}"
+    description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {', '.join(entries)}"
     try:
         dataset = load_dataset(
             _HF_BUILDERS[fmt],
