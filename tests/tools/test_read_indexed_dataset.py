@@ -311,6 +311,16 @@ def test_histogram_writes_png(dataset, tmp_path, capsys):
     assert f"wrote the sequence length histogram to {out_path}" in out
 
 
+def test_histogram_without_matplotlib_names_the_extra(dataset, tmp_path, capsys, monkeypatch):
+    """matplotlib is the optional [plot] extra: without it the tool says how to install it and writes nothing."""
+    prefix, _, _ = dataset
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # what Python does for a module that is not installed
+    code, out, err = _run(capsys, prefix, "--histogram", tmp_path / "lengths.png")
+    assert code == 2 and "hyper-parallel-data[plot]" in err
+    assert not (tmp_path / "lengths.png").exists()
+
+
 def test_histogram_missing_directory_exits_2(dataset, tmp_path, capsys):
     prefix, _, _ = dataset
     code, _, err = _run(capsys, prefix, "--histogram", tmp_path / "absent" / "lengths.png")

@@ -23,7 +23,7 @@ import numpy as np
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 
-__all__ = ["IndexedDataReader", "data_file_paths", "read_sequence_counts"]
+__all__ = ["IndexedDataReader", "data_file_paths", "pair_prefix", "read_sequence_counts"]
 
 # An index that fits in one page is read into memory (a map would take a whole page anyway); a larger one is
 # memory-mapped, so that processes share its pages.

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths, pair_prefix
 from hyper_parallel.data.indexed.io import atomic_output
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
@@ -149,14 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of text, for scripts, e.g. --json",
     )
     return parser
-
-
-def _resolve_prefix(path: str) -> str:
-    """Strip a trailing ``.idx``/``.bin`` unless the path is itself a prefix whose pair exists."""
-    idx_path, _ = data_file_paths(path)
-    if not idx_path.is_file() and path.endswith((".idx", ".bin")):
-        return path[:-4]
-    return path
 
 
 def _pairs_in(directory: Path) -> list[str]:
@@ -354,8 +346,14 @@ def _format_decoded(entry: dict, max_chars: int) -> str:
 def _write_histogram(reader: IndexedDataReader, summary: dict, out: str) -> Path:
     """Plot the sequence length distribution to ``out`` (PNG), written under a temporary name then renamed."""
     # Figure + the Agg canvas directly: no pyplot global state and no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise _UsageError(
+            "--histogram needs matplotlib, an optional dependency: pip install 'hyper-parallel-data[plot]' (or "
+            "pip install matplotlib)"
+        ) from None
 
     out_path = Path(out)
     if not out_path.parent.is_dir():
@@ -432,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 verification failed, 2 error)."""
     args = build_parser().parse_args(argv)
     try:
-        reader = _open_reader(_resolve_prefix(args.prefix), args.multimodal)
+        reader = _open_reader(pair_prefix(args.prefix), args.multimodal)
         try:
             return _run(reader, args)
         finally:
