@@ -3,7 +3,8 @@
 Owns: three pure functions of the global ``cu_seq_lens`` (``batching.sequence_boundaries``) and the global columns a
 CP rank holds (``parallel.batch_parallel.cp_local_columns``): the dense boolean mask of the rank's queries against
 all keys (``dense_attention_mask``, with its sliding-window variant), Megatron-Core's ``PackedSeqParams`` for THD
-kernels (``packed_seq_params``), and a FlexAttention ``BlockMask`` (``flex_block_mask``). Not responsible for: where
+kernels (``packed_seq_params``; ``attention_params`` strips the context-parallel groups a micro-batch carries before
+a backend attention call), and a FlexAttention ``BlockMask`` (``flex_block_mask``). Not responsible for: where
 sequences end, which columns a rank holds, moving tensors between ranks, or running attention.
 
 Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns of each row, in local order):
@@ -44,7 +45,14 @@ from torch.nn.attention.flex_attention import BlockMask
 from hyper_parallel.data.batching.sequence_boundaries import row_boundaries, validate_cu_seq_lens
 from hyper_parallel.data.errors import DataConfigError, require_int
 
-__all__ = ["PackedSeqParams", "dense_attention_mask", "flex_block_mask", "packed_seq_params"]
+__all__ = [
+    "THD_FIELDS",
+    "PackedSeqParams",
+    "attention_params",
+    "dense_attention_mask",
+    "flex_block_mask",
+    "packed_seq_params",
+]
 
 
 def _local_columns(local_columns: Any, row_length: int, where: str) -> np.ndarray:
@@ -188,7 +196,7 @@ def dense_attention_mask(
 # -- packed (THD) --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PackedSeqParams:
     """THD metadata with Megatron-Core's field names (``megatron.core.packed_seq_params.PackedSeqParams``).
 
@@ -199,10 +207,20 @@ class PackedSeqParams:
     boundaries are the same physical ones, as Megatron-Core passes them. A Megatron-Core trainer converts with
     ``megatron.core.packed_seq_params.PackedSeqParams(**vars(params))``.
 
+    The packing scheduler (``parallel.data_schedule``) also records which context-parallel group a micro-batch was
+    cut for: ``cp_group`` and ``local_cp_size`` (its size, which dynamic CP chooses per micro-batch) and, with
+    sequence parallelism, ``tp_cp_group``. Attention kernels take only the seven THD fields: pass
+    ``attention_params(params)``. Megatron-Core's class has ``cp_group`` and ``local_cp_size`` but no
+    ``tp_cp_group`` (it takes that group from its process-group collection), so ``vars(params)`` holds
+    ``tp_cp_group`` only when it is set, and the conversion above keeps working without sequence parallelism.
+
     Attributes:
         qkv_format: ``"thd"``.
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: int32 ``[K + 1]`` (one tensor).
         max_seqlen_q, max_seqlen_kv: the longest sequence.
+        cp_group: the CP process group the sequences are cut across, or None (no context parallelism recorded).
+        local_cp_size: that group's size (the micro-batch's CP size), or None.
+        tp_cp_group: the TP x CP group of that CP group, with sequence parallelism; else None.
     """
 
     qkv_format: str
@@ -212,6 +230,54 @@ class PackedSeqParams:
     cu_seqlens_kv_padded: torch.Tensor
     max_seqlen_q: int
     max_seqlen_kv: int
+    cp_group: Any = None
+    local_cp_size: int | None = None
+    tp_cp_group: Any = None
+
+    def __init__(
+        self,
+        qkv_format: str,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_kv: torch.Tensor,
+        cu_seqlens_q_padded: torch.Tensor,
+        cu_seqlens_kv_padded: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_kv: int,
+        cp_group: Any = None,
+        local_cp_size: int | None = None,
+        tp_cp_group: Any = None,
+    ) -> None:
+        values = dict(locals())
+        del values["self"]
+        if tp_cp_group is None:
+            del values["tp_cp_group"]  # read from the class default; absent from vars() (see the class docstring)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+THD_FIELDS = (
+    "qkv_format",
+    "cu_seqlens_q",
+    "cu_seqlens_kv",
+    "cu_seqlens_q_padded",
+    "cu_seqlens_kv_padded",
+    "max_seqlen_q",
+    "max_seqlen_kv",
+)
+
+
+def attention_params(params: PackedSeqParams) -> dict[str, Any]:
+    """The seven THD fields of ``params``, without its process groups: the keywords of a backend attention call.
+
+    Example: ``attention(q, k, v, **attention_params(inputs["packed_seq_params"]))``; the CP group itself is given
+    to the attention module (Transformer Engine: ``set_context_parallel_group``), not to each call.
+
+    Raises:
+        DataConfigError: ``params`` is not a ``PackedSeqParams``.
+    """
+    if not isinstance(params, PackedSeqParams):
+        raise DataConfigError(f"attention_params takes a PackedSeqParams, got {type(params).__name__}")
+    return {name: getattr(params, name) for name in THD_FIELDS}
 
 
 def packed_seq_params(
