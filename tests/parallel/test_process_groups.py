@@ -61,8 +61,9 @@ def error_cases(rank: int, world_size: int) -> dict:
         "size as text": lambda: ProcessGroupCollection.from_mesh(mesh, dynamic_cp_sizes="2"),
         "unnamed": lambda: ProcessGroupCollection.from_mesh(unnamed),
         "unknown dim": lambda: ProcessGroupCollection.from_mesh(odd),
-        "wrong group size": lambda: ProcessGroupCollection(dp=mesh.get_group("dp"), cp=mesh.get_group("cp"),
-                                                           dynamic_cp={4: mesh.get_group("cp")}),  # fmt: skip
+        "wrong group size": lambda: ProcessGroupCollection(
+            dp=mesh.get_group("dp"), cp=mesh.get_group("cp"), dynamic_cp={4: mesh.get_group("cp")}
+        ),
     }.items():
         try:
             call()
@@ -146,8 +147,9 @@ def test_from_mesh_builds_every_group_of_the_grid(reports, case, shape, names, s
             assert report["dynamic_tp_cp"][str(c)] == tp_group and report["tp_cp_sums"][str(c)] == sum(tp_group)
         dp_rank, cp_rank, tp_rank, tp_src = report["context"]
         assert (dp_rank, cp_rank, tp_rank) == (me["dp"], me["cp"], me["tp"])
-        assert tp_src == min(o for o in range(8) if all(coordinates(o, shape, names)[d] == me[d] for d in DIMS
-                                                        if d != "tp"))  # fmt: skip
+        assert tp_src == min(
+            o for o in range(8) if all(coordinates(o, shape, names)[d] == me[d] for d in DIMS if d != "tp")
+        )
 
 
 def test_from_mesh_errors_name_the_setting(reports):
@@ -170,9 +172,14 @@ def test_a_collection_without_groups_is_one_rank():
     assert single.dynamic_cp_sizes == (1,)
 
 
-@pytest.mark.parametrize(("mapping", "message"), [({0: None}, "key must be an integer >= 1, got 0"),
-                                                   ({"2": None}, "key must be an integer >= 1"),
-                                                   ({2: None}, "does not divide the dp * cp = 1")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({0: None}, "key must be an integer >= 1, got 0"),
+        ({"2": None}, "key must be an integer >= 1"),
+        ({2: None}, "does not divide the dp * cp = 1"),
+    ],
+)
 def test_dynamic_keys_are_checked(mapping, message):
     with pytest.raises(DataConfigError, match=message.replace("*", r"\*")):
         ProcessGroupCollection(dynamic_cp=mapping)
