@@ -222,6 +222,22 @@ def test_class_method_target_and_real_config_class():
     assert from_mapping == direct == IndexedDataConfig(seq_length=32, split="90, 5, 5")
 
 
+def test_the_packing_scheduler_config_is_a_target():
+    """The YAML pipeline selects the packing scheduler through ``PackingSchedulerConfig``."""
+    config = instantiate(
+        {
+            "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+            "max_seqlen_per_dp_cp_rank": 4096,
+            "scheduler": "compute_balanced",
+        }
+    )
+    assert (type(config).__name__, config.max_seqlen_per_dp_cp_rank, config.scheduler) == (
+        "PackingSchedulerConfig",
+        4096,
+        "compute_balanced",
+    )
+
+
 # -- context -------------------------------------------------------------------------------------------------------
 
 
