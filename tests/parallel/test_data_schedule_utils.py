@@ -1,0 +1,390 @@
+"""Specification of the packing scheduler's pure half: settings, alignment, the three algorithms, statistics, packing.
+
+Expected values come from hand-worked examples (Megatron-Core's DpBalanced examples), a plain-loop reference of the
+order-preserving next-fit, and invariants checked over seeded long-tailed (lognormal) lengths: every sequence once,
+aligned blocks covering every position, allowed CP sizes, capacity, micro-batch multiples and determinism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.parallel.data_schedule_utils import (
+    SCHEDULERS,
+    FlopsStats,
+    PackingSchedulerConfig,
+    Schedule,
+    ScheduledGroup,
+    build_schedule,
+    local_alignment,
+    local_capacity,
+    local_packed_length,
+    pack_group,
+    padded_lengths,
+    schedule_dp_balanced,
+    schedule_stats,
+    sequence_cost,
+)
+
+SEED = 1234
+
+
+def config(**kwargs) -> PackingSchedulerConfig:
+    return PackingSchedulerConfig(**{"max_seqlen_per_dp_cp_rank": 64, **kwargs})
+
+
+def lognormal_lengths(count: int, seed: int, median: float = 300.0, sigma: float = 1.0, cap: int = 4096):
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(math.log(median), sigma, size=count)), 1, cap).astype(np.int64)
+
+
+def id_lists(schedule: Schedule) -> list[list[list[int]]]:
+    return [[list(group.sequence_ids) for group in groups] for groups in schedule.micro_batches]
+
+
+def check_schedule(
+    schedule: Schedule,
+    lengths: np.ndarray,
+    *,
+    positions: int,
+    sizes: tuple[int, ...],
+    max_seqlen: int,
+    alignment: int = 1,
+    max_num_seqs: int | None = None,
+) -> None:
+    """The invariants every schedule holds, checked with plain loops."""
+    seen = sorted(i for groups in schedule.micro_batches for group in groups for i in group.sequence_ids)
+    assert seen == list(range(len(lengths))), "every sequence is scheduled exactly once"
+    for groups in schedule.micro_batches:
+        covered = []
+        for group in groups:
+            assert group.cp_size in sizes
+            assert group.first_position % group.cp_size == 0
+            covered.extend(range(group.first_position, group.first_position + group.cp_size))
+            padded = sum(
+                length + (-length % (2 * group.cp_size) if group.cp_size > 1 else 0)
+                for length in lengths[list(group.sequence_ids)].tolist()
+            )
+            local = math.ceil(padded / group.cp_size)
+            step = math.lcm(alignment, 2 if group.cp_size > 1 else 1)
+            assert max(step, math.ceil(local / step) * step) <= max_seqlen, "the group's padded tokens fit its ranks"
+            if max_num_seqs is not None:
+                assert len(group.sequence_ids) <= max_num_seqs
+        assert covered == list(range(positions)), "the blocks cover every position once, in order"
+
+
+# -- settings -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_seqlen_per_dp_cp_rank": 0}, "max_seqlen_per_dp_cp_rank must be an integer >= 1"),
+        ({"max_seqlen_per_dp_cp_rank": 8.5}, "max_seqlen_per_dp_cp_rank must be an integer"),
+        ({"max_seqlen_per_dp_cp_rank": True}, "max_seqlen_per_dp_cp_rank must be an integer"),
+        ({"scheduler": "dp_balance"}, "did you mean 'dp_balanced'"),
+        ({"scheduler": "default_dynamic_cp"}, "use one of dp_balanced, dynamic_cp, compute_balanced"),
+        ({"pad_packed_seq_alignment": "min"}, "pad_packed_seq_alignment is 'min'"),
+        ({"pad_packed_seq_alignment": 0}, "pad_packed_seq_alignment must be an integer >= 1"),
+        ({"pad_packed_seq_alignment": 2.0}, "pad_packed_seq_alignment must be an integer"),
+        ({"pad_packed_seq_alignment": 128}, "pad_packed_seq_alignment 128 is above max_seqlen_per_dp_cp_rank 64"),
+        ({"mxfp8": 1}, "mxfp8 must be true or false"),
+        ({"sequence_parallel": "yes"}, "sequence_parallel must be true or false"),
+        ({"deterministic_mode": None}, "deterministic_mode must be true or false"),
+        ({"cuda_graphs": 0}, "cuda_graphs must be true or false"),
+        ({"router_z_loss": "false"}, "router_z_loss must be true or false"),
+        ({"vpp_size": 0}, "vpp_size must be an integer >= 1"),
+        ({"microbatch_group_size_per_vp_stage": -1}, "microbatch_group_size_per_vp_stage must be an integer >= 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
+        ({"min_dynamic_cp_size": 0}, "min_dynamic_cp_size must be an integer >= 1"),
+        ({"pad_token_id": -1}, "pad_token_id must be an integer >= 0"),
+        ({"cost_linear": -1.0}, "cost_linear must be a finite number >= 0"),
+        ({"cost_quadratic": float("nan")}, "cost_quadratic must be a finite number >= 0"),
+        ({"cost_linear": "1"}, "cost_linear must be a number"),
+        ({"cost_linear": 0, "cost_quadratic": 0}, "both 0"),
+        ({"scheduler": "dynamic_cp", "deterministic_mode": True}, "dynamic_cp' cannot run with deterministic_mode"),
+        (
+            {"scheduler": "dynamic_cp", "cuda_graphs": True, "pad_packed_seq_alignment": "max"},
+            "dynamic_cp' cannot run with cuda_graphs",
+        ),
+        ({"scheduler": "dynamic_cp", "router_z_loss": True}, "dynamic_cp' cannot run with router_z_loss"),
+        ({"cuda_graphs": True}, "cuda_graphs=True needs fixed shapes"),
+        ({"cuda_graphs": True, "pad_packed_seq_alignment": 32}, "set pad_packed_seq_alignment to 'max'"),
+    ],
+)
+def test_config_rejects_each_bad_setting(kwargs, message):
+    with pytest.raises(DataConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config(**kwargs)
+
+
+def test_config_accepts_the_documented_settings():
+    for scheduler in SCHEDULERS:
+        assert config(scheduler=scheduler).scheduler == scheduler
+    for name in ("deterministic_mode", "cuda_graphs", "router_z_loss"):
+        for scheduler in ("dp_balanced", "compute_balanced"):  # static packing keeps these
+            assert getattr(config(scheduler=scheduler, pad_packed_seq_alignment="max", **{name: True}), name)
+    assert config(cuda_graphs=True, pad_packed_seq_alignment=64).cuda_graphs  # == max_seqlen is fixed too
+    assert config(pad_packed_seq_alignment=64, vpp_size=2, microbatch_group_size_per_vp_stage=4).vpp_size == 2
+    assert config(cost_linear=0, cost_quadratic=2.5).cost_quadratic == 2.5
+    with pytest.raises(DataConfigError):
+        config(max_seqlen_per_dp_cp_rank=None)
+
+
+# -- alignment ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cp", "tp", "expected"),
+    [
+        ({}, 1, 1, 1),
+        ({}, 2, 4, 2),  # zigzag chunks make the local length even
+        ({"pad_packed_seq_alignment": 3}, 2, 1, 6),
+        ({"sequence_parallel": True}, 1, 4, 4),
+        ({"sequence_parallel": True, "pad_packed_seq_alignment": 6}, 2, 4, 12),
+        ({"mxfp8": True}, 1, 4, 32),  # no sequence parallelism: the local length is the shard
+        ({"mxfp8": True, "sequence_parallel": True}, 2, 4, 128),
+        ({"pad_packed_seq_alignment": "max"}, 1, 1, 1),
+        ({"pad_packed_seq_alignment": "max", "sequence_parallel": True}, 2, 2, 2),
+    ],
+)
+def test_local_alignment(kwargs, cp, tp, expected):
+    assert local_alignment(config(max_seqlen_per_dp_cp_rank=4096, **kwargs), cp_size=cp, tp_size=tp) == expected
+
+
+def test_local_capacity_rounds_down_and_refuses_what_cannot_fit():
+    assert local_capacity(config(max_seqlen_per_dp_cp_rank=100, pad_packed_seq_alignment=7), cp_size=1, tp_size=1) == 98
+    assert local_capacity(config(max_seqlen_per_dp_cp_rank=101), cp_size=2, tp_size=1) == 100
+    assert local_capacity(config(max_seqlen_per_dp_cp_rank=96, pad_packed_seq_alignment="max"), cp_size=2, tp_size=1)
+    with pytest.raises(DataConfigError, match=r"max_seqlen_per_dp_cp_rank 101, which is not a multiple of"):
+        local_capacity(config(max_seqlen_per_dp_cp_rank=101, pad_packed_seq_alignment="max"), cp_size=2, tp_size=1)
+    with pytest.raises(DataConfigError, match=r"max_seqlen_per_dp_cp_rank 16 is below .* alignment 32"):
+        local_capacity(config(max_seqlen_per_dp_cp_rank=16, mxfp8=True), cp_size=1, tp_size=1)
+
+
+def test_padded_lengths_and_local_packed_length():
+    assert padded_lengths(np.array([5, 8, 1]), 2).tolist() == [8, 8, 4]
+    assert padded_lengths(np.array([5, 8, 1]), 3).tolist() == [6, 12, 6]
+    assert padded_lengths(np.array([5, 8, 1]), 1).tolist() == [5, 8, 1]
+    plain = config(max_seqlen_per_dp_cp_rank=100, pad_packed_seq_alignment=8)
+    assert local_packed_length(plain, 20, cp_size=2, tp_size=1) == 16  # 10 per rank, up to 8
+    assert local_packed_length(plain, 0, cp_size=2, tp_size=1) == 8  # an empty group still holds one alignment
+    assert local_packed_length(plain, 17, cp_size=1, tp_size=1) == 24
+    assert local_packed_length(config(max_seqlen_per_dp_cp_rank=100), 12, cp_size=4, tp_size=1) == 4
+    fixed = config(max_seqlen_per_dp_cp_rank=100, pad_packed_seq_alignment="max")
+    assert local_packed_length(fixed, 3, cp_size=2, tp_size=1) == 100
+
+
+def test_sequence_cost():
+    cost = sequence_cost(np.array([1, 10, 100000]), config(cost_linear=3.0, cost_quadratic=0.5))
+    assert cost.dtype == np.float64
+    assert cost.tolist() == [3.5, 80.0, 3.0 * 100000 + 0.5 * 1e10]
+
+
+# -- dp_balanced --------------------------------------------------------------------------------------------------
+
+
+def test_dp_balanced_reproduces_megatrons_worked_examples():
+    lengths = np.array([6, 3, 5, 4, 2])
+    two_replicas = schedule_dp_balanced(lengths, dp_size=2, cp_size=1, capacity=10, multiple=2)
+    assert id_lists(two_replicas) == [[[0, 1], [2]], [[4], [3]]]
+    # dp 1, cp 2, 5 tokens per rank; lengths x4 so that zigzag padding (multiples of 4) changes nothing
+    cp_two = schedule_dp_balanced(lengths * 4, dp_size=1, cp_size=2, capacity=20, multiple=1)
+    assert id_lists(cp_two) == [[[0, 1]], [[2, 3]], [[4]]]
+    assert {(group.first_position, group.cp_size) for groups in cp_two.micro_batches for group in groups} == {(0, 2)}
+    assert [cp_two.group_at(m, 1).sequence_ids for m in range(3)] == [(0, 1), (2, 3), (4,)]
+    vpp = schedule_dp_balanced(np.array([6, 3, 5, 4, 2, 1, 1]), dp_size=2, cp_size=1, capacity=10, multiple=4)
+    assert id_lists(vpp) == [[[0, 1], [2, 3]], [[4, 5], [6]]]
+
+
+def test_build_schedule_dispatches_dp_balanced_with_the_vpp_multiple():
+    lengths = np.array([6, 3, 5, 4, 2, 1, 1])
+    cfg = config(max_seqlen_per_dp_cp_rank=10, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    schedule = build_schedule(cfg, lengths, dp_size=2, cp_size=1, tp_size=1, vpp_group=2)
+    assert id_lists(schedule) == [[[0, 1], [2, 3]], [[4, 5], [6]]]
+
+
+def next_fit_reference(lengths, limit, multiple, max_num_seqs=None):
+    """B.3 written with plain loops: next-fit in order, then singletons split off the back."""
+    bins, current, total = [], [], 0
+    for index, length in enumerate(lengths):
+        full = max_num_seqs is not None and len(current) == max_num_seqs
+        if current and (total + length > limit or full):
+            bins.append(current)
+            current, total = [], 0
+        current.append(index)
+        total += length
+    bins.append(current)
+    index = len(bins) - 1
+    while len(bins) % multiple and index >= 0:
+        if len(bins[index]) > 1:
+            bins.append([bins[index].pop()])
+        else:
+            index -= 1
+    while len(bins) % multiple:
+        bins.append([])
+    return bins
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "vpp_group", "max_num_seqs"), [(4, 2, 1, None), (2, 1, 2, None), (3, 2, 1, 8), (1, 4, 3, None)]
+)
+def test_dp_balanced_properties_on_long_tailed_lengths(dp, cp, vpp_group, max_num_seqs):
+    cfg = config(max_seqlen_per_dp_cp_rank=4096, pad_packed_seq_alignment=16, max_num_seqs=max_num_seqs)
+    for seed in range(5):
+        lengths = lognormal_lengths(int(np.random.default_rng(seed).integers(1, 400)), SEED + seed)
+        schedule = build_schedule(cfg, lengths, dp_size=dp, cp_size=cp, tp_size=1, vpp_group=vpp_group)
+        check_schedule(
+            schedule,
+            lengths,
+            positions=dp * cp,
+            sizes=(cp,),
+            max_seqlen=4096,
+            alignment=16,
+            max_num_seqs=max_num_seqs,
+        )
+        assert schedule.num_micro_batches % vpp_group == 0
+        for groups in schedule.micro_batches:
+            assert [group.first_position for group in groups] == [d * cp for d in range(dp)]
+        padded = [length + (-length % (2 * cp) if cp > 1 else 0) for length in lengths.tolist()]
+        bins = [list(group.sequence_ids) for groups in schedule.micro_batches for group in groups]
+        assert bins == next_fit_reference(padded, 4096 * cp, dp * vpp_group, max_num_seqs)
+        assert build_schedule(cfg, lengths, dp_size=dp, cp_size=cp, tp_size=1, vpp_group=vpp_group) == schedule
+
+
+def test_dp_balanced_gives_every_dp_rank_work_when_sequences_are_few():
+    schedule = build_schedule(config(), np.array([5]), dp_size=4, cp_size=1, tp_size=1)
+    assert id_lists(schedule) == [[[0], [], [], []]]
+    schedule = build_schedule(config(), np.array([5, 5]), dp_size=2, cp_size=2, tp_size=1, vpp_group=2)
+    assert id_lists(schedule) == [[[0], [1]], [[], []]]
+
+
+# -- the dispatcher's errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_an_empty_global_batch_is_a_data_error(scheduler):
+    with pytest.raises(DataFileError, match="the global batch holds no sequence"):
+        build_schedule(config(scheduler=scheduler), np.zeros(0, np.int64), dp_size=2, cp_size=1, tp_size=1)
+    with pytest.raises(DataFileError, match="sequence 1 of the global batch has length 0"):
+        build_schedule(config(scheduler=scheduler), np.array([3, 0]), dp_size=2, cp_size=1, tp_size=1)
+
+
+@pytest.mark.parametrize("scheduler", ["dp_balanced"])
+def test_a_static_oversize_sequence_names_itself_and_the_setting(scheduler):
+    cfg = config(max_seqlen_per_dp_cp_rank=10, scheduler=scheduler)
+    # cp 2: 20 tokens per group; length 19 pads to 20 and fits, 21 pads to 24 and does not
+    build_schedule(cfg, np.array([19, 3]), dp_size=1, cp_size=2, tp_size=1)
+    with pytest.raises(DataConfigError) as error:
+        build_schedule(cfg, np.array([3, 21, 4]), dp_size=1, cp_size=2, tp_size=1)
+    message = str(error.value)
+    assert "sequence 1 of the global batch (length 21, padded to 24" in message
+    assert "raise max_seqlen_per_dp_cp_rank to at least 12" in message
+
+
+def test_dispatcher_rejects_bad_sizes():
+    with pytest.raises(DataConfigError, match="dp_size must be an integer >= 1"):
+        build_schedule(config(), np.array([3]), dp_size=0, cp_size=1, tp_size=1)
+    with pytest.raises(DataConfigError, match="config must be a PackingSchedulerConfig"):
+        build_schedule({"max_seqlen_per_dp_cp_rank": 8}, np.array([3]), dp_size=1, cp_size=1, tp_size=1)
+    with pytest.raises(DataFileError, match="1-D integer"):
+        build_schedule(config(), np.array([3.5]), dp_size=1, cp_size=1, tp_size=1)
+
+
+# -- the schedule ---------------------------------------------------------------------------------------------------
+
+
+def test_schedule_refuses_blocks_that_do_not_tile_the_positions():
+    with pytest.raises(ValueError, match="not the aligned block"):
+        Schedule(((ScheduledGroup(0, 1, (0,)), ScheduledGroup(1, 2, (1,)), ScheduledGroup(3, 1, ())),))
+    with pytest.raises(ValueError, match="different numbers of positions"):
+        Schedule(((ScheduledGroup(0, 2, (0,)),), (ScheduledGroup(0, 4, (1,)),)))
+    schedule = Schedule(((ScheduledGroup(0, 2, (0,)), ScheduledGroup(2, 1, ()), ScheduledGroup(3, 1, (1,))),))
+    assert schedule.num_positions == 4
+    assert schedule.group_at(0, 1) == ScheduledGroup(0, 2, (0,))
+    with pytest.raises(IndexError):
+        schedule.group_at(0, 4)
+
+
+# -- statistics ---------------------------------------------------------------------------------------------------
+
+
+def test_schedule_stats_of_a_hand_worked_schedule():
+    lengths = np.array([6, 3, 5, 4, 2])
+    cfg = config(max_seqlen_per_dp_cp_rank=10)
+    schedule = build_schedule(cfg, lengths, dp_size=2, cp_size=1, tp_size=1)  # [[0,1],[2]], [[4],[3]]
+    stats = schedule_stats(schedule, lengths, cfg, tp_size=1)
+    cost = {length: 24576.0 * length + length**2 for length in range(7)}
+    rank0, rank1 = cost[6] + cost[3] + cost[2], cost[5] + cost[4]
+    assert stats == FlopsStats(2, 20.0, 90.0, 20, 20, 1.0, rank0, (rank0 + rank1) / 2)
+    assert stats.imbalance == pytest.approx(rank0 / ((rank0 + rank1) / 2))
+
+
+def test_schedule_stats_counts_padding_and_alignment():
+    # cp 2, alignment 4: lengths 5 and 2 pad to 8 and 4 (12 tokens, 6 per rank, aligned to 8): 16 scheduled
+    cfg = config(max_seqlen_per_dp_cp_rank=16, pad_packed_seq_alignment=4, cost_linear=1.0, cost_quadratic=0.0)
+    schedule = Schedule(((ScheduledGroup(0, 2, (0, 1)), ScheduledGroup(2, 2, ())),))
+    stats = schedule_stats(schedule, np.array([5, 2]), cfg, tp_size=1)
+    assert stats.seqlen_sum == 12.0 and stats.seqlen_squared_sum == 80.0
+    assert stats.valid_tokens == 7
+    assert stats.scheduled_tokens == 2 * 8 + 2 * 4  # the empty group holds one alignment per rank
+    assert stats.packing_efficiency == pytest.approx(7 / 24)
+    assert stats.max_rank_cost == 6.0 and stats.mean_rank_cost == 3.0 and stats.imbalance == 2.0
+    fixed = config(max_seqlen_per_dp_cp_rank=16, pad_packed_seq_alignment="max")
+    assert schedule_stats(schedule, np.array([5, 2]), fixed, tp_size=1).scheduled_tokens == 4 * 16
+
+
+def test_flops_stats_travel_as_a_float64_tensor():
+    stats = FlopsStats(3, 12.0, 80.0, 7, 24, 7 / 24, 6.0, 3.0)
+    tensor = stats.as_tensor()
+    assert tensor.dtype == torch.float64 and tensor.shape == (8,)
+    back = FlopsStats.from_tensor(tensor)
+    assert back == stats and isinstance(back.num_micro_batches, int) and isinstance(back.valid_tokens, int)
+    assert FlopsStats(1, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0).imbalance == 1.0
+    with pytest.raises(ValueError, match="needs 8 values"):
+        FlopsStats.from_tensor(torch.zeros(7))
+
+
+# -- packing ------------------------------------------------------------------------------------------------------
+
+
+def sequence(start: int, length: int, masked: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(start, start + length, dtype=torch.int64)
+    labels = ids + 1000
+    labels[:masked] = IGNORE_INDEX
+    return ids, labels
+
+
+def test_pack_group_pads_each_sequence_and_fills_the_row_with_a_masked_tail():
+    batch = pack_group([sequence(10, 3, masked=1), sequence(20, 2)], cp_size=2, local_length=6, pad_token_id=7)
+    p = IGNORE_INDEX
+    assert batch.input_ids.tolist() == [[10, 11, 12, 7, 20, 21, 7, 7, 7, 7, 7, 7]]
+    assert batch.labels.tolist() == [[p, 1011, 1012, p, 1020, 1021, p, p, p, p, p, p]]
+    assert batch.cu_seq_lens.dtype == torch.int32 and batch.cu_seq_lens.tolist() == [0, 4, 8, 12]
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert batch.extras["local_cp_size"].dtype == torch.int64 and batch.extras["local_cp_size"].tolist() == [2]
+
+
+def test_pack_group_without_cp_padding_and_with_an_exact_fill():
+    batch = pack_group([sequence(0, 3), sequence(5, 2)], cp_size=1, local_length=5, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[0, 1, 2, 5, 6]] and batch.cu_seq_lens.tolist() == [0, 3, 5]
+    batch = pack_group([sequence(0, 3)], cp_size=4, local_length=4, pad_token_id=0)  # 3 -> 8, P = 16
+    assert batch.cu_seq_lens.tolist() == [0, 8, 16] and batch.input_ids.shape == (1, 16)
+
+
+def test_pack_group_of_padding_only_and_its_errors():
+    empty = pack_group([], cp_size=2, local_length=4, pad_token_id=3)
+    assert empty.input_ids.tolist() == [[3] * 8] and empty.cu_seq_lens.tolist() == [0, 8]
+    assert empty.trained_tokens == 0 and empty.extras["local_cp_size"].tolist() == [2]
+    assert pack_group([sequence(0, 5)], cp_size=2, local_length=4, pad_token_id=0).num_sequences == 1  # 5 -> 8
+    with pytest.raises(DataConfigError, match="more than the 8 of its row"):
+        pack_group([sequence(0, 5), sequence(0, 1)], cp_size=2, local_length=4, pad_token_id=0)
+    with pytest.raises(DataConfigError, match="use an even local_length"):
+        pack_group([sequence(0, 2)], cp_size=2, local_length=3, pad_token_id=0)
+    with pytest.raises(DataFileError, match="labels"):
+        pack_group([(torch.arange(3), torch.arange(2))], cp_size=1, local_length=4, pad_token_id=0)
