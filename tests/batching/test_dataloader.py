@@ -9,9 +9,11 @@ import pytest
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, ParallelBatch
 from hyper_parallel.data.batching.dataloader import build_dataloaders
+from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
 
 from .resume_check import check_exact_resume
@@ -124,7 +126,9 @@ def test_an_unknown_top_level_node_is_refused_before_anything_is_built(
         build_dataloaders(config, tokenizer=tokenizer_path)
     message = str(refused.value)
     assert message.startswith(f"{node}: the pipeline config has no node '{node}'")
-    assert "its top-level nodes are dataset, collate_fn, dataloader, get_batch, debug, variables" in message
+    assert (
+        "its top-level nodes are dataset, collate_fn, dataloader, get_batch, packing_scheduler, debug, variables"
+    ) in message
     assert (f"did you mean '{named}'?" in message) == (named is not None)
 
 
@@ -352,4 +356,132 @@ def test_a_bad_debug_node_is_refused_before_anything_is_built(
     config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # reading it would fail
     config["debug"] = debug
     with pytest.raises(DataConfigError, match=fragment):
+        build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+# -- the packing_scheduler node -------------------------------------------------------------------------------------
+
+SCHEDULER_NODE = {
+    "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+    "max_seqlen_per_dp_cp_rank": 64,
+    "scheduler": "dynamic_cp",
+}
+
+
+def scheduled_config(tmp_path, plaintext_path, hf_cache_dir, *, loader="DynamicBatchDataLoader", **scheduler) -> dict:
+    path = online_config(tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader=loader)
+    config = load_config(path)
+    config["packing_scheduler"] = {**SCHEDULER_NODE, **scheduler}
+    return config
+
+
+def uneven_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "different numbers of micro-batches" in r.getMessage()]
+
+
+def test_the_packing_scheduler_node_is_built_and_the_collator_leaves_the_padding_to_it(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
+):
+    """The node builds the scheduler's settings on every rank (runtime facts such as sequence_parallel reach it);
+    the collator, offered no CP or TP sizes, packs without any padding: every sequence of every micro-batch is a
+    sample carrying loss (the plaintext samples all do), where cp 2 x tp 2 would otherwise pad rows to 4."""
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        loaders = build_dataloaders(
+            config,
+            tokenizer=tokenizer_path,
+            micro_batch_size=2,
+            dp_world_size=2,
+            cp_size=2,
+            tp_size=2,
+            sequence_parallel=True,
+        )
+    assert loaders.packing_scheduler == PackingSchedulerConfig(
+        max_seqlen_per_dp_cp_rank=64, scheduler="dynamic_cp", sequence_parallel=True
+    )
+    assert loaders.get_batch is None
+    assert (loaders.train.collate_fn.alignment, loaders.train.collate_fn.pad_each_sequence_to) == (1, 1)
+    assert not uneven_warnings(caplog)  # the scheduler evens the counts out
+    lengths = []
+    for batch in loaders.train:
+        bounds = batch.cu_seq_lens.tolist()
+        labels = batch.labels[0]
+        assert bounds[-1] == labels.numel()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            assert (labels[start:end] != IGNORE_INDEX).any(), "a padding sequence"
+        lengths.append(labels.numel())
+    assert any(length % 4 for length in lengths)  # not aligned: the collator did not pad
+
+    unscheduled = {key: value for key, value in config.items() if key != "packing_scheduler"}
+    padded = build_dataloaders(
+        unscheduled, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=2, tp_size=2, sequence_parallel=True
+    )
+    assert padded.packing_scheduler is None and padded.train.collate_fn.alignment == 4
+
+
+def test_a_dynamic_loader_over_several_dp_ranks_without_a_scheduler_says_how_to_even_the_counts(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
+):
+    """Each DP rank of the dynamic loader packs its own share, so the counts per step may differ: one warning at
+    build time names the packing_scheduler node and wrap_data_iterator; one DP rank, or the fixed loader, gets none."""
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
+    del config["packing_scheduler"]
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, dp_rank=1, dp_world_size=2)
+    [warning] = uneven_warnings(caplog)
+    assert warning.startswith("DynamicBatchDataLoader with dp_world_size 2: each DP rank packs its own share")
+    assert "packing_scheduler node (_target_: hyper_parallel.data.parallel.data_schedule_utils." in warning
+    assert "wrap_data_iterator" in warning
+
+    caplog.clear()
+    fixed = scheduled_config(tmp_path, plaintext_path, hf_cache_dir, loader="FixedBatchDataLoader")
+    del fixed["packing_scheduler"]
+    with caplog.at_level("WARNING", logger="hyper_parallel.data"):
+        build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2)
+        build_dataloaders(fixed, tokenizer=tokenizer_path, micro_batch_size=2, dp_world_size=2)
+    assert not uneven_warnings(caplog)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (
+            {"get_batch": {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_type": "online"}},
+            r"^get_batch: the pipeline has a packing_scheduler, whose micro-batches are delivered per rank by "
+            r"get_batch_on_this_rank_for_sequence_packing",
+        ),
+        (
+            {"packing_scheduler": {**SCHEDULER_NODE, "max_seqlen_per_dp_cp_rnk": 64}},
+            r"^packing_scheduler\.max_seqlen_per_dp_cp_rnk: .*max_seqlen_per_dp_cp_rank",
+        ),
+        (
+            {"packing_scheduler": {**SCHEDULER_NODE, "deterministic_mode": True}},
+            r"deterministic_mode",
+        ),
+        (
+            {"packing_scheduler": {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn"}},
+            r"^packing_scheduler: the node built a TextPackingCollator, .*_target_ to "
+            r"hyper_parallel\.data\.parallel\.data_schedule_utils\.PackingSchedulerConfig",
+        ),
+    ],
+    ids=["with_get_batch", "misspelt_key", "dynamic_cp_deterministic", "other_target"],
+)
+def test_a_bad_packing_scheduler_node_is_refused_before_the_data_is_read(
+    change, fragment, tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
+    config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # reading it would fail
+    config.update(change)
+    with pytest.raises(DataConfigError, match=fragment):
+        build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+def test_a_collator_that_pads_is_refused_under_a_packing_scheduler(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    """Padding written into the collate_fn node would be unpacked and scheduled as sequences: refused, naming it."""
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
+    config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # the collator is built first
+    config["collate_fn"]["sequence_multiple"] = 8
+    with pytest.raises(DataConfigError, match=r"^collate_fn: with a packing_scheduler the collator must not pad "):
         build_dataloaders(config, tokenizer=tokenizer_path)

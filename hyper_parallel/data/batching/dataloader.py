@@ -9,7 +9,12 @@ alignment follows the CP size, the TP size with sequence parallelism and the ``g
 the ``get_batch`` node (``ParallelBatch``) is built on every rank with the context and the tokenizer's EOD id. A
 layout the collator's alignment (or the Indexed row length) cannot serve is refused while the pipeline is built.
 The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is built for each non-empty
-split. Not responsible for: what any node builds, or the per-step delivery itself (``get_batch``).
+split. The optional ``packing_scheduler`` node (a ``PackingSchedulerConfig``) is built on every rank and handed back
+for ``wrap_data_iterator``: the scheduler then pads each micro-batch for its own CP size, so the collator is built
+without padding, and a ``get_batch`` node beside it is refused (the scheduler's micro-batches are delivered by
+``get_batch_on_this_rank_for_sequence_packing``). A dynamic loader over several DP ranks without a scheduler is
+warned about once: its ranks may deliver different numbers of micro-batches per step. Not responsible for: what any
+node builds, or the per-step delivery itself (``get_batch``, ``parallel.data_schedule``).
 
 Example (the Online mapping + dynamic batch pipeline)::
 
@@ -42,11 +47,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hyper_parallel.data.batching.build_collate_fn import sequence_alignment
+from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader
 from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import LoaderOptions
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_config, instantiate, load_config
+from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -56,29 +63,35 @@ __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-# The top-level nodes of a pipeline config: the built ones (built get_batch, collate_fn, then dataset and
-# dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log level) and ``variables`` (free
-# values for ``${variables.x}`` interpolations, never built).
-NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "debug", "variables")
+# The top-level nodes of a pipeline config: the built ones (built packing_scheduler, get_batch, collate_fn, then
+# dataset and dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log level) and
+# ``variables`` (free values for ``${variables.x}`` interpolations, never built).
+NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "packing_scheduler", "debug", "variables")
 _REQUIRED = ("dataset", "dataloader")
 _DEBUG_KEYS = ("check_dataset",)
 _LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 _RANK_DEFAULTS = {"dp_rank": 0, "dp_world_size": 1, "cp_size": 1, "tp_size": 1}
+# What the collate_fn node is offered under a packing scheduler: no CP or TP alignment (the scheduler aligns).
+_UNPADDED_COLLATOR = {"cp_size": 1, "tp_size": 1, "sequence_parallel": False}
+_SCHEDULER_TARGET = f"{PackingSchedulerConfig.__module__}.{PackingSchedulerConfig.__qualname__}"
 
 
 @dataclass(frozen=True)
 class DataLoaders:
-    """The loaders of one pipeline and its ``get_batch``.
+    """The loaders of one pipeline, its ``get_batch`` and its packing scheduler's settings.
 
     A split without data has None, and so has every split on a rank that reads no data (a TP rank other than 0).
     ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the node.
-    Iterating gives the three loaders, so ``train, valid, test = build_dataloaders(...)`` keeps working.
+    ``packing_scheduler`` is the built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the ``config`` of
+    ``wrap_data_iterator``) on every rank, or None without the node. Iterating gives the three loaders, so
+    ``train, valid, test = build_dataloaders(...)`` keeps working.
     """
 
     train: object | None
     valid: object | None
     test: object | None
     get_batch: object | None = None
+    packing_scheduler: object | None = None
 
     def __iter__(self):
         return iter((self.train, self.valid, self.test))
@@ -182,6 +195,14 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
     check_config(
         config.get("get_batch"), context=get_batch_context, allowed_prefixes=allowed_prefixes, path="get_batch"
     )
+    scheduler = config.get("packing_scheduler")
+    if scheduler is not None and config.get("get_batch") is not None:
+        raise DataConfigError(
+            "get_batch: the pipeline has a packing_scheduler, whose micro-batches are delivered per rank by "
+            "get_batch_on_this_rank_for_sequence_packing (after wrap_data_iterator), not by a get_batch node; remove "
+            "the get_batch node, or the packing_scheduler node to deliver with ParallelBatch"
+        )
+    check_config(scheduler, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
 
 
 def _check_debug(debug) -> None:
@@ -224,9 +245,11 @@ def build_dataloaders(
 
     Args:
         config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
-            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``), ``debug``
-            (``check_dataset``: a log level for this package's logs on rank 0, or null) and ``variables`` (values
-            for ``${variables.name}`` interpolations); any other is refused.
+            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``),
+            ``packing_scheduler`` (a ``PackingSchedulerConfig``; not together with ``get_batch``; the collator is
+            then built without padding), ``debug`` (``check_dataset``: a log level for this package's logs on
+            rank 0, or null) and ``variables`` (values for ``${variables.name}`` interpolations); any other is
+            refused.
         tokenizer: a loaded tokenizer or the path of a local Hugging Face tokenizer.
         micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
             runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
@@ -238,12 +261,22 @@ def build_dataloaders(
             ``get_batch`` node's ``cp_layout`` is offered to the ``collate_fn`` node.
 
     Returns:
-        ``DataLoaders(train, valid, test, get_batch)``; the loaders are None on ranks that read no data.
+        ``DataLoaders(train, valid, test, get_batch, packing_scheduler)``; the loaders are None on ranks that read
+        no data.
 
     Raises:
         DataConfigError: an unknown or missing node, a bad runtime fact, a rank layout given twice and differently,
-            any error ``instantiate`` finds in a node (before anything is built), or a collator alignment or
-            Indexed row length that the ``get_batch`` node's CP layout cannot cut.
+            any error ``instantiate`` finds in a node (before anything is built), a collator alignment or
+            Indexed row length that the ``get_batch`` node's CP layout cannot cut, a ``packing_scheduler`` node
+            beside a ``get_batch`` node or one that builds something else than a ``PackingSchedulerConfig``, or,
+            with it, a collator that pads.
+
+    Example (a packing scheduler; every rank, each step)::
+
+        loaders = build_dataloaders("pipeline.yaml", parallel_context=groups.parallel_context(), ...)
+        iterator, count, stats = wrap_data_iterator(
+            train_iterator, loaders.packing_scheduler, num_microbatches, pg_collection=groups
+        )
     """
     if not isinstance(config, Mapping):
         config = load_config(config)
@@ -271,6 +304,7 @@ def build_dataloaders(
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
     if isinstance(tokenizer, (str, os.PathLike)):
         context["tokenizer"] = build_tokenizer(tokenizer)
+    scheduler = _build_scheduler(config.get("packing_scheduler"), context, allowed_prefixes)
     get_batch = None
     if config.get("get_batch") is not None:
         get_batch = instantiate(
@@ -282,26 +316,76 @@ def build_dataloaders(
     collate_fn = None
     if config.get("collate_fn") is not None:
         layout = {"cp_layout": get_batch.cp_layout} if isinstance(get_batch, ParallelBatch) else {}
+        unpadded = _UNPADDED_COLLATOR if scheduler is not None else {}
         collate_fn = instantiate(
-            config["collate_fn"], context={**context, **layout}, allowed_prefixes=allowed_prefixes, path="collate_fn"
+            config["collate_fn"],
+            context={**context, **layout, **unpadded},
+            allowed_prefixes=allowed_prefixes,
+            path="collate_fn",
         )
         _check_collator_layout(get_batch, collate_fn)
+        if scheduler is not None:
+            _check_unpadded_collator(collate_fn)
 
     def build_readers() -> list:
         datasets = _as_splits(
             instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
         )
         _check_row_length(get_batch, datasets)
-        return _build_loaders(config, context, datasets, collate_fn, allowed_prefixes)
+        return _build_loaders(config, context, datasets, collate_fn, allowed_prefixes, scheduled=scheduler is not None)
 
     if parallel_context is None:
         loaders = build_readers()
     else:
         loaders = build_on_data_ranks(parallel_context, build_readers) or [None, None, None]
-    return DataLoaders(*loaders, get_batch=get_batch)
+    return DataLoaders(*loaders, get_batch=get_batch, packing_scheduler=scheduler)
 
 
-def _build_loaders(config: Mapping, context: dict, datasets: tuple, collate_fn, allowed_prefixes) -> list:
+def _build_scheduler(node, context: dict, allowed_prefixes):
+    """The built ``packing_scheduler`` node, or None without it; anything but a ``PackingSchedulerConfig`` is
+    refused."""
+    if node is None:
+        return None
+    built = instantiate(node, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
+    if not isinstance(built, PackingSchedulerConfig):
+        raise DataConfigError(
+            f"packing_scheduler: the node built a {type(built).__name__}, but it must build the scheduler's settings; "
+            f"set its _target_ to {_SCHEDULER_TARGET}"
+        )
+    return built
+
+
+def _check_unpadded_collator(collate_fn) -> None:
+    """Refuse a collator that pads under a packing scheduler: its padding would be scheduled as sequences."""
+    alignment = getattr(collate_fn, "alignment", 1)
+    per_sequence = getattr(collate_fn, "pad_each_sequence_to", 1)
+    if alignment != 1 or per_sequence != 1:
+        raise DataConfigError(
+            f"collate_fn: with a packing_scheduler the collator must not pad (it has alignment {alignment} and "
+            f"pad_each_sequence_to {per_sequence}): the scheduler unpacks every micro-batch into its sequences and "
+            "pads each packed micro-batch for its own CP size, so padding here would be scheduled as sequences; "
+            "remove sequence_multiple, cp_layout and the CP/TP sizes from the collate_fn node"
+        )
+
+
+def _warn_uneven_micro_batches(loader) -> None:
+    """Say once how to keep micro-batch counts equal across DP ranks when a dynamic loader packs per rank."""
+    if not isinstance(loader, DynamicBatchDataLoader) or loader.dp_world_size == 1:
+        return
+    logger.warning(
+        "DynamicBatchDataLoader with dp_world_size %d: each DP rank packs its own share under the token budget, so "
+        "ranks may deliver different numbers of micro-batches in a step, and a gradient all-reduce would wait for "
+        "the rank that ran out; add a packing_scheduler node (_target_: %s) and wrap each step's iterator with "
+        "wrap_data_iterator, which takes the same number of micro-batches from every rank and re-schedules them "
+        "(docs/distributed.md, 'Packing scheduler')",
+        loader.dp_world_size,
+        _SCHEDULER_TARGET,
+    )
+
+
+def _build_loaders(
+    config: Mapping, context: dict, datasets: tuple, collate_fn, allowed_prefixes, *, scheduled: bool
+) -> list:
     loaders = []
     for split, dataset in zip(SPLITS, datasets, strict=True):
         if dataset is None:
@@ -314,8 +398,10 @@ def _build_loaders(config: Mapping, context: dict, datasets: tuple, collate_fn, 
             path="dataloader",
         )
         logger.info("%s loader: %r", split, loader)
-        if all(built is None for built in loaders):
-            _check_alignment(loader, collate_fn)  # the same loader settings for every split: say it once
+        if all(built is None for built in loaders):  # the same loader settings for every split: say it once
+            _check_alignment(loader, collate_fn)
+            if not scheduled:
+                _warn_uneven_micro_batches(loader)
         loaders.append(loader)
     return loaders
 
