@@ -4,9 +4,12 @@ Owns: ``Tokenizer``, the members the library reads (special-token ids, vocabular
 ``read_tokenizer``, which presents any tokenizer object as one, whichever of the two accepted namings it uses:
 Hugging Face's (``eos_token_id``, ``pad_token_id``, ``bos_token_id``, ``fingerprint``, ``name_or_path``: the
 library's ``TextTokenizer``) or Megatron's (``eod``, ``eos``, ``pad``, ``bos``, ``special_tokens_dict``,
-``unique_identifiers``: the objects megatron-core's datasets take). Nothing else reads a tokenizer's attributes by
-name. Not responsible for: loading tokenizers or pickling them (``text.build_tokenizer``), or what a path makes
-of the ids (the Indexed path's pad rule is ``indexed.indexed_pretrain_dataset.resolve_special_tokens``).
+``unique_identifiers``: the objects megatron-core's datasets take). A ``transformers`` tokenizer object is read
+through the ``TextTokenizer`` that ``text.build_tokenizer`` makes of it (its vocabulary size counts the added
+tokens, and its identity is a vocabulary hash, where the object's own ``vocab_size`` and class name would not).
+Nothing else reads a tokenizer's attributes by name. Not responsible for: loading or converting tokenizers, or
+pickling them (``text.build_tokenizer``), or what a path makes of the ids (the Indexed path's pad rule is
+``indexed.indexed_pretrain_dataset.resolve_special_tokens``).
 """
 
 from __future__ import annotations
@@ -104,5 +107,15 @@ class _TokenizerView:
 
 def read_tokenizer(tokenizer: object) -> Tokenizer:
     """``tokenizer`` as a ``Tokenizer``: its members read once, under either accepted naming (see the module); a
-    ``Tokenizer`` it returned is returned as is, so a caller that reads many times reads the object once."""
-    return tokenizer if isinstance(tokenizer, _TokenizerView) else _TokenizerView(tokenizer)
+    ``Tokenizer`` it returned is returned as is, so a caller that reads many times reads the object once.
+
+    Example::
+
+        tokens = read_tokenizer(AutoTokenizer.from_pretrained(path))  # or a TextTokenizer, a Megatron tokenizer
+        tokens.eod, tokens.pad, tokens.identity
+    """
+    if isinstance(tokenizer, _TokenizerView):
+        return tokenizer
+    from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
+
+    return _TokenizerView(build_tokenizer(tokenizer) if is_transformers_tokenizer(tokenizer) else tokenizer)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import TypeAlias
@@ -98,13 +97,24 @@ def _as_tokenizer(tokenizer, data_type: str):
     if tokenizer is None:
         raise DataConfigError(
             f"data_type '{data_type}' needs a tokenizer; pass tokenizer=<path of a Hugging Face tokenizer "
-            "directory> or a loaded TextTokenizer"
+            "directory>, a transformers tokenizer object or a loaded TextTokenizer"
         )
-    if isinstance(tokenizer, (str, os.PathLike)):
-        return build_tokenizer(tokenizer)
-    if not hasattr(tokenizer, "backend"):
+    return build_tokenizer(tokenizer)
+
+
+def _template_tokenizer(tokenizer, chat_template):
+    """The tokenizer of a conversation transform: ``tokenizer``, else the one a ``ChatTemplate`` carries; both
+    given, they must be the same tokenizer (the template encodes with its own)."""
+    if not isinstance(chat_template, ChatTemplate):
+        return _as_tokenizer(tokenizer, "conversation")
+    if tokenizer is None:
+        return chat_template.tokenizer
+    tokenizer = _as_tokenizer(tokenizer, "conversation")
+    if tokenizer is not chat_template.tokenizer and tokenizer.fingerprint != chat_template.tokenizer.fingerprint:
         raise DataConfigError(
-            f"tokenizer must be a TextTokenizer (from build_tokenizer) or a path, got {type(tokenizer).__name__}"
+            f"chat_template {chat_template!r} encodes with another tokenizer than tokenizer "
+            f"{tokenizer.name_or_path} (their vocabularies differ); pass only the template, which carries its "
+            "tokenizer, or build it with this tokenizer"
         )
     return tokenizer
 
@@ -188,7 +198,8 @@ class PlaintextTransform(_RecordTransform):
     ):
         """
         Args:
-            tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+            tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object
+                (its EOS is appended), or the path of a tokenizer directory, ``tokenizer.json`` or tiktoken file.
             max_seq_len: tokens per window.
             text_keys: the field with the text, or fields tried in order (the first non-null one is used).
             text_template: a ``str.format_map`` template over the record that replaces ``text_keys``, e.g.
@@ -284,7 +295,7 @@ class TextConversationTransform(_RecordTransform):
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer=None,
         *,
         max_seq_len: int | None = None,
         chat_template: str | ChatTemplate = "tokenizer",
@@ -296,16 +307,19 @@ class TextConversationTransform(_RecordTransform):
     ):
         """
         Args:
-            tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+            tokenizer: anything ``build_tokenizer`` takes (a ``transformers`` tokenizer object brings its own chat
+                template and special tokens); optional when ``chat_template`` is a ``ChatTemplate``, which carries
+                its tokenizer.
             max_seq_len: the model's context length, for the loader; conversations are not truncated.
-            chat_template: ``tokenizer``, ``chatml``, ``llama2``, ``default`` or a ``ChatTemplate``.
+            chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``chatml``, ``llama2``, ``default``
+                or a ``ChatTemplate``.
             text_keys: the field with the list of messages, or fields tried in order.
             role_key, content_key: the message fields that hold the speaker and the text.
             role_map: raw role -> role, applied before the built-in aliases (e.g. ``{"narrator": "system"}``).
             on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
         """
         super().__init__(max_seq_len, on_invalid_record)
-        self.tokenizer = _as_tokenizer(tokenizer, "conversation")
+        self.tokenizer = _template_tokenizer(tokenizer, chat_template)
         self.text_keys = _key_list(text_keys, "text_keys")
         self.role_key, self.content_key = _field_name(role_key, "role_key"), _field_name(content_key, "content_key")
         self.role_map = _check_role_map(role_map)
@@ -454,7 +468,9 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
     Args:
         data_type: ``plaintext`` (``PlaintextTransform``), ``conversation`` (``TextConversationTransform``) or
             ``identity`` (``IdentityDataTransform``; the tokenizer is not used).
-        tokenizer: a ``TextTokenizer`` or the path of a local Hugging Face tokenizer.
+        tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object, or
+            the path of a tokenizer directory, ``tokenizer.json`` or tiktoken file. Not needed for ``conversation``
+            when ``chat_template`` is a ``ChatTemplate``, which carries its tokenizer.
         **kwargs: the options of that transform, e.g. ``text_keys``, ``max_seq_len``, ``chat_template``.
 
     Raises:
@@ -477,6 +493,6 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
     missing = [name for name in options if name not in kwargs and parameters[name].default is inspect.Parameter.empty]
     if missing:
         raise DataConfigError(f"data_type '{data_type}' requires the option(s) {missing}, e.g. max_seq_len: 4096")
-    if data_type in _NEEDS_TOKENIZER:
-        return transform_class(_as_tokenizer(tokenizer, data_type), **kwargs)
+    if data_type in _NEEDS_TOKENIZER:  # the transform normalizes it (a conversation's may come with its template)
+        return transform_class(tokenizer, **kwargs)
     return transform_class(**kwargs)

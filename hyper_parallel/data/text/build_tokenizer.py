@@ -1,27 +1,36 @@
-"""Tokenizer adapter: load a local Hugging Face tokenizer and expose what the data pipeline needs.
+"""Tokenizer adapter: turn whatever names a tokenizer into the ``TextTokenizer`` the data pipeline encodes with.
 
-Owns: resolving a tokenizer directory or ``tokenizer.json``, its special-token ids (and how to name a missing
-EOS), its vocabulary size and a content fingerprint for cache keys, and pickling it without the ``transformers``
-tokenizer it loaded. A local tokenizer is read with ``tokenizers`` alone (fast start-up); ``transformers`` is
-imported only when the full tokenizer is asked for (``.hf``, e.g. for chat templates).
-Not responsible for: reading other tokenizer objects (``tokenizer_protocol``), chat templates (``chat_template``)
-or record transforms.
+Owns: the one place where tokenizer objects are normalised (``build_tokenizer``): a local Hugging Face tokenizer
+directory or ``tokenizer.json``, a ``transformers`` tokenizer object (``PreTrainedTokenizerFast`` and the v5
+backends with a Rust tokenizer, such as ``TokenizersBackend``) with its own special tokens and chat template, and a
+tiktoken-format tokenizer (a ``*.tiktoken`` file of ``base64-token rank`` lines plus special tokens, as Qwen and
+others ship), converted once into a Rust tokenizer with ``transformers``' ``TikTokenConverter``. Also its
+special-token ids (and how to name a missing EOS), its vocabulary size and a content fingerprint for cache keys,
+and pickling it without the ``transformers`` tokenizer it built. A local tokenizer is read with ``tokenizers``
+alone (fast start-up); ``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for
+chat templates).
+Not responsible for: reading the special ids of tokenizer objects that are not converted (Megatron tokenizers:
+``tokenizer_protocol``), chat templates (``chat_template``) or record transforms.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Integral
 from pathlib import Path
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError
 
-__all__ = ["BUNDLED_TOKENIZER_PATH", "TextTokenizer", "build_tokenizer"]
+__all__ = ["BUNDLED_TOKENIZER_PATH", "TextTokenizer", "build_tokenizer", "is_transformers_tokenizer"]
 
 logger = get_logger("hyper_parallel.data.text.build_tokenizer")
 
@@ -30,11 +39,18 @@ BUNDLED_TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "token
 # Tried in order for the end-of-document token of a bare tokenizer.json that has no config beside it.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 _SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_SPECIAL_ROLES = ("eos", "pad", "bos")
 # Special tokens whose name suggests an end of text (e.g. DeepSeek's "<｜end▁of▁sentence｜>"), offered as the EOS.
 _EOS_LIKE = re.compile(r"end|eos|eot", re.IGNORECASE)
 _LISTED_SPECIAL_TOKENS = 8
 # What a Hugging Face Hub repository id looks like: "gpt2" or "org/name", nothing path-like.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# Names under which tiktoken-format vocabularies ship besides "*.tiktoken" (Kimi's, Llama 3's original/ folder);
+# a "tokenizer.model" may also be a SentencePiece model, told apart by its first line.
+_TIKTOKEN_FILE_NAMES = ("tiktoken.model", "tokenizer.model")
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
+# What an added token of a tiktoken tokenizer may set, as in a tokenizer_config.json's added_tokens_decoder.
+_ADDED_TOKEN_FLAGS = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,9 @@ class TextTokenizer:
         backend: the ``tokenizers.Tokenizer`` (Rust) used for encoding on hot paths.
         name_or_path: where it came from.
         eos_token_id, pad_token_id, bos_token_id: special-token ids, None when the tokenizer has none.
+        hf_settings: how ``.hf`` is built around ``backend`` when it cannot be loaded from ``name_or_path`` (a
+            ``transformers`` tokenizer object, a tiktoken file): the named special tokens (``eos_token``, ...) and
+            the ``chat_template``, which chat templates render with. None: ``.hf`` loads ``name_or_path``.
     """
 
     backend: object
@@ -52,6 +71,7 @@ class TextTokenizer:
     eos_token_id: int | None
     pad_token_id: int | None
     bos_token_id: int | None
+    hf_settings: Mapping[str, object] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # A tokenizer.json may carry truncation or padding settings (saved from a training script): they would cut
@@ -67,13 +87,14 @@ class TextTokenizer:
             self.backend.no_padding()
 
     def __getstate__(self) -> dict:
-        # The transformers tokenizer is heavy to pickle (to every DataLoader worker) and reloads on first use.
+        # The transformers tokenizer is heavy to pickle (to every DataLoader worker) and is built again on first use.
         return {name: value for name, value in self.__dict__.items() if name != "hf"}
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        """Number of token ids, added special tokens included (what the token dtype must hold)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """Token ids the vocabulary spans, added special tokens included: the largest id + 1 (what the token dtype
+        must hold; a tiktoken vocabulary may leave ids unused)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def eod(self) -> int | None:
@@ -85,6 +106,8 @@ class TextTokenizer:
         """The ``transformers`` tokenizer (imported on first use), for chat templates and HF-only features."""
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        if self.hf_settings is not None:
+            return PreTrainedTokenizerFast(tokenizer_object=self.backend, **self.hf_settings)
         path = Path(self.name_or_path)
         if path.is_file():
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
@@ -113,6 +136,13 @@ class TextTokenizer:
         more = f" and {len(special) - _LISTED_SPECIAL_TOKENS} more" if len(special) > _LISTED_SPECIAL_TOKENS else ""
         eos_like = next((token for _, token in special if _EOS_LIKE.search(token)), "<the EOS token>")
         path = Path(self.name_or_path)
+        if _is_tiktoken_file(path):
+            return f"its special tokens are {listed}{more}; pass eos_token={eos_like!r} to build_tokenizer"
+        if self.hf_settings is not None:
+            return (
+                f"its special tokens are {listed}{more}; name the EOS on the transformers tokenizer before passing "
+                f"it, e.g. tokenizer.eos_token = {eos_like!r}"
+            )
         directory = path if path.is_dir() else path.parent
         return (
             f"its special tokens are {listed}{more}; name the EOS in {directory / 'tokenizer_config.json'}, "
@@ -127,20 +157,28 @@ def _token_content(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _read_config(path: Path) -> dict:
+    """A JSON config beside a tokenizer; {} when there is none."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise DataConfigError(f"{path}: invalid JSON ({error}); fix or regenerate it with save_pretrained") from None
+    if not isinstance(config, dict):
+        raise DataConfigError(f"{path}: expected a JSON object, got {type(config).__name__}; regenerate it")
+    return config
+
+
 def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]:
-    names: dict[str, str | None] = {"eos": None, "pad": None, "bos": None}
+    names: dict[str, str | None] = dict.fromkeys(_SPECIAL_ROLES)
     bare = True  # no file beside tokenizer.json names the special tokens
     for file_name in _SPECIAL_TOKEN_FILES if directory else ():
         path = directory / file_name
         if not path.is_file():
             continue
         bare = False
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise DataConfigError(
-                f"{path}: invalid JSON ({error}); fix or regenerate it with save_pretrained"
-            ) from None
+        config = _read_config(path)
         for role in names:
             names[role] = names[role] or _token_content(config.get(f"{role}_token"))
     if names["eos"] is None and bare:
@@ -162,7 +200,7 @@ def _missing_path_error(name: str, path: Path) -> DataConfigError:
     detail = "" if missing == path else f" ({missing} does not exist)"
     return DataConfigError(
         f"no such file or directory: {name}{detail}; pass an existing tokenizer directory (holding tokenizer.json) "
-        "or a tokenizer.json file"
+        "or a tokenizer.json or tiktoken file"
     )
 
 
@@ -174,7 +212,37 @@ def _hub_error(name: str) -> DataConfigError:
     )
 
 
-def _from_transformers(name: str) -> TextTokenizer:
+def is_transformers_tokenizer(tokenizer: object) -> bool:
+    """Whether ``tokenizer`` is a ``transformers`` tokenizer object. Checked without importing ``transformers``:
+    an object of it can only exist once it is imported."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
+
+
+def _from_transformers_object(hf) -> TextTokenizer:
+    """A ``transformers`` tokenizer as a ``TextTokenizer`` with its own special tokens and chat template.
+
+    Its Rust tokenizer is copied: ``transformers`` sets truncation and padding on it for a call that asks for
+    them, and they must not cut the texts this library encodes.
+    """
+    from tokenizers import Tokenizer
+
+    name = str(getattr(hf, "name_or_path", "") or type(hf).__name__)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise DataConfigError(
+            f"tokenizer {name} is a {type(hf).__name__} without a fast (Rust) tokenizer; load it with "
+            "AutoTokenizer.from_pretrained from a directory holding tokenizer.json (save_pretrained of a fast "
+            "tokenizer writes one) and pass that"
+        )
+    backend = Tokenizer.from_str(backend.to_str())
+    settings: dict[str, object] = dict(hf.special_tokens_map)
+    if getattr(hf, "chat_template", None):
+        settings["chat_template"] = hf.chat_template
+    return TextTokenizer(backend, name, hf.eos_token_id, hf.pad_token_id, hf.bos_token_id, settings)
+
+
+def _from_hub(name: str) -> TextTokenizer:
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}:
         raise _hub_error(name)
     from transformers import AutoTokenizer
@@ -183,37 +251,278 @@ def _from_transformers(name: str) -> TextTokenizer:
         hf = AutoTokenizer.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 - any Hub failure gets the same actionable message
         raise _hub_error(name) from error
-    if not getattr(hf, "is_fast", False):
-        raise DataConfigError(f"tokenizer '{name}' has no fast (Rust) implementation; save it with tokenizer.json")
-    return TextTokenizer(hf.backend_tokenizer, name, hf.eos_token_id, hf.pad_token_id, hf.bos_token_id)
+    return _from_transformers_object(hf)
 
 
-def build_tokenizer(name_or_path: str | os.PathLike) -> TextTokenizer:
-    """Load a tokenizer from a Hugging Face tokenizer directory or a ``tokenizer.json`` file.
+def _is_tiktoken_file(path: Path) -> bool:
+    """Whether ``path`` is a tiktoken-format vocabulary: ``*.tiktoken``, or a known name whose first line is one
+    ``base64-token rank`` pair (a SentencePiece ``tokenizer.model`` is binary)."""
+    if path.suffix == ".tiktoken":
+        return True
+    if path.name not in _TIKTOKEN_FILE_NAMES or not path.is_file():
+        return False
+    with path.open("rb") as file:
+        return _TIKTOKEN_LINE.fullmatch(file.readline().rstrip(b"\r\n")) is not None
 
-    Special tokens come from ``tokenizer_config.json``/``special_tokens_map.json`` beside ``tokenizer.json``;
-    a bare ``tokenizer.json`` (a file, or a directory without those files) gets its EOS from common names such
-    as ``<|endoftext|>`` or ``</s>``. A name that is not a local path is taken for a Hub repository id
-    (``gpt2``, ``org/name``) and tried only when ``HF_HUB_OFFLINE`` is not set; anything path-like that does
-    not exist (absolute, ``./dir``, ``a/b/c``, ``dir/``, ``*.json``) is a "no such file or directory" error.
+
+def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """The mergeable tokens of a tiktoken file: token bytes -> rank (its id)."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        try:
+            if len(fields) != 2:
+                raise ValueError(f"{len(fields)} fields")
+            token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+        except ValueError as error:  # binascii.Error is a ValueError
+            raise DataConfigError(
+                f"{path}, line {number}: {line[:60]!r} is not a 'base64-token rank' line ({error}); pass the "
+                "tiktoken file as shipped"
+            ) from None
+        if token in ranks or rank < 0:
+            problem = f"token {token!r} appears twice" if token in ranks else f"rank {rank} is negative"
+            raise DataConfigError(f"{path}, line {number}: {problem}; pass the tiktoken file as shipped")
+        ranks[token] = rank
+    if not ranks:
+        raise DataConfigError(f"{path} holds no tokens; pass a tiktoken file of 'base64-token rank' lines")
+    if len(set(ranks.values())) != len(ranks):
+        raise DataConfigError(f"{path}: two tokens share a rank; pass the tiktoken file as shipped")
+    return ranks
+
+
+def _tiktoken_added_tokens(special_tokens, config: dict, source: str) -> dict[str, dict]:
+    """content -> added-token entry (``id``, ``special`` and the flags): ``special_tokens`` when given, else the
+    ``added_tokens_decoder`` of the tokenizer_config.json beside the file."""
+    if special_tokens is not None:
+        if not isinstance(special_tokens, Mapping):
+            raise DataConfigError(
+                f"special_tokens must map each special token to its id, e.g. {{'<|endoftext|>': 151643}}, got "
+                f"{type(special_tokens).__name__}"
+            )
+        entries = {content: {"id": token_id, "special": True} for content, token_id in special_tokens.items()}
+        source = "special_tokens"
+    else:
+        decoder = config.get("added_tokens_decoder") or {}
+        entries = {}
+        for token_id, entry in decoder.items():
+            content = _token_content(entry)
+            if content is None or not str(token_id).isdigit():
+                raise DataConfigError(
+                    f"{source}: added_tokens_decoder entry {token_id!r}: {entry!r} is not an id -> "
+                    "{'content': ..., 'special': ...} entry; regenerate it with save_pretrained"
+                )
+            flags = entry if isinstance(entry, dict) else {}
+            entries[content] = {
+                "id": int(token_id),
+                "special": bool(flags.get("special", True)),
+                **{flag: bool(flags.get(flag, default)) for flag, default in _ADDED_TOKEN_FLAGS.items()},
+            }
+    for content, entry in entries.items():
+        token_id = entry["id"]
+        if not isinstance(content, str) or not content:
+            raise DataConfigError(f"{source}: a special token must be a non-empty string, got {content!r}")
+        if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
+            raise DataConfigError(f"{source}: the id of {content!r} must be a non-negative integer, got {token_id!r}")
+    return entries
+
+
+def _tiktoken_backend(ranks: dict[bytes, int], added: dict[str, dict], pattern: str | None, where: str):
+    """The Rust tokenizer of a tiktoken vocabulary: byte-level BPE over ``ranks`` (``transformers``'
+    ``TikTokenConverter`` derives the merges), ``pattern`` splitting the text first, and the added tokens at their
+    own ids."""
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksConverter(TikTokenConverter):
+        """``TikTokenConverter`` over ranks already read (it would read the file with the ``tiktoken`` package)."""
+
+        def load_tiktoken_bpe(self, tiktoken_url):  # noqa: ARG002 - the ranks are given
+            return ranks
+
+    options = {} if pattern is None else {"pattern": pattern}
+    try:
+        serialized = json.loads(RanksConverter(**options).converted().to_str())
+    except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad regex
+        raise DataConfigError(f"{where}: cannot build the tokenizer ({error}); check pattern") from None
+    vocab = serialized["model"]["vocab"]
+    taken = {token_id: token for token, token_id in vocab.items()}
+    seen: dict[int, str] = {}
+    for content, entry in added.items():
+        token_id = entry["id"]
+        clash = taken.get(token_id, seen.get(token_id))
+        if clash is not None or content in vocab:
+            what = f"id {token_id} is already {clash!r}" if clash is not None else "it is a mergeable token"
+            raise DataConfigError(
+                f"{where}: special token {content!r}: {what}; give each special token an id of its own, outside the "
+                "ranks of the tiktoken file"
+            )
+        seen[token_id] = content
+    # In the model's vocabulary too, so that each keeps its id (the Rust tokenizer appends new tokens after it).
+    vocab.update({content: entry["id"] for content, entry in added.items()})
+    serialized["added_tokens"] = [
+        {**_ADDED_TOKEN_FLAGS, "content": content, **entry}
+        for content, entry in sorted(added.items(), key=lambda item: item[1]["id"])
+    ]
+    return Tokenizer.from_str(json.dumps(serialized, ensure_ascii=False))
+
+
+def _load_tiktoken(file: Path, directory: Path | None, options: dict) -> TextTokenizer:
+    """A tiktoken file (in ``directory`` when one was passed, whose tokenizer_config.json and chat_template.jinja
+    name the special tokens and the chat template unless ``options`` do)."""
+    config_path = (directory or file.parent) / "tokenizer_config.json"
+    config = _read_config(config_path) if directory else {}
+    added = _tiktoken_added_tokens(options.get("special_tokens"), config, str(config_path))
+    backend = _tiktoken_backend(_read_tiktoken_ranks(file), added, options.get("pattern"), str(file))
+    names = {
+        role: options.get(f"{role}_token") or _token_content(config.get(f"{role}_token")) for role in _SPECIAL_ROLES
+    }
+    if names["eos"] is None:
+        names["eos"] = next((token for token in _EOS_CANDIDATES if token in added), None)
+    ids = {}
+    for role, token in names.items():
+        ids[role] = None if token is None else backend.token_to_id(token)
+        if token is not None and ids[role] is None:
+            raise DataConfigError(
+                f"the {role} token {token!r} of {file} is not one of its special tokens "
+                f"({', '.join(sorted(added)) or 'none'}); add it to special_tokens with its id"
+            )
+    template = options.get("chat_template")
+    if template is None and directory is not None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = template or config.get("chat_template")
+    settings = {f"{role}_token": token for role, token in names.items() if token is not None}
+    if template:
+        settings["chat_template"] = template
+    logger.info("tiktoken tokenizer %s: %d tokens, %d special", file, backend.get_vocab_size(), len(added))
+    return TextTokenizer(backend, str(file), ids["eos"], ids["pad"], ids["bos"], settings)
+
+
+def _tiktoken_file_in(directory: Path) -> Path | None:
+    found = [
+        path
+        for path in [*sorted(directory.glob("*.tiktoken")), *(directory / name for name in _TIKTOKEN_FILE_NAMES)]
+        if path.is_file() and _is_tiktoken_file(path)
+    ]
+    if len(found) > 1:
+        raise DataConfigError(
+            f"tokenizer directory {directory} holds several tiktoken files ({', '.join(p.name for p in found)}); "
+            "pass the one to use"
+        )
+    return found[0] if found else None
+
+
+def build_tokenizer(
+    tokenizer,
+    *,
+    special_tokens: Mapping[str, int] | None = None,
+    pattern: str | None = None,
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+    bos_token: str | None = None,
+    chat_template: str | None = None,
+) -> TextTokenizer:
+    """The ``TextTokenizer`` of a tokenizer path or object: what every part of the pipeline that takes a tokenizer
+    goes through.
+
+    Accepted:
+
+    - a ``TextTokenizer``, returned as is;
+    - a ``transformers`` tokenizer object with a fast (Rust) tokenizer: ``AutoTokenizer.from_pretrained(...)``,
+      ``PreTrainedTokenizerFast`` or the v5 ``TokenizersBackend``. Its own special tokens (``eos_token_id``,
+      ``pad_token_id``, ``bos_token_id``) and ``chat_template`` are used; its Rust tokenizer is copied, so settings
+      made on it later (truncation, padding) do not reach the pipeline;
+    - a Hugging Face tokenizer directory or ``tokenizer.json`` file. Special tokens come from
+      ``tokenizer_config.json``/``special_tokens_map.json`` beside ``tokenizer.json``; a bare ``tokenizer.json``
+      (a file, or a directory without those files) gets its EOS from common names such as ``<|endoftext|>``;
+    - a tiktoken file (``*.tiktoken``, ``tiktoken.model``, or a ``tokenizer.model`` of ``base64-token rank``
+      lines), or a directory holding one and no ``tokenizer.json``. Its special tokens are ``special_tokens``, else
+      the ``added_tokens_decoder`` of the directory's ``tokenizer_config.json``; the EOS is ``eos_token``, else that
+      config's, else a common name among the special tokens. Text is split by ``pattern`` before BPE (default:
+      ``transformers``' ``TikTokenConverter`` one, as in cl100k and Llama 3; pass the model's own, e.g. Qwen's,
+      which splits digits one by one). The chat template is ``chat_template``, else the directory's.
+      ``build_tokenizer(...).hf.save_pretrained(DIR)`` writes it as a ``tokenizer.json`` directory, for the
+      command line;
+    - a name that is not a local path is taken for a Hub repository id (``gpt2``, ``org/name``) and tried only
+      when ``HF_HUB_OFFLINE`` is not set; anything path-like that does not exist (absolute, ``./dir``, ``a/b/c``,
+      ``dir/``, ``*.json``) is a "no such file or directory" error.
+
+    Args:
+        tokenizer: one of the above.
+        special_tokens, pattern, eos_token, pad_token, bos_token, chat_template: for a tiktoken file only (see
+            above); ``special_tokens`` maps each special token to its id.
+
+    Returns:
+        The ``TextTokenizer``.
+
+    Raises:
+        DataConfigError: anything else, a missing or malformed file, a special token that is not in the vocabulary,
+            or tiktoken options for a tokenizer that is not a tiktoken file.
+
+    Example::
+
+        qwen = build_tokenizer(
+            "/models/Qwen-7B/qwen.tiktoken",
+            special_tokens={"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
+            pattern=r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+            r"|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        )
     """
+    given = {
+        "special_tokens": special_tokens,
+        "pattern": pattern,
+        "eos_token": eos_token,
+        "pad_token": pad_token,
+        "bos_token": bos_token,
+        "chat_template": chat_template,
+    }
+    options = {name: value for name, value in given.items() if value is not None}
+    loaded = _load(tokenizer, options)
+    if options and not _is_tiktoken_file(Path(loaded.name_or_path)):
+        raise DataConfigError(
+            f"{', '.join(options)} apply to tiktoken files only, but tokenizer {loaded.name_or_path} is not one; "
+            "remove them (a Hugging Face tokenizer names its special tokens and chat template in its own files)"
+        )
+    return loaded
+
+
+def _load(tokenizer, options: dict) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    name = os.fspath(name_or_path)
+    if isinstance(tokenizer, TextTokenizer):
+        return tokenizer
+    if is_transformers_tokenizer(tokenizer):
+        return _from_transformers_object(tokenizer)
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise DataConfigError(
+            f"tokenizer must be a TextTokenizer, a transformers tokenizer object (AutoTokenizer.from_pretrained) or "
+            f"the path of a tokenizer directory, tokenizer.json or tiktoken file; got {type(tokenizer).__name__}"
+        )
+    name = os.fspath(tokenizer)
     path = Path(name).expanduser()
     if path.is_dir():
         tokenizer_file, directory = path / "tokenizer.json", path
         if not tokenizer_file.is_file():
+            tiktoken_file = _tiktoken_file_in(path)
+            if tiktoken_file is not None:
+                return _load_tiktoken(tiktoken_file, path, options)
             raise DataConfigError(
                 f"tokenizer directory {path} has no tokenizer.json; save the tokenizer with a fast (Rust) "
-                "implementation, e.g. `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`"
+                "implementation, e.g. `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`, or pass a "
+                "directory holding a tiktoken file"
             )
     elif path.is_file():
+        if _is_tiktoken_file(path):
+            return _load_tiktoken(path, None, options)
         if path.suffix != ".json":
-            raise DataConfigError(f"tokenizer file {path} is not a tokenizer.json; pass it or its directory")
+            raise DataConfigError(
+                f"tokenizer file {path} is not a tokenizer.json or a tiktoken file (*.tiktoken); pass it or its "
+                "directory"
+            )
         tokenizer_file, directory = path, None
-    elif _HUB_NAME.fullmatch(name) and not name.endswith(".json"):
-        return _from_transformers(name)
+    elif _HUB_NAME.fullmatch(name) and not name.endswith((".json", ".tiktoken")):
+        return _from_hub(name)
     else:
         raise _missing_path_error(name, path)
     try:

@@ -13,7 +13,6 @@ without ``loss_mask`` only ``assistant`` messages are. Within a supervised messa
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from numbers import Integral
@@ -23,6 +22,7 @@ import numpy as np
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
@@ -184,7 +184,8 @@ def _as_arrays(ids: list[int], labels: list[int]) -> tuple[np.ndarray, np.ndarra
 class ChatTemplate(ABC):
     """Encodes normalized messages (see ``normalize_messages``) into ``input_ids`` and unshifted ``labels``.
 
-    Subclasses are picklable so that they can travel to data-loader workers.
+    Subclasses are picklable so that they can travel to data-loader workers. A template carries its tokenizer
+    (``.tokenizer``, a ``TextTokenizer``), so a transform given a template needs no tokenizer of its own.
     """
 
     name: str = ""
@@ -193,7 +194,12 @@ class ChatTemplate(ABC):
     _BACKEND_METHODS: dict[str, str] = {}
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        """
+        Args:
+            tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object
+                (its special tokens and chat template are used), or a tokenizer path.
+        """
+        self.tokenizer = build_tokenizer(tokenizer)
         self._bind_backend()
 
     def _bind_backend(self) -> None:
@@ -292,8 +298,8 @@ class ChatMLTemplate(_PiecewiseTemplate):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self.im_start_id = _special_id(tokenizer, "<|im_start|>", self.name)
-        self.im_end_id = _special_id(tokenizer, "<|im_end|>", self.name)
+        self.im_start_id = _special_id(self.tokenizer, "<|im_start|>", self.name)
+        self.im_end_id = _special_id(self.tokenizer, "<|im_end|>", self.name)
 
     def _pieces(self, messages):
         newline = self._constant("\n")
@@ -319,8 +325,8 @@ class Llama2ChatTemplate(_PiecewiseTemplate):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self.eos_id = _required_eos(tokenizer, self.name)
-        self.bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        self.eos_id = _required_eos(self.tokenizer, self.name)
+        self.bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
 
     def _pieces(self, messages):
         system = ""
@@ -352,7 +358,7 @@ class DefaultChatTemplate(_PiecewiseTemplate):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self.eos_id = _required_eos(tokenizer, self.name)
+        self.eos_id = _required_eos(self.tokenizer, self.name)
 
     def _pieces(self, messages):
         newline = self._constant("\n")
@@ -405,17 +411,18 @@ class TokenizerChatTemplate(ChatTemplate):
     def __init__(self, tokenizer, template: str | None = None):
         """
         Args:
-            tokenizer: a ``TextTokenizer``; its ``hf`` tokenizer renders the template.
-            template: a Jinja template to use instead of the tokenizer's own.
+            tokenizer: anything ``build_tokenizer`` takes; its ``hf`` tokenizer renders the template (for a
+                ``transformers`` tokenizer object: one built with the object's own special tokens).
+            template: a Jinja template to use instead of the tokenizer's own (``tokenizer.chat_template``).
         """
         super().__init__(tokenizer)
         if template is None:
-            template = getattr(tokenizer.hf, "chat_template", None)
+            template = getattr(self.tokenizer.hf, "chat_template", None)
             if isinstance(template, dict):
                 template = template.get("default")
         if not isinstance(template, str) or not template.strip():
             raise DataConfigError(
-                f"tokenizer {read_tokenizer(tokenizer).name} has no chat template; add a "
+                f"tokenizer {read_tokenizer(self.tokenizer).name} has no chat template; add a "
                 "chat_template.jinja (or chat_template in tokenizer_config.json) to the tokenizer directory, or use "
                 "a named template: chat_template='chatml', 'llama2' or 'default'"
             )
@@ -548,7 +555,8 @@ def build_chat_template(name_or_template: str | ChatTemplate, tokenizer) -> Chat
     Args:
         name_or_template: ``tokenizer`` (the tokenizer's own Jinja template), ``chatml``, ``llama2``,
             ``default``, or a ``ChatTemplate`` instance (returned as is).
-        tokenizer: a ``TextTokenizer`` or the path of a local tokenizer.
+        tokenizer: anything ``build_tokenizer`` takes (a ``TextTokenizer``, a ``transformers`` tokenizer object, a
+            tokenizer path); not needed for a ``ChatTemplate`` instance, which carries its own.
 
     Raises:
         DataConfigError: an unknown name, or a tokenizer that lacks what the template needs.
@@ -562,9 +570,7 @@ def build_chat_template(name_or_template: str | ChatTemplate, tokenizer) -> Chat
             "or pass a ChatTemplate instance"
         )
     if tokenizer is None:
-        raise DataConfigError(f"chat_template '{name_or_template}' needs a tokenizer; pass tokenizer=<path>")
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from hyper_parallel.data.text.build_tokenizer import build_tokenizer
-
-        tokenizer = build_tokenizer(tokenizer)
+        raise DataConfigError(
+            f"chat_template '{name_or_template}' needs a tokenizer; pass tokenizer=<path or tokenizer object>"
+        )
     return template_class(tokenizer)
