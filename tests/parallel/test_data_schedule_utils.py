@@ -27,7 +27,9 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     local_packed_length,
     pack_group,
     padded_lengths,
+    schedule_compute_balanced,
     schedule_dp_balanced,
+    schedule_dynamic_cp,
     schedule_stats,
     sequence_cost,
 )
@@ -264,6 +266,193 @@ def test_dp_balanced_gives_every_dp_rank_work_when_sequences_are_few():
     assert id_lists(schedule) == [[[0], [1]], [[], []]]
 
 
+# -- dynamic_cp ---------------------------------------------------------------------------------------------------
+
+
+def position_costs(schedule: Schedule, lengths: np.ndarray, linear: float, quadratic: float) -> list[float]:
+    """Each position's cost over the step, with plain loops: its groups' padded cost divided by their size."""
+    totals = [0.0] * schedule.num_positions
+    for groups in schedule.micro_batches:
+        for group in groups:
+            cost = 0.0
+            for length in lengths[list(group.sequence_ids)].tolist():
+                padded = length + (-length % (2 * group.cp_size) if group.cp_size > 1 else 0)
+                cost += linear * padded + quadratic * padded * padded
+            for position in range(group.first_position, group.first_position + group.cp_size):
+                totals[position] += cost / group.cp_size
+    return totals
+
+
+def check_no_coverable_empty_position(schedule: Schedule, lengths: np.ndarray, sizes, max_seqlen: int) -> None:
+    """No padding-only block sits where a neighbouring group could double over free positions and still fit."""
+    for groups in schedule.micro_batches:
+        empty = {
+            p
+            for group in groups
+            if not group.sequence_ids
+            for p in range(group.first_position, group.first_position + group.cp_size)
+        }
+        for group in groups:
+            if not group.sequence_ids or 2 * group.cp_size not in sizes:
+                continue
+            larger = 2 * group.cp_size
+            start = group.first_position - group.first_position % larger
+            others = set(range(start, start + larger)) - set(
+                range(group.first_position, group.first_position + group.cp_size)
+            )
+            padded = sum(length + -length % (2 * larger) for length in lengths[list(group.sequence_ids)].tolist())
+            assert not (others <= empty and padded <= larger * max_seqlen), f"{group} could double over {others}"
+
+
+DYNAMIC_CASES = [
+    # dp, cp, sizes, max_seqlen, max_num_seqs, vpp_group
+    (4, 2, (1, 2, 4, 8), 1024, None, 1),
+    (2, 2, (1, 2, 4), 600, 6, 2),
+    (8, 1, (2, 4, 8), 512, None, 1),
+    (3, 2, (1, 2), 2048, None, 3),
+]
+
+
+@pytest.mark.parametrize(("dp", "cp", "sizes", "max_seqlen", "max_num_seqs", "vpp_group"), DYNAMIC_CASES)
+def test_dynamic_cp_properties_on_long_tailed_lengths(dp, cp, sizes, max_seqlen, max_num_seqs, vpp_group):
+    cfg = config(
+        scheduler="dynamic_cp",
+        max_seqlen_per_dp_cp_rank=max_seqlen,
+        max_num_seqs=max_num_seqs,
+        min_dynamic_cp_size=sizes[0],
+    )
+    used = set()
+    for seed in range(4):
+        count = int(np.random.default_rng(seed).integers(1, 300))
+        lengths = lognormal_lengths(count, SEED + seed, median=200, cap=max_seqlen * sizes[-1] - 2 * sizes[-1])
+        schedule = build_schedule(
+            cfg, lengths, dp_size=dp, cp_size=cp, tp_size=1, dynamic_cp_sizes=(1, *sizes), vpp_group=vpp_group
+        )
+        check_schedule(
+            schedule,
+            lengths,
+            positions=dp * cp,
+            sizes=sizes,
+            max_seqlen=max_seqlen,
+            alignment=1,
+            max_num_seqs=max_num_seqs,
+        )
+        assert schedule.num_micro_batches % vpp_group == 0
+        check_no_coverable_empty_position(schedule, lengths, sizes, max_seqlen)
+        used |= {group.cp_size for groups in schedule.micro_batches for group in groups if group.sequence_ids}
+        again = build_schedule(
+            cfg, lengths.copy(), dp_size=dp, cp_size=cp, tp_size=1, dynamic_cp_sizes=(1, *sizes), vpp_group=vpp_group
+        )
+        assert again == schedule
+    assert len(used) > 1, "long-tailed lengths use more than one CP size"
+
+
+def test_dynamic_cp_on_megatrons_example_keeps_long_sequences_on_cp_groups():
+    # B.4's example: 4 ranks of 4096 tokens. Upstream's greedy gives two micro-batches ({8000} CP2, {5000, 3000}
+    # CP2; {2500} CP2, {1200, 900, 600} CP2); this scheduler balances the step's cost instead, so only the
+    # invariants are checked: the two sequences longer than a rank get CP groups, and no rank is ever idle.
+    lengths = np.array([8000, 5000, 3000, 2500, 1200, 900, 600])
+    cfg = config(scheduler="dynamic_cp", max_seqlen_per_dp_cp_rank=4096)
+    schedule = build_schedule(cfg, lengths, dp_size=2, cp_size=2, tp_size=1, dynamic_cp_sizes=(1, 2, 4))
+    check_schedule(schedule, lengths, positions=4, sizes=(1, 2, 4), max_seqlen=4096)
+    size_of = {i: group.cp_size for groups in schedule.micro_batches for group in groups for i in group.sequence_ids}
+    assert size_of[0] >= 2 and size_of[1] >= 2
+    assert all(group.sequence_ids for groups in schedule.micro_batches for group in groups)
+
+
+def test_dynamic_cp_spreads_a_dominant_sequence_to_balance_the_step():
+    lengths = np.array([4000, *[100] * 40])  # the long one costs more than a rank's share of the step
+    cfg = config(scheduler="dynamic_cp", max_seqlen_per_dp_cp_rank=4096, cost_linear=0.0, cost_quadratic=1.0)
+    schedule = build_schedule(cfg, lengths, dp_size=4, cp_size=1, tp_size=1, dynamic_cp_sizes=(1, 2, 4))
+    size_of = {i: group.cp_size for groups in schedule.micro_batches for group in groups for i in group.sequence_ids}
+    assert size_of[0] == 4
+    costs = position_costs(schedule, lengths, 0.0, 1.0)
+    assert max(costs) / (sum(costs) / len(costs)) < 1.05
+
+
+def test_dynamic_cp_gives_every_rank_work_from_one_sequence():
+    cfg = config(scheduler="dynamic_cp", max_seqlen_per_dp_cp_rank=64)
+    schedule = build_schedule(cfg, np.array([10]), dp_size=2, cp_size=2, tp_size=1, dynamic_cp_sizes=(1, 2, 4))
+    assert id_lists(schedule) == [[[0]]] and schedule.micro_batches[0][0].cp_size == 4
+
+
+def test_dynamic_cp_settings_errors():
+    cfg = config(scheduler="dynamic_cp", max_seqlen_per_dp_cp_rank=100)
+    lengths = np.array([50, 790])
+    with pytest.raises(DataConfigError) as error:
+        build_schedule(cfg, lengths, dp_size=2, cp_size=2, tp_size=1, dynamic_cp_sizes=(1, 2, 4))
+    message = str(error.value)
+    assert "sequence 1 of the global batch (length 790, padded to 792 for CP size 4)" in message
+    assert "max_seqlen_per_dp_cp_rank to at least 198" in message and "larger dynamic CP sizes" in message
+    build_schedule(cfg, lengths, dp_size=4, cp_size=2, tp_size=1, dynamic_cp_sizes=(1, 2, 4, 8))  # 8 ranks hold it
+    with pytest.raises(DataConfigError, match="has no dynamic CP size to use"):
+        build_schedule(cfg, lengths[:1], dp_size=2, cp_size=2, tp_size=1)
+    with pytest.raises(DataConfigError, match="has no dynamic CP size to use"):
+        build_schedule(
+            config(scheduler="dynamic_cp", min_dynamic_cp_size=8),
+            lengths[:1],
+            dp_size=2,
+            cp_size=2,
+            tp_size=1,
+            dynamic_cp_sizes=(1, 2, 4),
+        )
+    with pytest.raises(DataConfigError, match="dynamic CP size 3 does not divide the 4"):
+        build_schedule(cfg, lengths[:1], dp_size=2, cp_size=2, tp_size=1, dynamic_cp_sizes=(1, 3))
+    with pytest.raises(DataConfigError, match="do not nest: 3 is not a multiple of 2"):
+        build_schedule(cfg, lengths[:1], dp_size=3, cp_size=2, tp_size=1, dynamic_cp_sizes=(2, 3))
+
+
+def test_schedule_dynamic_cp_directly_uses_only_the_given_sizes():
+    lengths = lognormal_lengths(200, SEED, median=100, cap=1000)
+    schedule = schedule_dynamic_cp(
+        lengths, dp_size=4, cp_size=1, cp_sizes=(2, 4), capacity=256, multiple=2, cost=lengths.astype(float) ** 2
+    )
+    check_schedule(schedule, lengths, positions=4, sizes=(2, 4), max_seqlen=256)
+    assert schedule.num_micro_batches % 2 == 0
+
+
+# -- compute_balanced -----------------------------------------------------------------------------------------------
+
+
+def test_compute_balanced_balances_long_tailed_costs_better_than_dp_balanced():
+    lengths = lognormal_lengths(3000, SEED, median=1500, cap=60000)
+    imbalance = {}
+    for scheduler in ("dp_balanced", "compute_balanced"):
+        cfg = config(scheduler=scheduler, max_seqlen_per_dp_cp_rank=65536)
+        schedule = build_schedule(cfg, lengths, dp_size=4, cp_size=2, tp_size=1)
+        check_schedule(schedule, lengths, positions=8, sizes=(2,), max_seqlen=65536)
+        costs = position_costs(schedule, lengths, 24576.0, 1.0)
+        imbalance[scheduler] = max(costs) / (sum(costs) / len(costs))
+        assert schedule_stats(schedule, lengths, cfg, tp_size=1).imbalance == pytest.approx(imbalance[scheduler])
+    assert imbalance["compute_balanced"] <= 1.05
+    assert imbalance["compute_balanced"] < imbalance["dp_balanced"] - 0.01
+
+
+@pytest.mark.parametrize(("dp", "cp", "vpp_group", "max_num_seqs"), [(4, 2, 1, None), (3, 1, 2, 5), (2, 4, 1, None)])
+def test_compute_balanced_properties_on_long_tailed_lengths(dp, cp, vpp_group, max_num_seqs):
+    cfg = config(scheduler="compute_balanced", max_seqlen_per_dp_cp_rank=2048, max_num_seqs=max_num_seqs)
+    for seed in range(4):
+        lengths = lognormal_lengths(int(np.random.default_rng(seed).integers(1, 400)), SEED + seed, cap=2048 * cp - 8)
+        schedule = build_schedule(cfg, lengths, dp_size=dp, cp_size=cp, tp_size=1, vpp_group=vpp_group)
+        check_schedule(schedule, lengths, positions=dp * cp, sizes=(cp,), max_seqlen=2048, max_num_seqs=max_num_seqs)
+        assert schedule.num_micro_batches % vpp_group == 0
+        for groups in schedule.micro_batches:
+            assert [group.first_position for group in groups] == [d * cp for d in range(dp)]
+        assert build_schedule(cfg, lengths, dp_size=dp, cp_size=cp, tp_size=1, vpp_group=vpp_group) == schedule
+        # the fewest micro-batches that hold the padded tokens, unless the greedy had to add some
+        padded = sum(length + (-length % (2 * cp) if cp > 1 else 0) for length in lengths.tolist())
+        assert schedule.num_micro_batches >= math.ceil(padded / (dp * cp * 2048))
+
+
+def test_schedule_compute_balanced_puts_the_heaviest_sequences_on_different_replicas():
+    lengths = np.array([1, 9, 8, 2, 7, 3])
+    schedule = schedule_compute_balanced(
+        lengths, dp_size=3, cp_size=1, capacity=10, multiple=3, cost=lengths.astype(float)
+    )
+    # LPT: 9 -> r0, 8 -> r1, 7 -> r2, 3 -> r2 (7), 2 -> r1 (8), 1 -> r0 (9): every replica costs 10, one micro-batch
+    assert id_lists(schedule) == [[[1, 0], [2, 3], [4, 5]]]
+
+
 # -- the dispatcher's errors --------------------------------------------------------------------------------------
 
 
@@ -275,7 +464,7 @@ def test_an_empty_global_batch_is_a_data_error(scheduler):
         build_schedule(config(scheduler=scheduler), np.array([3, 0]), dp_size=2, cp_size=1, tp_size=1)
 
 
-@pytest.mark.parametrize("scheduler", ["dp_balanced"])
+@pytest.mark.parametrize("scheduler", ["dp_balanced", "compute_balanced"])
 def test_a_static_oversize_sequence_names_itself_and_the_setting(scheduler):
     cfg = config(max_seqlen_per_dp_cp_rank=10, scheduler=scheduler)
     # cp 2: 20 tokens per group; length 19 pads to 20 and fits, 21 pads to 24 and does not

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
@@ -406,6 +407,177 @@ def schedule_dp_balanced(
     return _static_schedule(bins, dp_size, cp_size)
 
 
+# -- cost-balanced assignment (dynamic_cp and compute_balanced) ---------------------------------------------------
+
+
+class _Step:
+    """Sequences placed over micro-batches of ``units`` positions, each position holding ``room`` tokens.
+
+    A group of size ``c`` sits on the aligned block ``[first, first + c)`` of one micro-batch and is recorded at
+    its first position; ``load[u]`` is the cost position ``u`` carries over the step (each group's cost divided by
+    its size). ``single[u, m]`` is the room a size-1 sequence finds at position ``u`` of micro-batch ``m`` (-1:
+    none, the position belongs to a wider group or its group is full).
+    """
+
+    def __init__(self, units: int, room: int, max_num_seqs: int | None) -> None:
+        self.units, self.room, self.max_num_seqs = units, room, max_num_seqs
+        self.owner = np.zeros((0, units), dtype=np.int64)  # first position of the holding group, -1 when free
+        self.size = np.zeros((0, units), dtype=np.int64)  # at a group's first position: its size, else 0
+        self.free = np.zeros((0, units), dtype=np.int64)  # at a group's first position: tokens left in it
+        self.single = np.zeros((units, 0), dtype=np.int64)
+        self.members: dict[tuple[int, int], list[int]] = {}
+        self.load = [0.0] * units
+
+    @property
+    def count(self) -> int:
+        return self.owner.shape[0]
+
+    def extend(self, count: int) -> None:
+        units = self.units
+        self.owner = np.concatenate([self.owner, np.full((count, units), -1, dtype=np.int64)])
+        self.size = np.concatenate([self.size, np.zeros((count, units), dtype=np.int64)])
+        self.free = np.concatenate([self.free, np.zeros((count, units), dtype=np.int64)])
+        self.single = np.concatenate([self.single, np.full((units, count), self.room, dtype=np.int64)], axis=1)
+
+    def place(self, index: int, micro_batch: int, first: int, size: int, tokens: int, weight: float) -> None:
+        if self.owner[micro_batch, first] < 0:
+            self.owner[micro_batch, first : first + size] = first
+            self.size[micro_batch, first] = size
+            self.free[micro_batch, first] = self.room * size
+            self.members[micro_batch, first] = []
+            if size > 1:
+                self.single[first : first + size, micro_batch] = -1
+        self.free[micro_batch, first] -= tokens
+        members = self.members[micro_batch, first]
+        members.append(index)
+        if size == 1:
+            full = self.max_num_seqs is not None and len(members) >= self.max_num_seqs
+            self.single[first, micro_batch] = -1 if full else self.free[micro_batch, first]
+        for u in range(first, first + size):
+            self.load[u] += weight / size
+
+    def wide_slot(self, size: int, tokens: int) -> tuple[int, int] | None:
+        """``(first, micro_batch)`` for a sequence of size ``size > 1``: the least-loaded aligned block (its highest
+        position load) that it can join or open in some micro-batch, the first such micro-batch."""
+        blocks = self.units // size
+        owner = self.owner.reshape(self.count, blocks, size)
+        opens = (owner < 0).all(axis=2) & (tokens <= self.room * size)
+        firsts = np.arange(blocks) * size
+        joins = (owner[:, :, 0] == firsts) & (self.size[:, ::size] == size) & (self.free[:, ::size] >= tokens)
+        if self.max_num_seqs is not None:
+            counts = np.zeros_like(joins)
+            for (micro_batch, first), members in self.members.items():
+                if first % size == 0 and self.size[micro_batch, first] == size:
+                    counts[micro_batch, first // size] = len(members) >= self.max_num_seqs
+            joins &= ~counts
+        fits = opens | joins
+        usable = fits.any(axis=0)
+        if not usable.any():
+            return None
+        loads = np.asarray(self.load).reshape(blocks, size).max(axis=1)
+        block = int(np.where(usable, loads, np.inf).argmin())
+        return block * size, int(fits[:, block].argmax())
+
+
+def _balanced_step(
+    count: int,
+    grow: int,
+    units: int,
+    room: int,
+    sizes: np.ndarray,
+    tokens: np.ndarray,
+    weights: np.ndarray,
+    max_num_seqs: int | None,
+) -> _Step:
+    """Longest-processing-time placement by per-position cost over ``count`` micro-batches (``grow`` more at a time
+    when a sequence finds no room).
+
+    Sequences go in order of size, then per-position cost, both descending (ties by id). A sequence of size ``c``
+    goes to the aligned block of ``c`` positions with the lowest load that has a micro-batch where it can join that
+    block's group or open one, the first such micro-batch.
+    """
+    step = _Step(units, room, max_num_seqs)
+    step.extend(count)
+    order = np.lexsort((np.arange(len(sizes)), -weights / sizes, -sizes))
+    wide = order[sizes[order] > 1]
+    for index in wide.tolist():
+        size, need, weight = int(sizes[index]), int(tokens[index]), float(weights[index])
+        slot = step.wide_slot(size, need)
+        while slot is None:
+            step.extend(grow)
+            slot = step.wide_slot(size, need)
+        step.place(index, slot[1], slot[0], size, need, weight)
+    # Size-1 sequences (most of them): a heap of positions by load, first fit over the micro-batches.
+    heap = [(load, u) for u, load in enumerate(step.load)]
+    heapq.heapify(heap)
+    for index in order[len(wide) :].tolist():
+        need, weight = int(tokens[index]), float(weights[index])
+        skipped = []
+        while True:
+            if not heap:
+                step.extend(grow)
+                heap, skipped = skipped, []
+                heapq.heapify(heap)
+            load, u = heapq.heappop(heap)
+            hits = step.single[u] >= need
+            micro_batch = int(hits.argmax())
+            if not hits[micro_batch]:
+                skipped.append((load, u))
+                continue
+            step.place(index, micro_batch, u, 1, need, weight)
+            heapq.heappush(heap, (step.load[u], u))
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return step
+
+
+def _fill_and_schedule(step: _Step, chain: Sequence[int], lengths: np.ndarray, unit: int) -> Schedule:
+    """Grow groups over free neighbours (next size of ``chain``, if their sequences fit), pad the rest, build.
+
+    ``unit`` is the positions one scheduling unit stands for (the static CP size for ``compute_balanced``, else
+    1). Free positions left over become groups of padding only, of the smallest size.
+    """
+    owner, sizes_at, members = step.owner, step.size, step.members
+    for micro_batch in range(step.count):
+        grown = True
+        while grown:
+            grown = False
+            for current, larger in zip(chain[:-1], chain[1:], strict=True):
+                for first in np.flatnonzero(sizes_at[micro_batch] == current).tolist():
+                    start = first - first % larger
+                    block = owner[micro_batch, start : start + larger]
+                    if np.count_nonzero(block >= 0) != current:
+                        continue
+                    ids = members[micro_batch, first]
+                    if padded_lengths(lengths[ids], larger * unit).sum() > step.room * larger:
+                        continue
+                    block[:] = start
+                    sizes_at[micro_batch, first] = 0
+                    sizes_at[micro_batch, start] = larger
+                    members[micro_batch, start] = members.pop((micro_batch, first))
+                    grown = True
+    smallest = chain[0]
+    micro_batches = []
+    for micro_batch in range(step.count):
+        groups = []
+        first = 0
+        while first < step.units:
+            size = int(sizes_at[micro_batch, first])
+            if size:
+                groups.append(ScheduledGroup(first * unit, size * unit, tuple(members[micro_batch, first])))
+            else:
+                groups.append(ScheduledGroup(first * unit, smallest * unit, ()))
+            first += size or smallest
+        micro_batches.append(tuple(groups))
+    return Schedule(tuple(micro_batches))
+
+
+def _micro_batch_step(multiple: int, per_micro_batch: int) -> int:
+    """The least micro-batch count step keeping ``per_micro_batch * count`` a multiple of ``multiple``."""
+    return multiple // math.gcd(multiple, per_micro_batch)
+
+
 # -- dynamic_cp -------------------------------------------------------------------------------------------------
 
 
@@ -420,8 +592,49 @@ def schedule_dynamic_cp(
     cost: np.ndarray,
     max_num_seqs: int | None = None,
 ) -> Schedule:
-    """A CP size per packed group from ``cp_sizes``, balancing every position's cost over the step."""
-    raise NotImplementedError("dynamic_cp")
+    """A CP size per packed group from ``cp_sizes``, balancing every position's cost over the step.
+
+    1. Each sequence's least size ``c`` holds it (``padded_lengths(L, c) <= c * capacity``); its size is the least
+       ``c >= that`` whose per-position cost ``cost / c`` stays within the step's mean position cost (so no
+       sequence outweighs a position), the largest size when none does.
+    2. The micro-batch count starts at the fewest that hold the padded tokens (a multiple of ``multiple``).
+    3. Sequences by size then per-position cost, descending, each to the least-loaded aligned block of its size
+       with room in some micro-batch (joining that block's group or opening one), the first such micro-batch.
+       When one finds no room, the count grows by ``multiple`` and placement restarts.
+    4. In every micro-batch, a group whose aligned neighbour block of the same size is free doubles to the next
+       size (if its sequences still fit), until none can; positions still free get groups of padding only.
+
+    Args:
+        lengths: real lengths in global id order (each fits the largest size: ``build_schedule`` checks).
+        dp_size, cp_size: the static grid; ``R = dp_size * cp_size`` positions.
+        cp_sizes: the allowed sizes, ascending, each dividing the next and ``R``.
+        capacity: tokens per rank (``local_capacity``).
+        multiple: the micro-batch count's multiple (the VPP stage group).
+        cost: each sequence's cost (``sequence_cost``).
+
+    Returns:
+        The ``Schedule``; deterministic for the same input.
+    """
+    positions = dp_size * cp_size
+    chain = [int(size) for size in cp_sizes]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cost = np.asarray(cost, dtype=np.float64)
+    least = np.full(len(lengths), chain[-1], dtype=np.int64)
+    for size in reversed(chain):
+        least = np.where(padded_lengths(lengths, size) <= capacity * size, size, least)
+    step_size = _micro_batch_step(multiple, 1)
+    tokens_needed = sum(int(padded_lengths(lengths[least == size], size).sum()) for size in chain)
+    count = max(1, -(-tokens_needed // (positions * capacity)))
+    count = -(-count // step_size) * step_size
+    mean = float(cost.sum()) / (count * positions)
+    sizes = least.copy()
+    for size in chain:  # the least size keeping cost / size within the mean, never below the least that holds
+        sizes = np.where((sizes < size) & (cost / sizes > mean), size, sizes)
+    tokens = np.zeros(len(lengths), dtype=np.int64)
+    for size in chain:
+        tokens[sizes == size] = padded_lengths(lengths[sizes == size], size)
+    step = _balanced_step(count, step_size, positions, capacity, sizes, tokens, cost, max_num_seqs)
+    return _fill_and_schedule(step, chain, lengths, 1)
 
 
 # -- compute_balanced -------------------------------------------------------------------------------------------
@@ -437,8 +650,30 @@ def schedule_compute_balanced(
     cost: np.ndarray,
     max_num_seqs: int | None = None,
 ) -> Schedule:
-    """Static CP; every DP replica's step cost balanced."""
-    raise NotImplementedError("compute_balanced")
+    """Static CP; every DP replica's step cost balanced, in the fewest micro-batches that hold the sequences.
+
+    The count starts at the fewest micro-batches whose ``dp`` groups of ``capacity * cp_size`` tokens hold the
+    padded lengths (``dp * count`` a multiple of ``multiple``). Sequences by cost, descending (ties by id), go to
+    the least-loaded DP replica that has room in one of its micro-batches, the first such micro-batch; when one
+    finds no room the count grows and placement restarts.
+
+    Args:
+        lengths: real lengths in global id order (each fits: ``build_schedule`` checks).
+        capacity: tokens per rank (``local_capacity``).
+        multiple: the group count's multiple (``dp * vpp group``).
+        cost: each sequence's cost (``sequence_cost`` of its padded length).
+
+    Returns:
+        The ``Schedule``: every group one DP replica's ``cp_size`` positions; deterministic.
+    """
+    padded = padded_lengths(lengths, cp_size)
+    weights = np.asarray(cost, dtype=np.float64)
+    step_size = _micro_batch_step(multiple, dp_size)
+    count = max(1, -(-int(padded.sum()) // (dp_size * capacity * cp_size)))
+    count = -(-count // step_size) * step_size
+    units = np.ones(len(padded), dtype=np.int64)
+    step = _balanced_step(count, step_size, dp_size, capacity * cp_size, units, padded, weights, max_num_seqs)
+    return _fill_and_schedule(step, [1], np.asarray(lengths, dtype=np.int64), cp_size)
 
 
 # -- the dispatcher ---------------------------------------------------------------------------------------------
@@ -484,7 +719,9 @@ def build_schedule(
         capacity = local_capacity(config, cp_size=cp, tp_size=tp)
         _check_fits(lengths, capacity, [cp], config, tp_size=tp, static=True)
         algorithm = schedule_dp_balanced if config.scheduler == "dp_balanced" else schedule_compute_balanced
-        extra = {} if config.scheduler == "dp_balanced" else {"cost": sequence_cost(lengths, config)}
+        extra = (
+            {} if config.scheduler == "dp_balanced" else {"cost": sequence_cost(padded_lengths(lengths, cp), config)}
+        )
         return algorithm(
             lengths,
             dp_size=dp,
@@ -534,6 +771,13 @@ def _dynamic_sizes(config: PackingSchedulerConfig, dynamic_cp_sizes: Sequence[in
                 f"dynamic CP size {size} does not divide the {positions} DP x CP ranks; use sizes that divide it"
             )
     usable = [size for size in sizes if size >= config.min_dynamic_cp_size]
+    for smaller, larger in zip(usable[:-1], usable[1:], strict=True):
+        if larger % smaller:
+            raise DataConfigError(
+                f"dynamic CP sizes {usable} do not nest: {larger} is not a multiple of {smaller}, so their aligned "
+                "blocks could leave positions no allowed size covers; use sizes that each divide the next (powers "
+                "of two such as 1, 2, 4, 8)"
+            )
     if not usable:
         raise DataConfigError(
             f"scheduler='dynamic_cp' has no dynamic CP size to use: the process groups hold sizes {sizes} and "
