@@ -20,12 +20,19 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
-from benchmarks import bench_indexed_dataset, bench_indexed_io, bench_offline, bench_online, bench_parallel
+from benchmarks import (
+    bench_indexed_dataset,
+    bench_indexed_io,
+    bench_offline,
+    bench_online,
+    bench_parallel,
+    bench_schedule,
+)
 from benchmarks.common import BenchContext, Row, environment, format_table
 
 GROUPS: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (bench_indexed_io, bench_indexed_dataset, bench_offline, bench_online, bench_parallel)
+    for module in (bench_indexed_io, bench_indexed_dataset, bench_offline, bench_online, bench_parallel, bench_schedule)
 }
 
 

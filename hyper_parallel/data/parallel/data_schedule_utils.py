@@ -508,8 +508,10 @@ def _balanced_step(
             slot = step.wide_slot(size, need)
         step.place(index, slot[1], slot[0], size, need, weight)
     # Size-1 sequences (most of them): a heap of positions by load, first fit over the micro-batches.
+    # Tokens left and members of size-1 groups live in dicts here (numpy scalar access would dominate).
     heap = [(load, u) for u, load in enumerate(step.load)]
     heapq.heapify(heap)
+    members, limit = step.members, max_num_seqs
     for index in order[len(wide) :].tolist():
         need, weight = int(tokens[index]), float(weights[index])
         skipped = []
@@ -519,13 +521,21 @@ def _balanced_step(
                 heap, skipped = skipped, []
                 heapq.heapify(heap)
             load, u = heapq.heappop(heap)
-            hits = step.single[u] >= need
-            micro_batch = int(hits.argmax())
-            if not hits[micro_batch]:
+            row = step.single[u]
+            micro_batch = int((row >= need).argmax())
+            if row[micro_batch] < need:
                 skipped.append((load, u))
                 continue
-            step.place(index, micro_batch, u, 1, need, weight)
-            heapq.heappush(heap, (step.load[u], u))
+            group = members.get((micro_batch, u))
+            if group is None:
+                step.owner[micro_batch, u] = u
+                step.size[micro_batch, u] = 1
+                group = members[micro_batch, u] = []
+            group.append(index)
+            left = int(row[micro_batch]) - need
+            row[micro_batch] = -1 if limit is not None and len(group) >= limit else left
+            step.load[u] = load + weight
+            heapq.heappush(heap, (load + weight, u))
             break
         for entry in skipped:
             heapq.heappush(heap, entry)
