@@ -48,7 +48,9 @@ class OfflinePreparationConfig:
         dataset_name_or_path: a file, a glob, or a directory of ``.json``/``.jsonl`` (optionally ``.gz``),
             ``.parquet``, ``.csv`` (optionally ``.gz``), ``.arrow`` or ``.txt`` (optionally ``.gz``) files.
         output_prefix: outputs are ``<output_prefix>_<key>_document.{bin,idx}``.
-        tokenizer_name_or_path: a local Hugging Face tokenizer directory or ``tokenizer.json``.
+        tokenizer_name_or_path: a local Hugging Face tokenizer directory or ``tokenizer.json``, a tiktoken file, or
+            (from Python) a loaded tokenizer: anything ``text.build_tokenizer.build_tokenizer`` takes, such as a
+            ``transformers`` tokenizer object.
         json_keys: record fields to tokenize; one output pair per key.
         append_eod: append the tokenizer's EOS token to every non-empty document.
         add_special_tokens: let the tokenizer add its own special tokens (e.g. BOS), as ``tokenizer(text)`` does.

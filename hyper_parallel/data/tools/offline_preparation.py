@@ -213,7 +213,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
     if config.append_eod and tokenizer.eod is None:
         raise DataConfigError(
-            f"tokenizer {config.tokenizer_name_or_path} has no EOS token to append; {tokenizer.eos_help()}; "
+            f"tokenizer {tokenizer.name_or_path} has no EOS token to append; {tokenizer.eos_help()}; "
             "or pass --append-eod false"
         )
     if config.pack_to_seq_len is not None and not config.append_eod:
@@ -236,7 +236,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         vocab_size=tokenizer.vocab_size,
         eod_id=tokenizer.eod,
         token_dtype=str(dtype),
-        tokenizer=str(config.tokenizer_name_or_path),
+        tokenizer=tokenizer.name_or_path,  # a loaded tokenizer object is named by its path, not its repr
     )
     summary = PreparationSummary(
         outputs={key: config.output_prefix_for(key) for key in config.json_keys},
