@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiktoken
+from indexed.test_index_cache import assert_same_datasets, write_corpus
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -28,7 +29,7 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.text.build_data_transform import TextConversationTransform, build_llm_data_transform
-from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, TextTokenizer, build_tokenizer
 from hyper_parallel.data.text.chat_template import ChatMLTemplate
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -289,6 +290,23 @@ def test_an_online_dataset_and_a_pipeline_give_the_same_samples_for_every_kind(k
         assert batch.keys() == expected.keys()
         for key, value in batch.items():
             np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]))
+
+
+@pytest.mark.parametrize("kind", ["auto", "fast", "tiktoken"])
+def test_the_indexed_datasets_and_their_cache_keys_are_the_same_for_every_kind(kind, kinds, tmp_path):
+    """``build_indexed_text_dataset`` with a tokenizer object builds the bundled tokenizer's datasets, and names its
+    index caches the same (the tokenizer's identity is part of their keys)."""
+    corpus = write_corpus(tmp_path / "corpus_text_document", num_documents=60, seed=5)
+
+    def build(tokenizer, cache: str):
+        settings = {"seq_length": 16, "split": "90, 8, 2", "data_cache_path": str(tmp_path / cache)}
+        return build_indexed_text_dataset(corpus, settings, [40, 4, 2], tokenizer)
+
+    for got, want in zip(build(kinds[kind], "object"), build(kinds["library"], "library"), strict=True):
+        assert_same_datasets(got, want)
+    assert sorted(p.name for p in (tmp_path / "object").rglob("*")) == sorted(
+        p.name for p in (tmp_path / "library").rglob("*")
+    )
 
 
 @pytest.mark.parametrize("kind", ["auto", "tiktoken"])
