@@ -205,6 +205,8 @@ def test_tiktoken_errors_name_the_file_and_the_fix(tmp_path, tiktoken_dir):
         build_tokenizer(path, special_tokens={"<|eot|>": -1})
     with pytest.raises(DataConfigError, match=r"special_tokens, pattern apply to tiktoken files only"):
         build_tokenizer(BUNDLED_TOKENIZER_PATH, special_tokens={"<|eot|>": 9000}, pattern=GPT2_PATTERN)
+    with pytest.raises(DataConfigError, match=r"eos_token apply to tiktoken files only"):
+        build_tokenizer(build_tokenizer(tiktoken_dir, pattern=GPT2_PATTERN), eos_token="<|pad|>")
 
     shutil.copy(path, tmp_path / "other.tiktoken")
     with pytest.raises(DataConfigError, match=r"holds several tiktoken files \(other\.tiktoken, vocab\.tiktoken\)"):

@@ -479,7 +479,8 @@ def build_tokenizer(
     }
     options = {name: value for name, value in given.items() if value is not None}
     loaded = _load(tokenizer, options)
-    if options and not _is_tiktoken_file(Path(loaded.name_or_path)):
+    from_tiktoken_file = isinstance(tokenizer, (str, os.PathLike)) and _is_tiktoken_file(Path(loaded.name_or_path))
+    if options and not from_tiktoken_file:
         raise DataConfigError(
             f"{', '.join(options)} apply to tiktoken files only, but tokenizer {loaded.name_or_path} is not one; "
             "remove them (a Hugging Face tokenizer names its special tokens and chat template in its own files)"
