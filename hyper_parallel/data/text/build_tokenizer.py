@@ -414,7 +414,7 @@ def _tiktoken_file_in(directory: Path) -> Path | None:
 
 
 def build_tokenizer(
-    tokenizer,
+    name_or_path,
     *,
     special_tokens: Mapping[str, int] | None = None,
     pattern: str | None = None,
@@ -449,7 +449,7 @@ def build_tokenizer(
       ``dir/``, ``*.json``) is a "no such file or directory" error.
 
     Args:
-        tokenizer: one of the above.
+        name_or_path: one of the above (a path, or a tokenizer object).
         special_tokens, pattern, eos_token, pad_token, bos_token, chat_template: for a tiktoken file only (see
             above); ``special_tokens`` maps each special token to its id.
 
@@ -478,8 +478,8 @@ def build_tokenizer(
         "chat_template": chat_template,
     }
     options = {name: value for name, value in given.items() if value is not None}
-    loaded = _load(tokenizer, options)
-    from_tiktoken_file = isinstance(tokenizer, (str, os.PathLike)) and _is_tiktoken_file(Path(loaded.name_or_path))
+    loaded = _load(name_or_path, options)
+    from_tiktoken_file = isinstance(name_or_path, (str, os.PathLike)) and _is_tiktoken_file(Path(loaded.name_or_path))
     if options and not from_tiktoken_file:
         raise DataConfigError(
             f"{', '.join(options)} apply to tiktoken files only, but tokenizer {loaded.name_or_path} is not one; "
