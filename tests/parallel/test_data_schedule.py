@@ -19,7 +19,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.constants import IGNORE_INDEX
@@ -29,6 +28,7 @@ from hyper_parallel.data.parallel.data_schedule import (
     get_batch_on_this_rank_for_sequence_packing,
     wrap_data_iterator,
 )
+from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 from parallel.launch import launch
 
