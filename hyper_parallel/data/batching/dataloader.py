@@ -250,7 +250,8 @@ def build_dataloaders(
             then built without padding), ``debug`` (``check_dataset``: a log level for this package's logs on
             rank 0, or null) and ``variables`` (values for ``${variables.name}`` interpolations); any other is
             refused.
-        tokenizer: a loaded tokenizer or the path of a local Hugging Face tokenizer.
+        tokenizer: anything ``build_tokenizer`` takes: a loaded tokenizer, a ``transformers`` tokenizer object, or
+            the path of a local Hugging Face tokenizer or tiktoken file.
         micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
             runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
             are checked first, as the loaders check them. With a ``parallel_context``, leave the ranks and sizes
