@@ -508,22 +508,26 @@ def _balanced_step(
             slot = step.wide_slot(size, need)
         step.place(index, slot[1], slot[0], size, need, weight)
     # Size-1 sequences (most of them): a heap of positions by load, first fit over the micro-batches.
-    # Tokens left and members of size-1 groups live in dicts here (numpy scalar access would dominate).
+    # Rooms, tokens left and members of size-1 groups live in lists and dicts here (numpy scalar access would
+    # dominate); the rooms go back to ``step.single`` when the micro-batches grow and at the end.
     heap = [(load, u) for u, load in enumerate(step.load)]
     heapq.heapify(heap)
     members, limit = step.members, max_num_seqs
+    rooms = step.single.tolist()
     for index in order[len(wide) :].tolist():
         need, weight = int(tokens[index]), float(weights[index])
         skipped = []
         while True:
             if not heap:
+                step.single[:] = rooms
                 step.extend(grow)
+                rooms = step.single.tolist()
                 heap, skipped = skipped, []
                 heapq.heapify(heap)
             load, u = heapq.heappop(heap)
-            row = step.single[u]
-            micro_batch = int((row >= need).argmax())
-            if row[micro_batch] < need:
+            row = rooms[u]
+            micro_batch = next((m for m, room in enumerate(row) if room >= need), -1)
+            if micro_batch < 0:
                 skipped.append((load, u))
                 continue
             group = members.get((micro_batch, u))
@@ -532,13 +536,14 @@ def _balanced_step(
                 step.size[micro_batch, u] = 1
                 group = members[micro_batch, u] = []
             group.append(index)
-            left = int(row[micro_batch]) - need
+            left = row[micro_batch] - need
             row[micro_batch] = -1 if limit is not None and len(group) >= limit else left
             step.load[u] = load + weight
             heapq.heappush(heap, (load + weight, u))
             break
         for entry in skipped:
             heapq.heappush(heap, entry)
+    step.single[:] = rooms
     return step
 
 
