@@ -21,6 +21,11 @@ def get_logger(name: str = _ROOT) -> logging.Logger:
 
 
 def _current_rank() -> int:
+    """The global rank of torch.distributed once initialised, else the launcher's environment, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     for variable in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         if variable in os.environ:
             return int(os.environ[variable])
@@ -35,7 +40,8 @@ def enable_dataset_logging(
     Args:
         level: ``debug``, ``info``, ``warn``/``warning`` or a logging level number.
         ranks: ranks that log; others are silenced.
-        rank: this process's rank; read from ``RANK`` (or SLURM/OpenMPI variables) when not given.
+        rank: this process's rank; when not given, torch.distributed's global rank once it is initialised, else
+            ``RANK`` (or the SLURM/OpenMPI variables), else 0.
     """
     if isinstance(level, str):
         name = {"warn": "WARNING"}.get(level.lower(), level.upper())
