@@ -14,14 +14,13 @@ import functools
 import gzip
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from batching.get_batch_reference import check_rank, expected_fields, flex_mask_values, indexed_boundaries
-from batching.test_pipeline_get_batch import design_config, write_documents
+from batching.test_pipeline_get_batch import Recording, design_config, write_documents
 
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -116,17 +115,6 @@ def pipeline_config(case: dict, data: dict) -> dict:
 
 
 # -- what each rank does ------------------------------------------------------------------------------------------
-
-
-class Recording(Iterator):
-    """The loader's iterator, keeping the batch last pulled (the reader's batch) for the comparisons."""
-
-    def __init__(self, iterator: Iterator) -> None:
-        self.iterator, self.last = iterator, None
-
-    def __next__(self):
-        self.last = next(self.iterator)
-        return self.last
 
 
 def grid_context(

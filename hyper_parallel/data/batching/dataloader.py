@@ -55,7 +55,7 @@ from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_config, instantiate, load_config
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
-from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
@@ -168,7 +168,7 @@ def _rank_layout(parallel_context, given: dict[str, int]) -> dict[str, int]:
 
 def _get_batch_context(context: dict, parallel_context, tokenizer) -> dict:
     """What the get_batch node is offered beyond the runtime facts: the parallel context and the EOD id."""
-    eod = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else read_tokenizer(tokenizer).eod
+    eod = None if tokenizer is None else read_tokenizer(tokenizer).eod
     return {**context, "parallel_context": parallel_context, "eod_token_id": eod}
 
 
@@ -303,8 +303,8 @@ def build_dataloaders(
     level = (config.get("debug") or {}).get("check_dataset")
     if level is not None:
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
-    if isinstance(tokenizer, (str, os.PathLike)):
-        context["tokenizer"] = build_tokenizer(tokenizer)
+    if isinstance(tokenizer, (str, os.PathLike)) or is_transformers_tokenizer(tokenizer):
+        context["tokenizer"] = build_tokenizer(tokenizer)  # loaded or converted once, for every node
     scheduler = _build_scheduler(config.get("packing_scheduler"), context, allowed_prefixes)
     get_batch = None
     if config.get("get_batch") is not None:

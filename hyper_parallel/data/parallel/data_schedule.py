@@ -220,9 +220,9 @@ class BasePackingScheduler(ABC):
         self.config = config
         self.pg_collection = pg_collection
         self.device = torch.device(device)
-        pp_size = pg_collection.pp_size
-        vpp = config.vpp_size if config.vpp_size is not None else 1
-        self.vpp_group = (config.microbatch_group_size_per_vp_stage or pp_size) if vpp > 1 else 1
+        self.vpp_size = config.vpp_size if config.vpp_size is not None else 1
+        group = config.microbatch_group_size_per_vp_stage or pg_collection.pp_size
+        self.vpp_group = group if self.vpp_size > 1 else 1
         self._relay = _Relay(pg_collection, ("outcome",), self.device)
 
     @abstractmethod
@@ -281,9 +281,8 @@ class BasePackingScheduler(ABC):
         num_micro_batches, stats = int(values[0]), FlopsStats.from_tensor(values[1:])
         if not self.pg_collection.is_data_rank:
             return None, num_micro_batches, stats
-        vpp = self.config.vpp_size if self.config.vpp_size is not None else 1
-        if vpp > 1:
-            return [iter(list(packed)) for _ in range(vpp)], num_micro_batches, stats
+        if self.vpp_size > 1:
+            return [iter(list(packed)) for _ in range(self.vpp_size)], num_micro_batches, stats
         return iter(packed), num_micro_batches, stats
 
     # -- the data ranks ----------------------------------------------------------------------------------------------
