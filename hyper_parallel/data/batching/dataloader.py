@@ -56,6 +56,7 @@ from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_conf
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
+from hyper_parallel.data.text.chat_template import build_chat_template
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
@@ -63,10 +64,20 @@ __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-# The top-level nodes of a pipeline config: the built ones (built packing_scheduler, get_batch, collate_fn, then
-# dataset and dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log level) and
-# ``variables`` (free values for ``${variables.x}`` interpolations, never built).
-NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "packing_scheduler", "debug", "variables")
+# The top-level nodes of a pipeline config: the built ones (built model_assets, packing_scheduler, get_batch,
+# collate_fn, then dataset and dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log
+# level) and ``variables`` (free values for ``${variables.x}`` interpolations, never built).
+NODES = (
+    "model_assets",
+    "dataset",
+    "collate_fn",
+    "dataloader",
+    "get_batch",
+    "packing_scheduler",
+    "debug",
+    "variables",
+)
+_MODEL_ASSET_KEYS = ("tokenizer", "chat_template")
 _REQUIRED = ("dataset", "dataloader")
 _DEBUG_KEYS = ("check_dataset",)
 _LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -74,17 +85,28 @@ _RANK_DEFAULTS = {"dp_rank": 0, "dp_world_size": 1, "cp_size": 1, "tp_size": 1}
 # What the collate_fn node is offered under a packing scheduler: no CP or TP alignment (the scheduler aligns).
 _UNPADDED_COLLATOR = {"cp_size": 1, "tp_size": 1, "sequence_parallel": False}
 _SCHEDULER_TARGET = f"{PackingSchedulerConfig.__module__}.{PackingSchedulerConfig.__qualname__}"
+_PIPELINE_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
 class DataLoaders:
-    """The loaders of one pipeline, its ``get_batch`` and its packing scheduler's settings.
+    """Everything one pipeline built, in the order it built them, with one state over all its loaders.
 
-    A split without data has None, and so has every split on a rank that reads no data (a TP rank other than 0).
-    ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the node.
-    ``packing_scheduler`` is the built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the ``config`` of
-    ``wrap_data_iterator``) on every rank, or None without the node. Iterating gives the three loaders, so
-    ``train, valid, test = build_dataloaders(...)`` keeps working.
+    ``tokenizer`` and ``chat_template`` are the model assets (from the ``model_assets`` node or the ``tokenizer``
+    argument; None when neither was given). ``datasets`` is ``(train, valid, test)`` and ``collate_fn`` the built
+    ``collate_fn`` node. ``train``, ``valid`` and ``test`` are the loaders: None for a split without data, and for
+    every split on a rank that reads no data (a TP rank other than 0), where ``datasets`` is ``(None, None, None)``
+    too. ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the
+    node. ``packing_scheduler`` is the built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the
+    ``config`` of ``wrap_data_iterator``) on every rank, or None without the node. Iterating gives the three
+    loaders, so ``train, valid, test = build_dataloaders(...)`` keeps working.
+
+    Example (a checkpoint holds every split's position)::
+
+        loaders = build_dataloaders("pipeline.yaml", parallel_context=context)
+        torch.save({"model": model.state_dict(), "data": loaders.state_dict()}, path)
+        ...
+        loaders.load_state_dict(torch.load(path)["data"])  # the same config, on the same rank
     """
 
     train: object | None
@@ -92,9 +114,64 @@ class DataLoaders:
     test: object | None
     get_batch: object | None = None
     packing_scheduler: object | None = None
+    tokenizer: object | None = None
+    chat_template: object | None = None
+    datasets: tuple = (None, None, None)
+    collate_fn: object | None = None
 
     def __iter__(self):
         return iter((self.train, self.valid, self.test))
+
+    def _loaders(self) -> dict:
+        return dict(zip(SPLITS, self, strict=True))
+
+    def state_dict(self) -> dict:
+        """Every split's loader position (None for a split without a loader on this rank), as plain containers."""
+        return {
+            "version": _PIPELINE_STATE_VERSION,
+            "splits": {
+                split: None if loader is None else loader.state_dict() for split, loader in self._loaders().items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue every split where ``state`` left it; a refused state changes no loader.
+
+        Raises:
+            DataConfigError: a state that is not this method's, or whose splits do not match this rank's loaders
+                (a split saved without a loader here, or a loader here that the state lacks); a loader's own
+                refusal (another config, another dataset) is raised as the loader raises it.
+        """
+        if (
+            not isinstance(state, Mapping)
+            or state.get("version") != _PIPELINE_STATE_VERSION
+            or not isinstance(state.get("splits"), Mapping)
+        ):
+            raise DataConfigError(
+                "the pipeline state is not one DataLoaders.state_dict() saved (it needs 'version' "
+                f"{_PIPELINE_STATE_VERSION} and 'splits'); to restore a single loader, call that loader's "
+                "load_state_dict"
+            )
+        saved, loaders = state["splits"], self._loaders()
+        for split, loader in loaders.items():
+            if (loader is None) != (saved.get(split) is None):
+                have = "has no loader" if loader is None else "has a loader"
+                holds = "holds" if saved.get(split) is not None else "holds no"
+                raise DataConfigError(
+                    f"{split}: this rank {have} for the {split} split, but the saved state {holds} position for it; "
+                    "restore the state this rank saved, with the same config (each rank saves and loads its own)"
+                )
+        before = {split: loader.state_dict() for split, loader in loaders.items() if loader is not None}
+        restored = []
+        try:
+            for split, loader in loaders.items():
+                if loader is not None:
+                    loader.load_state_dict(saved[split])
+                    restored.append(split)
+        except Exception:
+            for split in restored:  # all or nothing: put back the splits already moved
+                loaders[split].load_state_dict(before[split])
+            raise
 
 
 def _as_splits(built) -> tuple:
@@ -187,6 +264,7 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
         if key not in config:
             raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
     _check_debug(config.get("debug"))
+    _check_model_assets(config.get("model_assets"), context, allowed_prefixes)
     check_config(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
     check_config(config.get("collate_fn"), context=context, allowed_prefixes=allowed_prefixes, path="collate_fn")
     loader_context = {**context, "dataset": None, "collate_fn": None}  # built later: only their names matter here
@@ -203,6 +281,71 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
             "the get_batch node, or the packing_scheduler node to deliver with ParallelBatch"
         )
     check_config(scheduler, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
+
+
+def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) -> None:
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise DataConfigError(
+            f"model_assets: must be a mapping such as '{{tokenizer: /models/tokenizer, chat_template: chatml}}', got "
+            f"{node!r}"
+        )
+    for key in node:
+        if key not in _MODEL_ASSET_KEYS:
+            close = difflib.get_close_matches(str(key), _MODEL_ASSET_KEYS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise DataConfigError(
+                f"model_assets.{key}: unknown key{hint}; the model_assets node takes {', '.join(_MODEL_ASSET_KEYS)}"
+            )
+    given = node.get("tokenizer")
+    if given is not None and context.get("tokenizer") is not None:
+        raise DataConfigError(
+            "model_assets.tokenizer: the tokenizer is given twice, by this key and by the tokenizer argument of "
+            "build_dataloaders; keep one"
+        )
+    if node.get("chat_template") is not None and given is None and context.get("tokenizer") is None:
+        raise DataConfigError(
+            "model_assets.chat_template: a chat template needs a tokenizer; set model_assets.tokenizer, or pass "
+            "tokenizer= to build_dataloaders"
+        )
+    for key in _MODEL_ASSET_KEYS:
+        value = node.get(key)
+        if value is not None and not isinstance(value, (str, Mapping)):
+            raise DataConfigError(
+                f"model_assets.{key}: must be a name or path, or a _target_ node, got {type(value).__name__} {value!r}"
+            )
+        if isinstance(value, Mapping):
+            check_config(
+                value, context={"tokenizer": None}, allowed_prefixes=allowed_prefixes, path=f"model_assets.{key}"
+            )
+
+
+def _build_model_assets(node, tokenizer, allowed_prefixes: Sequence[str]) -> tuple:
+    """The pipeline's tokenizer (loaded or converted once, for every node) and chat template (or None)."""
+    node = node or {}
+    tokenizer = node.get("tokenizer", tokenizer)
+    if isinstance(tokenizer, Mapping):
+        tokenizer = instantiate(tokenizer, allowed_prefixes=allowed_prefixes, path="model_assets.tokenizer")
+    if isinstance(tokenizer, (str, os.PathLike)) or is_transformers_tokenizer(tokenizer):
+        tokenizer = build_tokenizer(tokenizer)
+    template = node.get("chat_template")
+    if isinstance(template, Mapping):
+        template = instantiate(
+            template,
+            context={"tokenizer": tokenizer},
+            allowed_prefixes=allowed_prefixes,
+            path="model_assets.chat_template",
+        )
+    elif template is not None:
+        template = build_chat_template(template, tokenizer)
+    if tokenizer is not None:
+        logger.info(
+            "model assets: tokenizer %s, chat template %s",
+            getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+            template,
+        )
+    return tokenizer, template
 
 
 def _check_debug(debug) -> None:
@@ -299,12 +442,16 @@ def build_dataloaders(
         "sequence_parallel": sequence_parallel,
         "seed": seed,
     }
+    assets = config.get("model_assets") or {}
+    if isinstance(assets, Mapping) and assets.get("chat_template") is not None:
+        context["chat_template"] = None  # built with the model assets: only its name matters to the checks
     _check_nodes(config, context, allowed_prefixes)
     level = (config.get("debug") or {}).get("check_dataset")
     if level is not None:
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
-    if isinstance(tokenizer, (str, os.PathLike)) or is_transformers_tokenizer(tokenizer):
-        context["tokenizer"] = build_tokenizer(tokenizer)  # loaded or converted once, for every node
+    context["tokenizer"], chat_template = _build_model_assets(assets, tokenizer, allowed_prefixes)
+    if chat_template is not None:
+        context["chat_template"] = chat_template
     scheduler = _build_scheduler(config.get("packing_scheduler"), context, allowed_prefixes)
     get_batch = None
     if config.get("get_batch") is not None:
@@ -328,18 +475,29 @@ def build_dataloaders(
         if scheduler is not None:
             _check_unpadded_collator(collate_fn)
 
-    def build_readers() -> list:
+    def build_readers() -> tuple:
         datasets = _as_splits(
             instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
         )
         _check_row_length(get_batch, datasets)
-        return _build_loaders(config, context, datasets, collate_fn, allowed_prefixes, scheduled=scheduler is not None)
+        loaders = _build_loaders(
+            config, context, datasets, collate_fn, allowed_prefixes, scheduled=scheduler is not None
+        )
+        return datasets, loaders
 
     if parallel_context is None:
-        loaders = build_readers()
+        datasets, loaders = build_readers()
     else:
-        loaders = build_on_data_ranks(parallel_context, build_readers) or [None, None, None]
-    return DataLoaders(*loaders, get_batch=get_batch, packing_scheduler=scheduler)
+        datasets, loaders = build_on_data_ranks(parallel_context, build_readers) or ((None,) * 3, [None] * 3)
+    return DataLoaders(
+        *loaders,
+        get_batch=get_batch,
+        packing_scheduler=scheduler,
+        tokenizer=context["tokenizer"],
+        chat_template=chat_template,
+        datasets=datasets,
+        collate_fn=collate_fn,
+    )
 
 
 def _build_scheduler(node, context: dict, allowed_prefixes):
