@@ -127,7 +127,8 @@ def test_an_unknown_top_level_node_is_refused_before_anything_is_built(
     message = str(refused.value)
     assert message.startswith(f"{node}: the pipeline config has no node '{node}'")
     assert (
-        "its top-level nodes are dataset, collate_fn, dataloader, get_batch, packing_scheduler, debug, variables"
+        "its top-level nodes are model_assets, dataset, collate_fn, dataloader, get_batch, packing_scheduler, debug, "
+        "variables"
     ) in message
     assert (f"did you mean '{named}'?" in message) == (named is not None)
 

@@ -85,6 +85,14 @@ def test_preview_json_and_missing_split(config, tokenizer_path, capsys):
     assert "conversations" in capsys.readouterr().err
 
 
+def test_preview_takes_the_tokenizer_of_the_model_assets_node(config, tokenizer_path, capsys):
+    assert hp_data(["preview", str(config), "--batches", "1"]) == 2
+    assert "pass --tokenizer, or set model_assets.tokenizer" in capsys.readouterr().err
+    config.write_text(f"model_assets:\n  tokenizer: {tokenizer_path}\n" + config.read_text())
+    assert hp_data(["preview", str(config), "--batches", "1"]) == 0
+    assert "[[The elder Dashwood sister.<|im_end|>\\n]]" in capsys.readouterr().out
+
+
 def test_indexed_batches_are_described_by_the_batch_contract():
     """Sequences as ``cu_seq_lens`` cuts them (after each EOD, here 0, and at each row end); trained tokens as the
     loss mask counts them, whatever the dataset's labels hold where the mask is 0."""

@@ -1,7 +1,9 @@
 """Build a trainer's pipeline from a config: its DataLoaders (dataset, collate_fn, dataloader) and get_batch.
 
 Owns: which top-level nodes a pipeline has, checking them all before the first is built, the order in which they
-are built, and the runtime facts handed to them: the tokenizer, batch sizes, the seed and the rank layout (checked
+are built (a trainer's: model assets, then get_batch and the collator, then datasets and loaders), one state over
+all the loaders, and the runtime facts handed to the nodes: the tokenizer and chat template (the ``model_assets``
+node or the ``tokenizer`` argument), batch sizes, the seed and the rank layout (checked
 as the loaders' ``BatchLayout`` and ``SamplerOptions`` check them) reach every ``_target_`` that names them as a
 parameter (see ``instantiate``). With a ``DataLoaderParallelContext`` the rank layout comes from it: datasets and
 loaders are built on the data ranks only (``build_on_data_ranks``; the other ranks get None), the collator's
@@ -381,14 +383,18 @@ def build_dataloaders(
 ) -> DataLoaders:
     """Build the pipeline a config describes: its ``get_batch``, its collator, and a loader per non-empty split.
 
-    Every rank calls it. The ``get_batch`` and ``collate_fn`` nodes are built first, on every rank (they are
+    Every rank calls it. The model assets come first (the tokenizer, loaded or converted once, and the chat
+    template). The ``get_batch`` and ``collate_fn`` nodes are built next, on every rank (they are
     cheap, and a layout the collator cannot serve fails before any data is read); then the ``dataset`` node and a
     ``dataloader`` per split, on the data ranks only when a ``parallel_context`` is given (rank 0 first, through
     ``build_on_data_ranks``; a failure on any rank raises on every rank).
 
     Args:
         config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
-            and ``dataloader`` (required), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``),
+            and ``dataloader`` (required), ``model_assets`` (``tokenizer``: a path or a ``_target_`` node, instead
+            of the ``tokenizer`` argument; ``chat_template``: a name such as ``chatml`` or a ``_target_`` node, built
+            with the tokenizer and offered to every node with a ``chat_template`` parameter), ``collate_fn``,
+            ``get_batch`` (a ``ParallelBatch``),
             ``packing_scheduler`` (a ``PackingSchedulerConfig``; not together with ``get_batch``; the collator is
             then built without padding), ``debug`` (``check_dataset``: a log level for this package's logs on
             rank 0, or null) and ``variables`` (values for ``${variables.name}`` interpolations); any other is
@@ -405,8 +411,9 @@ def build_dataloaders(
             ``get_batch`` node's ``cp_layout`` is offered to the ``collate_fn`` node.
 
     Returns:
-        ``DataLoaders(train, valid, test, get_batch, packing_scheduler)``; the loaders are None on ranks that read
-        no data.
+        ``DataLoaders``: the loaders (None on ranks that read no data), ``get_batch``, ``packing_scheduler``,
+        ``tokenizer``, ``chat_template``, ``datasets`` and ``collate_fn``, with ``state_dict``/``load_state_dict``
+        over every loader.
 
     Raises:
         DataConfigError: an unknown or missing node, a bad runtime fact, a rank layout given twice and differently,

@@ -3,6 +3,7 @@
 Usage::
 
     hp-data preview pipeline.yaml --tokenizer path/to/tokenizer_dir --batches 2
+    hp-data preview pipeline.yaml   # the tokenizer of the config's model_assets node
     python -m hyper_parallel.data.tools.preview_batches pipeline.yaml --tokenizer DIR --json
 
 For each batch it prints the shapes, the number of sequences and tokens, the tokens that carry loss, and each
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 
 __all__ = ["describe_batch", "main", "marked_text"]
@@ -83,7 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="hp-data preview", description="Show the batches a pipeline config produces, with trained tokens marked."
     )
     parser.add_argument("config", help="the pipeline YAML (dataset, dataloader and collate_fn nodes)")
-    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory or tokenizer.json")
+    parser.add_argument(
+        "--tokenizer",
+        help="local Hugging Face tokenizer directory or tokenizer.json (default: the config's model_assets.tokenizer)",
+    )
     parser.add_argument("--split", choices=SPLITS, default="train", help="which loader to preview (default: train)")
     parser.add_argument("--batches", type=int, default=2, help="batches to show (default: 2)")
     parser.add_argument("--sequences", type=int, default=4, help="sequences shown per batch (default: 4)")
@@ -104,8 +110,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preview(args: argparse.Namespace) -> None:
-    tokenizer = build_tokenizer(args.tokenizer)
-    loaders = build_dataloaders(args.config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size)
+    config = load_config(args.config)
+    assets = config.get("model_assets")
+    if args.tokenizer is None and not (isinstance(assets, Mapping) and assets.get("tokenizer") is not None):
+        raise DataConfigError(
+            "no tokenizer to decode with: pass --tokenizer, or set model_assets.tokenizer in the config"
+        )
+    tokenizer = None if args.tokenizer is None else build_tokenizer(args.tokenizer)
+    loaders = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size)
+    tokenizer = loaders.tokenizer
     loader = getattr(loaders, args.split)
     if loader is None:
         raise DataConfigError(f"the config builds no {args.split} split; choose another with --split")
