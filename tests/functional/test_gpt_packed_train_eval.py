@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +35,15 @@ import torch.distributed as dist
 from parallel.launch import launch
 from torch.distributed.device_mesh import init_device_mesh
 
-from functional.tiny_gpt import TinyGPT, token_loss_sum
 from hyper_parallel.data.batching.attention_runtime import packed_seq_params
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.parallel.batch_parallel import cp_local_columns
 from hyper_parallel.data.parallel.data_schedule import get_batch_on_this_rank_for_sequence_packing, wrap_data_iterator
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the model of the training example
+from tiny_gpt import TinyGPT, token_loss_sum  # noqa: E402
 
 WORLD_SIZE = 4  # DP2 x CP2
 VOCAB = 64
