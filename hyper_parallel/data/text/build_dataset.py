@@ -23,6 +23,7 @@ from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
 from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
+from hyper_parallel.data.torch_samples import check_return_tensors, with_return_tensors
 
 __all__ = ["build_indexed_text_dataset", "build_online_text_dataset"]
 
@@ -74,8 +75,8 @@ def build_indexed_text_dataset(
             call this function. A failure on any rank then raises on every rank.
 
     Returns:
-        ``(train, valid, test)``; each sample is a dict with ``tokens``, ``labels``, ``loss_mask`` (and the LTR
-        fields when configured, and ``dataset_id`` for blends).
+        ``(train, valid, test)``; each sample is a dict of torch tensors, as megatron-core's: ``tokens``,
+        ``labels``, ``loss_mask`` (and the LTR fields when configured, and ``dataset_id`` for blends).
     """
     if data_config is None:
         raise DataConfigError("data_config is required (at least seq_length)")
@@ -102,6 +103,7 @@ def build_online_text_dataset(
     dp_rank: int = 0,
     dp_world_size: int = 1,
     seed: int = 1234,
+    return_tensors: str = "np",
 ):
     """Build the Online dataset: local files read with Hugging Face ``datasets``, tokenized when read.
 
@@ -115,6 +117,8 @@ def build_online_text_dataset(
         dp_rank, dp_world_size: this rank's share of an iterable source (a mapping source is shared; the batch
             sampler assigns its indices).
         seed: seeds an iterable source's shuffle buffer.
+        return_tensors: ``"np"``: each sample holds numpy arrays; ``"pt"``: torch tensors sharing their memory
+            (``torch_samples``), for code that reads samples itself. The loaders give the same batches either way.
 
     Returns:
         A ``TransformDataset`` (mapping) or ``IterableTransformDataset`` (iterable), or ``(train, valid, test)``
@@ -147,8 +151,9 @@ def build_online_text_dataset(
         logger.info("online dataset: %r", dataset)
         return dataset
 
+    check_return_tensors(return_tensors)  # before any file is read
     train = build(data_path)
     if config.valid_data_path is None and config.test_data_path is None:
-        return train
+        return with_return_tensors(train, return_tensors)
     others = (config.valid_data_path, config.test_data_path)
-    return (train, *(None if path is None else build(path) for path in others))
+    return with_return_tensors((train, *(None if path is None else build(path) for path in others)), return_tensors)
