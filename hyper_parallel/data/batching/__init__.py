@@ -12,6 +12,7 @@ from hyper_parallel.data.batching.build_dataloader import (
     FixedBatchDataLoader,
     calculate_num_micro_batches,
 )
+from hyper_parallel.data.batching.data_collator import MicroBatchGroupCollator
 from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import BatchLayout, LoaderOptions, SamplerOptions, WorkerOptions
 from hyper_parallel.data.batching.packing_policy import PackingPolicy, SampleCodec
@@ -24,6 +25,7 @@ __all__ = [
     "FixedBatchDataLoader",
     "IndexedStackingCollator",
     "LoaderOptions",
+    "MicroBatchGroupCollator",
     "PackingPolicy",
     "ParallelBatch",
     "SampleCodec",
