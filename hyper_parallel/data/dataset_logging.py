@@ -1,7 +1,8 @@
 """Logging for ``hyper_parallel.data``: one logger tree, rank-aware switches, never sample text.
 
-Owns: the ``hyper_parallel.data`` logger and ``enable_dataset_logging``. Library code logs through
-``get_logger(__name__)``; it never configures the root logger.
+Owns: the ``hyper_parallel.data`` logger, ``enable_dataset_logging`` and ``brief_list`` (a list shortened for a log
+line). Library code logs through ``get_logger(__name__)``; it never configures the root logger. What is logged at
+which level is listed in docs/tools.md ("Logging").
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 
-__all__ = ["enable_dataset_logging", "get_logger"]
+__all__ = ["brief_list", "enable_dataset_logging", "get_logger"]
 
 _ROOT = "hyper_parallel.data"
 
@@ -18,6 +20,19 @@ _ROOT = "hyper_parallel.data"
 def get_logger(name: str = _ROOT) -> logging.Logger:
     """The logger for a module of this package."""
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def brief_list(values: Iterable, spec: str = "", limit: int = 8) -> str:
+    """``[a, b, c]`` for a log line, each value formatted with ``spec``; past ``limit`` values, the first ``limit``
+    and how many more, so that a blend of thousands of sources still logs one short line.
+
+    Example: ``brief_list([0.25, 0.75], ".2f") == "[0.25, 0.75]"``; ``brief_list(range(10), limit=3) ==
+    "[0, 1, 2, ... (7 more)]"``.
+    """
+    values = list(values)
+    shown = ", ".join(format(value, spec) for value in values[:limit])
+    more = f", ... ({len(values) - limit} more)" if len(values) > limit else ""
+    return f"[{shown}{more}]"
 
 
 def _current_rank() -> int:

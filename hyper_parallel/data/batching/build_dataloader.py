@@ -104,6 +104,12 @@ class _CollateRecords:
         return self.collate_fn(samples) if samples else None
 
 
+def _dataset_name(dataset) -> str:
+    """The dataset's class, and its source for Online datasets, for log lines."""
+    description = getattr(dataset, "description", None)
+    return type(dataset).__name__ + (f" of {description}" if isinstance(description, str) else "")
+
+
 # Loaders --------------------------------------------------------------------------------------------------------
 
 
@@ -114,6 +120,45 @@ class _Loader:
         self.dataset = dataset
         self.options = options
         self._source = key_source_for(dataset, options)
+
+    def _log_construction(self, batching: str) -> None:
+        """Say once, at construction, what this loader reads, how it batches, and where its keys come from."""
+        workers = self.options.workers
+        fetching = f"{workers.num_workers} workers" if workers.num_workers else "no workers (main process)"
+        if workers.num_workers and workers.prefetch_factor is not None:
+            fetching += f", prefetch_factor {workers.prefetch_factor}"
+        logger.info(
+            "%s over %s: %s, global_batch_size %d, DP rank %d of %d, %s",
+            type(self).__name__,
+            _dataset_name(self.dataset),
+            batching,
+            self.options.layout.global_batch_size,
+            self.dp_rank,
+            self.dp_world_size,
+            fetching,
+        )
+        sampler = getattr(self._source, "sampler", None)  # a stream has none: it is sharded and shuffled as read
+        if sampler is None:
+            logger.info(
+                "sampler: none, the stream is split between DP ranks and shuffled as read (%r)", self._source.stream
+            )
+            return
+        ordering = sampler.sampler_type + (", data_sharding" if sampler.data_sharding else "")
+        if sampler.rearrange_map is not None:
+            ordering += ", data_rearrange_map"
+        logger.info(
+            "sampler: DatasetBatchSampler %s, seed %d, DP rank %d of %d, %s samples, epochs of %s (drop_last %s), "
+            "%d micro-batches of %d on this rank per epoch",
+            ordering,
+            sampler.seed,
+            sampler.dp_rank,
+            sampler.dp_world_size,
+            f"{sampler.total_samples:,}",
+            f"{sampler.epoch_len:,}",
+            sampler.drop_last,
+            len(sampler),
+            sampler.micro_batch_size,
+        )
 
     def _track(self, worker_collate_fn: Callable, *, one_sample_per_record: bool = False, batches_per_read: int = 1):
         """Start the tracked torch DataLoader that fetches the source's keys (in workers when there are any)."""
@@ -193,6 +238,7 @@ class FixedBatchDataLoader(_Loader):
         super().__init__(dataset, LoaderOptions.from_keywords(**options))
         self.collate_fn = collate_fn if collate_fn is not None else self._source.default_collate_fn()
         self._track(_CollateRecords(self.collate_fn), one_sample_per_record=True)
+        self._log_construction(f"micro_batch_size {self.micro_batch_size}")
 
     def __iter__(self) -> Iterator:
         whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.next_epoch()
@@ -279,6 +325,7 @@ class DynamicBatchDataLoader(_Loader):
             )
         self.policy = checked_policy(packing_policy)
         self._track(_as_lists, batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size))
+        self._log_construction(f"token budget {self.token_budget:,} per micro-batch, packed by {self.policy!r}")
         self._reading: KeyBatch | None = None  # the read being absorbed into the policy
         self._absorbed = 0  # how many of its records are in the policy
         self._flushing = False  # the source's epoch is over; the policy is being emptied

@@ -23,16 +23,23 @@ conventions once)::
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from hyper_parallel.data.batching.attention_runtime import dense_attention_mask, flex_block_mask, packed_seq_params
+from hyper_parallel.data.batching.attention_runtime import (
+    PackedSeqParams,
+    dense_attention_mask,
+    flex_block_mask,
+    packed_seq_params,
+)
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import indexed_batch
 from hyper_parallel.data.batching.sequence_boundaries import IndexedBoundaryResolver, OnlineBoundaryResolver
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
 from hyper_parallel.data.parallel.batch_parallel import (
@@ -45,11 +52,25 @@ from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelC
 
 __all__ = ["ATTENTION_MODES", "MODEL_INPUT_KEYS", "LOSS_INPUT_KEYS", "SOURCE_TYPES", "ParallelBatch"]
 
+logger = get_logger(__name__)
+
 SOURCE_TYPES = ("online", "indexed")
 ATTENTION_MODES = ("dense", "packed", "flex", "none")
 MODEL_INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "swa_mask", "packed_seq_params")
 LOSS_INPUT_KEYS = ("labels", "loss_mask")
 _SENT = ("input_ids", "labels", "cu_seq_lens")  # what the data rank sends its TP peers; the rest is rebuilt
+
+
+def _shape_of(value: Any) -> str:
+    """A model input's type and shape for a log line (never its values): ``bool[2, 1, 8, 16]``, ``None``."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, PackedSeqParams):
+        return f"PackedSeqParams({len(value.cu_seqlens_q) - 1} sequences)"
+    shape = getattr(value, "shape", None)  # a FlexAttention BlockMask
+    return type(value).__name__ + ("" if shape is None else str(list(shape)))
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> str:
@@ -133,6 +154,20 @@ class ParallelBatch:
             self._resolve = IndexedBoundaryResolver(self.eod_token_id)
         self._sharder = CPBatchSharder(context.cp_size, context.cp_rank, self.cp_layout)
         self._broadcaster = TPBatchBroadcaster(context.tp_group, context.tp_src, device=self.device)
+        self._shapes: tuple | None = None  # the shape signature of the last batch logged
+        reads = "reads the loader" if context.is_data_rank else f"receives global rank {context.tp_src}'s batches"
+        logger.info(
+            "ParallelBatch: %s source, %s attention, CP rank %d of %d (%s layout), TP rank %d of %d, %s, on %s",
+            self.source_type,
+            self.attention_mode,
+            context.cp_rank,
+            context.cp_size,
+            self.cp_layout,
+            context.tp_rank,
+            context.tp_size,
+            reads,
+            self.device,
+        )
 
     def _window(self, sliding_window: Any) -> int | None:
         if sliding_window is None:
@@ -276,7 +311,29 @@ class ParallelBatch:
             "packed_seq_params": packed,
         }
         loss_inputs = {"labels": model_inputs["labels"], "loss_mask": loss_mask.to(device, torch.float32)}
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_shapes(model_inputs, row_length)
         return model_inputs, loss_inputs
+
+    def _log_shapes(self, model_inputs: dict[str, Any], row_length: int) -> None:
+        """Log the delivered shapes at the first batch and whenever they change, never per batch."""
+        shapes = tuple((name, _shape_of(value)) for name, value in model_inputs.items())
+        if shapes == self._shapes:
+            return
+        first, self._shapes = self._shapes is None, shapes
+        context = self.context
+        logger.debug(
+            "get_batch %s: %s; rows of %d tokens, %d columns on CP rank %d of %d (%s), TP rank %d of %d",
+            "first batch" if first else "shapes changed",
+            ", ".join(f"{name} {shape}" for name, shape in shapes),
+            row_length,
+            row_length // context.cp_size,
+            context.cp_rank,
+            context.cp_size,
+            self.cp_layout,
+            context.tp_rank,
+            context.tp_size,
+        )
 
     def _positions(self, bounds: np.ndarray, columns: np.ndarray, row_length: int) -> np.ndarray:
         """int64 ``[R, s]``: the local tokens' global columns, or their distances from their sequences' starts."""

@@ -381,7 +381,12 @@ class IndexCache:
         if problem is not None and problem.damage is not None:
             logger.warning("%s: %s; rebuilding the %s indices", problem.path, problem.damage, self._stem)
         logger.info("building the %s indices in %s", self._stem, self.directory)
-        self._publish(request.build())
+        arrays = request.build()
+        self._publish(arrays)
+        megabytes = sum(array.nbytes for array in arrays.values()) / 2**20
+        logger.info(
+            "index cache written: %s, %d arrays, %.1f MiB, in %s", self._stem, len(arrays), megabytes, self.directory
+        )
 
     # -- building and repairing -----------------------------------------------------------------------------
 
@@ -435,10 +440,15 @@ class IndexCache:
             options: how to read and build it (the ``directory`` is this entry's, given when it was made).
         """
         if self._directory_text is None:
+            logger.debug("%s indices built in memory (no cache directory)", self._kind_split)
             return build()
         defer, together = options.defer, options.synchronize
         request = _Request(names, build, options.verification, options.lock_timeout, options.assume_complete)
         if options.assume_complete:
+            # Not the key: fast_cache_load with deferred mapping computes it only when an array is first read.
+            logger.debug(
+                "index cache assumed complete (fast_cache_load): %s in %s", self._kind_split, self._directory_text
+            )
             arrays = LazyArrays(self, request)
             if not defer:
                 for name in request.names:
@@ -448,12 +458,17 @@ class IndexCache:
         if not together:
             # A sound entry never changes (it is published by renames), so reading it needs no lock.
             try:
-                return self._present(request, defer)
+                arrays = self._present(request, defer)
             except _Unusable as problem:
                 damage = problem if problem.damage else None
+            else:
+                logger.debug("index cache hit: %s in %s", self._stem, self._directory_text)
+                return arrays
         if not writable_directory(self.directory):
             return self._read_only(request, defer, damage)
         self._build_under_lock(request, together, damaged=damage is not None)
+        if self._mapped is not None:  # found sound under the lock: built by another process
+            logger.debug("index cache hit: %s in %s", self._stem, self._directory_text)
         if self._mapped is not None and not defer:
             return self._mapped
         try:
@@ -468,9 +483,12 @@ class IndexCache:
         """A directory that cannot be written: read a sound entry, refuse a damaged one, else build in memory."""
         if damage is None:
             try:
-                return self._present(request, defer)
+                arrays = self._present(request, defer)
             except _Unusable as problem:
                 damage = problem if problem.damage else None
+            else:
+                logger.debug("index cache hit: %s in read-only %s", self._stem, self._directory_text)
+                return arrays
         if damage is not None:
             raise self._refusal(damage)
         logger.warning(

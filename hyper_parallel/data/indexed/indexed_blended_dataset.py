@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from hyper_parallel.data.dataset_logging import brief_list, get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_helpers import (
@@ -21,6 +22,8 @@ from hyper_parallel.data.indexed.indexed_helpers import (
 )
 
 __all__ = ["BlendedDataset"]
+
+logger = get_logger(__name__)
 
 _INDEX_NAMES = ("dataset_index", "dataset_sample_index", "samples_per_dataset")
 
@@ -74,6 +77,26 @@ class BlendedDataset(torch.utils.data.Dataset):
         else:
             self._length = len(self._arrays["dataset_index"])
             self._check_sources()
+        if size is None:  # the weights are the sources' sizes, each taken once
+            logger.info(
+                "%s blend: %s samples, every sample of %d sources once, samples per source %s",
+                split,
+                f"{self._length:,}",
+                len(self.datasets),
+                brief_list(self.weights),
+            )
+        else:
+            per_source = "counted on first use (defer_npy_index_mmap)"
+            if not cache_options.defer:
+                per_source = brief_list(self._arrays["samples_per_dataset"].tolist())
+            logger.info(
+                "%s blend: %s samples of %d sources, weights %s, samples per source %s",
+                split,
+                f"{self._length:,}",
+                len(self.datasets),
+                brief_list(self.weights, ".3g"),
+                per_source,
+            )
 
     def _build_indices(self) -> dict[str, np.ndarray]:
         if self.size is None:

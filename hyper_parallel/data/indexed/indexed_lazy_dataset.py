@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
+from hyper_parallel.data.dataset_logging import get_logger
+
 __all__ = ["LazyDatasetProxy"]
+
+logger = get_logger(__name__)
 
 
 class LazyDatasetProxy(torch.utils.data.Dataset):
@@ -37,6 +41,7 @@ class LazyDatasetProxy(torch.utils.data.Dataset):
         if self._dataset is None:
             self._dataset = self._factory()
             self._factory = None
+            logger.debug("built on first use: %s", self.description)
         return self._dataset
 
     def __len__(self) -> int:

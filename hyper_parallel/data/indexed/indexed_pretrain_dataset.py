@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
@@ -29,6 +30,8 @@ from hyper_parallel.data.indexed.ltor_fields import ltor_fields
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["GPTDataset", "GPTFromMRDataset", "MockGPTDataset", "MockGPTLowLevelDataset", "resolve_special_tokens"]
+
+logger = get_logger(__name__)
 
 _SENTINEL_PAD = -1  # never a token id, so real tokens are never masked as padding
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
@@ -268,6 +271,14 @@ class GPTDataset(_MidLevelDataset):
         cache = IndexCache(cache_options.directory_for(dataset_path), self.kind, split, self.unique_identifiers)
         self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(_INDEX_NAMES, self._build_indices, cache_options)
         self._length = self._expected_length() if cache_options.defer else len(self._arrays["shuffle_index"])
+        logger.debug(
+            "%s %s: %s samples of %d tokens from %s tokens",
+            self.kind,
+            self._where(),
+            f"{self._length:,}",
+            config.seq_length,
+            f"{self.tokens_per_epoch:,}",
+        )
 
     def _where(self) -> str:
         return (
@@ -386,6 +397,17 @@ class GPTFromMRDataset(_MidLevelDataset):
             "split": config.split,
             "data_files": _file_identity(low_level),
         }
+        begin, end = (int(self.indices[0]), int(self.indices[-1]) + 1) if len(self.indices) else (0, 0)
+        logger.debug(
+            "%s %s (%s split, records [%d, %d)): %s samples of %d tokens",
+            self.kind,
+            dataset_path,
+            split,
+            begin,
+            end,
+            f"{self._length:,}",
+            config.seq_length,
+        )
 
     def texts(self, indices: Sequence[int]) -> np.ndarray:
         records = self.indices[self._positions(indices)].astype(np.int64)

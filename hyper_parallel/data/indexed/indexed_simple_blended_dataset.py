@@ -12,9 +12,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hyper_parallel.data.dataset_logging import brief_list, get_logger
 from hyper_parallel.data.errors import DataConfigError
 
 __all__ = ["SimpleBlendedDataset", "simple_blend_locations"]
+
+logger = get_logger(__name__)
 
 
 def simple_blend_locations(sizes: Sequence[int], mode: str) -> np.ndarray:
@@ -62,6 +65,14 @@ class SimpleBlendedDataset(torch.utils.data.Dataset):
             "datasets": [d.unique_identifiers for d in self.datasets],
             "size": len(self._locations),
         }
+        logger.info(
+            "%s %s blend: %s records of %d packed sources, records per source %s",
+            getattr(self.datasets[0], "split", "?") if self.datasets else "?",
+            mode,
+            f"{len(self._locations):,}",
+            len(self.datasets),
+            brief_list(np.bincount(self._locations[:, 0], minlength=len(sizes)).tolist()),
+        )
 
     @property
     def eod_token_id(self) -> int | None:

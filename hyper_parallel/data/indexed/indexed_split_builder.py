@@ -17,7 +17,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.dataset_logging import brief_list, get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_data_config import (
@@ -41,6 +41,13 @@ from hyper_parallel.data.tokenizer_protocol import Tokenizer, read_tokenizer
 __all__ = ["BlendKind", "IndexedSplitBuilder", "blend_kind"]
 
 logger = get_logger("hyper_parallel.data.indexed.indexed_split_builder")
+
+# What each mid-level dataset class makes of its prefixes, for the log line of a build.
+_READS = {
+    "GPTDataset": "documents cut into samples across document boundaries",
+    "GPTFromMRDataset": "records packed offline, read as they are",
+    "MockGPTDataset": "synthetic documents, mock_data",
+}
 
 Bookends = list[tuple[float, float] | None]
 Sizes = Sequence[int | None]
@@ -215,6 +222,7 @@ class IndexedSplitBuilder:
         if len(prefixes) == 1:
             logger.warning("building a blend of a single source %s", prefixes[0])
         weights = normalize_weights(blend.weights) if kind is BlendKind.WEIGHTED else None
+        logger.debug("blend of %d prefixes: %s", len(prefixes), kind.value)
         targets: list[list[int] | None] = [None] * 3
         buffers: list[list[int | None]] = [[None] * len(prefixes) for _ in range(3)]
         if weights is not None:
@@ -228,6 +236,13 @@ class IndexedSplitBuilder:
                     )
                 targets[i], buffers[i], _ = blended_sample_counts(
                     weights, sizes[i], self.config.mid_level_dataset_surplus
+                )
+                logger.debug(
+                    "%s blend plan: samples per prefix %s, each source built with %s (surplus %s)",
+                    SPLIT_NAMES[i],
+                    brief_list(targets[i]),
+                    brief_list(buffers[i]),
+                    self.config.mid_level_dataset_surplus,
                 )
         per_source = [
             self._splits_of(prefix, matrix, [buffers[i][k] for i in range(3)]) for k, prefix in enumerate(prefixes)
@@ -249,6 +264,52 @@ class IndexedSplitBuilder:
         if not self.cache.assume_complete:
             check_same_tokenizer(prefixes)
 
+    def _log_choice(self) -> None:
+        config = self.config
+        lazy = ", each dataset built on first use (data_lazy_load)" if config.data_lazy_load else ""
+        logger.info(
+            "Indexed dataset type: %s (%s), samples of %d tokens%s",
+            self.cls.__name__,
+            _READS[self.cls.kind],
+            config.seq_length,
+            lazy,
+        )
+
+    def _cache_place(self, prefixes: Sequence[str | None]) -> str:
+        """Where the index caches of a split over ``prefixes`` are, for its log line."""
+        if self.cls.kind == "GPTFromMRDataset":
+            return "no index cache (packed records are read in order)"
+        if self.cache.directory is not None:
+            return f"index cache in {self.cache.directory}"
+        if len(prefixes) == 1:
+            where = self.cache.directory_for(prefixes[0])
+            return "indices in memory (no data_cache_path)" if where is None else f"index cache in {where}"
+        return "index caches in <prefix>/cache/GPTDataset_indices, blend indices in memory"
+
+    def _log_splits(self, splits: list, prefixes_of: Sequence[Sequence[str | None] | None], matrix: Bookends) -> None:
+        """One line per built split: its share of each prefix, its dataset, its size and its index cache."""
+        for i, dataset in enumerate(splits):
+            if dataset is None:
+                continue
+            prefixes = prefixes_of[i]
+            begin, end = matrix[i]
+            sources = (prefixes[0] or "mock data") if len(prefixes) == 1 else f"{len(prefixes)} prefixes"
+            if isinstance(dataset, LazyDatasetProxy) and not dataset.is_built:
+                built = f"{dataset.description}, built on first use"
+            else:
+                name = type(dataset).__name__
+                top = name if name == self.cls.__name__ else f"{name} of {self.cls.__name__} sources"
+                built = f"{top}, {len(dataset):,} samples of {self.config.seq_length} tokens"
+            logger.info(
+                "%s split: %s to %s of %s, %s; %s",
+                SPLIT_NAMES[i],
+                f"{begin:.1%}",
+                f"{end:.1%}",
+                sources,
+                built,
+                self._cache_place(prefixes),
+            )
+
     def build(self, data_path, sizes: Sizes | None = None) -> list:
         """Build ``[train, valid, test]`` (None for an absent split).
 
@@ -258,8 +319,12 @@ class IndexedSplitBuilder:
         """
         sizes = sample_counts(sizes)
         config = self.config
+        self._log_choice()
         if config.mock_data:
-            return self._splits_of(None, split_matrix("1,1,1"), sizes)  # upstream forces this split for mock data
+            matrix = split_matrix("1,1,1")  # upstream forces this split for mock data
+            splits = self._splits_of(None, matrix, sizes)
+            self._log_splits(splits, [(None,)] * 3, matrix)
+            return splits
         if config.has_per_split_paths:
             result: list = [None] * 3
             paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
@@ -273,6 +338,7 @@ class IndexedSplitBuilder:
                 spoofed = [0, 0, 0]
                 spoofed[i] = sizes[i]
                 result[i] = self._splits(blend, matrix, spoofed, per_split=True)[i]
+            self._log_splits(result, [None if b is None else b.prefixes for b in blends], [(0.0, 1.0)] * 3)
             return result
         if data_path is None:
             raise DataConfigError("data_path is required unless mock_data or train/valid/test_data_path are set")
@@ -280,4 +346,7 @@ class IndexedSplitBuilder:
             raise DataConfigError("split is required with data_path, e.g. split: '98, 1, 1'")
         blend = parse_blend(data_path)
         self._check_tokenizers(blend.prefixes)
-        return self._splits(blend, split_matrix(config.split), sizes)
+        matrix = split_matrix(config.split)
+        splits = self._splits(blend, matrix, sizes)
+        self._log_splits(splits, [blend.prefixes] * 3, matrix)
+        return splits

@@ -23,10 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.parallel.build_barrier import rank_zero_first, without_rank_collectives
 
 T = TypeVar("T")
+
+logger = get_logger(__name__)
 
 __all__ = ["MESH_DIMENSIONS", "DataLoaderParallelContext", "build_on_data_ranks"]
 
@@ -207,4 +210,12 @@ def build_on_data_ranks(context: DataLoaderParallelContext, factory: Callable[[]
         with without_rank_collectives():
             return factory()
 
+    place = (
+        f"DP rank {context.dp_rank} of {context.dp_size}, CP rank {context.cp_rank} of {context.cp_size}, "
+        f"TP rank {context.tp_rank} of {context.tp_size}"
+    )
+    if context.is_data_rank:
+        logger.info("%s: a data rank, builds the datasets and reads its DataLoader (global rank 0 first)", place)
+    else:
+        logger.info("%s: reads no data, receives global rank %d's batches", place, context.tp_src)
     return rank_zero_first(build, takes_part=context.is_data_rank, what="build the datasets")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.parallel.build_barrier import rank_zero_first
 from hyper_parallel.data.text.online.online_iterable_dataset import OnlineIterableDataset
@@ -22,6 +24,8 @@ from hyper_parallel.data.text.online.online_utils import open_hf_dataset
 from hyper_parallel.data.text.records import data_path_entries, is_saved_hf_dataset, resolve_data_files
 
 __all__ = ["OnlineDataConfig", "open_online_source"]
+
+logger = get_logger(__name__)
 
 DATASET_TYPES = ("mapping", "iterable")
 
@@ -89,13 +93,30 @@ def open_online_source(
     streaming = config.dataset_type == "iterable"
 
     def load():
-        return open_hf_dataset(data_path, streaming=streaming, cache_dir=config.cache_dir, split=config.split)
+        started = time.time_ns()  # after rank 0's turn: what this rank's load writes is newer
+        return *open_hf_dataset(data_path, streaming=streaming, cache_dir=config.cache_dir, split=config.split), started
 
     # A mapping source writes an Arrow cache: let rank 0 write it while the other ranks wait, then reuse it.
-    hf_dataset, description = load() if streaming else rank_zero_first(load)
+    hf_dataset, description, started = load() if streaming else rank_zero_first(load)
     files = _source_files(data_path)
     if not streaming:
-        return OnlineMappingDataset(hf_dataset, description, files=files)
+        source = OnlineMappingDataset(hf_dataset, description, files=files)
+        logger.info(
+            "Online dataset type: mapping (random access), %s, %s records; %s",
+            description,
+            f"{len(source):,}",
+            _arrow_cache(hf_dataset, started),
+        )
+        return source
+    logger.info(
+        "Online dataset type: iterable (streamed, no cache), %s; DP rank %d of %d reads its share, shuffle buffer %d "
+        "records, seed %d",
+        description,
+        dp_rank,
+        dp_world_size,
+        config.shuffle_buffer_size,
+        seed,
+    )
     return OnlineIterableDataset(
         hf_dataset,
         description,
@@ -105,3 +126,13 @@ def open_online_source(
         shuffle_buffer_size=config.shuffle_buffer_size,
         seed=seed,
     )
+
+
+def _arrow_cache(hf_dataset, started: int) -> str:
+    """Where a mapping source's Arrow files are, and whether this load wrote them (newer than ``started``, in
+    nanoseconds) or found them, for its log line."""
+    files = [entry["filename"] for entry in hf_dataset.cache_files]
+    if not files:
+        return "held in memory (no Arrow cache)"
+    written = any(os.stat(file).st_mtime_ns >= started for file in files)
+    return f"Arrow cache {'written to' if written else 'reused from'} {os.path.dirname(files[0])}"

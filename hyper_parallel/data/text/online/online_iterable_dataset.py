@@ -21,10 +21,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError, ResumeStateError
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, file_entries, state_field
 
 __all__ = ["OnlineIterableDataset"]
+
+logger = get_logger(__name__)
 
 _STATE_VERSION = 1
 # Cursor fields that must equal this stream's settings, and why.
@@ -133,6 +136,13 @@ class OnlineIterableDataset:
             if len(taken) == max_records:
                 return taken
         if not taken:
+            logger.debug(
+                "DP rank %d's stream of %s: epoch %d ended after %d records",
+                self.dp_rank,
+                self.description,
+                self.epoch,
+                self.position,
+            )
             self._start_epoch(self.epoch + 1)
         return taken
 
