@@ -14,6 +14,7 @@ import torch
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.parallel.batch_sampler import (
+    SAMPLER_TYPES,
     BatchLayout,
     DatasetBatchSampler,
     SamplerOptions,
@@ -589,3 +590,21 @@ def test_the_option_groups_check_themselves_and_build_the_same_sampler():
         SamplerOptions(data_sharding="false")
     with pytest.raises(AttributeError):
         options.seed = 3  # frozen
+
+
+def test_the_distributed_sampler_type_of_earlier_releases_is_refused_with_what_to_write_instead():
+    """Upstream hyper_parallel's ``distributed`` (torch DistributedSampler's padded order) is not available: the
+    error names it and the two types that replace it, for the sampler and for the loaders' option group."""
+    for build in (
+        lambda: make(total_samples=10, micro_batch_size=2, sampler_type="distributed"),
+        lambda: SamplerOptions(sampler_type="distributed"),
+    ):
+        with pytest.raises(DataConfigError) as raised:
+            build()
+        message = str(raised.value)
+        for fragment in ("sampler_type 'distributed'", "DistributedSampler", "'cyclic'", "'single'", "sampler_shuffle"):
+            assert fragment in message
+    assert "distributed" not in SAMPLER_TYPES
+    # a type no release had is still an unknown one
+    with pytest.raises(DataConfigError, match=r"unknown sampler_type 'Distributed'"):
+        SamplerOptions(sampler_type="Distributed")

@@ -35,6 +35,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 
 __all__ = [
     "MAX_SEED",
+    "RETIRED_SAMPLER_TYPES",
     "SAMPLER_TYPES",
     "STATE_VERSION",
     "BatchLayout",
@@ -50,6 +51,15 @@ __all__ = [
 ]
 
 SAMPLER_TYPES = ("single", "cyclic")
+# Sampler types of earlier hyper_parallel releases -> why they are refused and what to write instead.
+RETIRED_SAMPLER_TYPES = {
+    "distributed": (
+        "torch DistributedSampler's order (padded by repeating samples, strided over DP ranks) is not available; "
+        "use sampler_type 'cyclic' for a shuffled order (a new seeded permutation every epoch; what "
+        "'distributed' with sampler_shuffle: true gave) or 'single' for the order of the data (sampler_shuffle: "
+        "false), and drop sampler_shuffle and sampler_drop_last"
+    ),
+}
 STATE_VERSION = 1
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed; numpy's generators take any seed >= 0
 
@@ -129,7 +139,8 @@ class SamplerOptions:
     """How a mapping source's samples are ordered, and the seed of the loaders' generators.
 
     Args:
-        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``).
+        sampler_type: ``single`` (positions in order) or ``cyclic`` (``default_rng([seed, epoch]).permutation``);
+            the ``distributed`` type of earlier hyper_parallel releases is refused with what to use instead.
         data_sharding: ``cyclic`` only: each rank reads its own contiguous bucket of the epoch, in its own
             per-epoch permutation (see ``sharded_bucket``); better locality, not resumable with another DP size.
         data_rearrange_map: logical index -> physical dataset index (an array, a list or a ``.npy`` path),
@@ -151,6 +162,9 @@ class SamplerOptions:
 
     def __post_init__(self) -> None:
         if self.sampler_type not in SAMPLER_TYPES:
+            retired = RETIRED_SAMPLER_TYPES.get(self.sampler_type) if isinstance(self.sampler_type, str) else None
+            if retired:
+                raise DataConfigError(f"sampler_type {self.sampler_type!r}: {retired}")
             raise DataConfigError(f"unknown sampler_type {self.sampler_type!r}; choose one of {list(SAMPLER_TYPES)}")
         for name in ("drop_last", "data_sharding"):
             flag = getattr(self, name)
