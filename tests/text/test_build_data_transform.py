@@ -294,6 +294,74 @@ def test_conversation_accepts_a_chat_template_instance(tokenizer):
     assert transform.chat_template is template
 
 
+def test_a_chat_template_that_carries_its_tokenizer_needs_no_other(tokenizer, tokenizer_path):
+    """A ChatTemplate given as chat_template, as the first argument (upstream hyper_parallel's order) or to
+    build_llm_data_transform needs no tokenizer: every way gives the sample a tokenizer and a name give."""
+    record = {"conversation": CONVERSATION}
+    (reference,) = TextConversationTransform(tokenizer, chat_template="chatml")(record, WHERE)
+    template = ChatMLTemplate(tokenizer_path)  # built from a path: the transform gets its tokenizer from it
+    for transform in (
+        TextConversationTransform(chat_template=template),
+        TextConversationTransform(template, max_seq_len=64),
+        build_llm_data_transform("conversation", chat_template=template, max_seq_len=64),
+        build_llm_data_transform("conversation", template),
+    ):
+        assert transform.chat_template is template and transform.tokenizer is template.tokenizer
+        (sample,) = transform(record, WHERE)
+        for key in ("input_ids", "labels"):
+            assert np.array_equal(sample[key], reference[key])
+    with pytest.raises(DataConfigError, match=r"two chat templates given: .* chat_template='llama2'"):
+        TextConversationTransform(template, chat_template="llama2")
+    with pytest.raises(DataConfigError, match=r"two chat templates given"):
+        TextConversationTransform(template, chat_template=ChatMLTemplate(tokenizer))
+
+
+def test_conversation_supervise_role_header_trains_the_assistant_header(tokenizer):
+    """supervise_role_header (a YAML key of the transform) supervises each supervised message whole, its
+    <|im_start|>role header included, as upstream hyper_parallel does; the ids do not change."""
+    record = {"conversation": CONVERSATION}
+    (plain,) = build_llm_data_transform("conversation", tokenizer, chat_template="chatml")(record, WHERE)
+    (headed,) = build_llm_data_transform("conversation", tokenizer, chat_template="chatml", supervise_role_header=True)(
+        record, WHERE
+    )
+    assert np.array_equal(plain["input_ids"], headed["input_ids"])
+    spans = [tokenizer.decode(headed["labels"][a:b]) for a, b in supervised_spans(headed["labels"])]
+    # Messages 2 and 3 are adjacent, so their spans join.
+    assert spans == [
+        f"<|im_start|>assistant\n{CONVERSATION[2]['content']}{IM_END}\n"
+        f"<|im_start|>user\n{CONVERSATION[3]['content']}{IM_END}\n",
+        f"<|im_start|>assistant\n{CONVERSATION[7]['content']}{IM_END}\n",
+    ]
+    full = tokenizer.encode(CHATML_TEXT)
+    supervised = headed["labels"] != IGNORE_INDEX
+    assert np.array_equal(headed["labels"][supervised], np.asarray(full[1:])[supervised])
+    headed_template = ChatMLTemplate(tokenizer, supervise_role_header=True)
+    assert TextConversationTransform(chat_template=headed_template).chat_template.supervise_role_header
+    with pytest.raises(DataConfigError, match=r"built with supervise_role_header=True"):
+        TextConversationTransform(chat_template=headed_template, supervise_role_header=False)
+
+
+def test_conversation_message_fields_reach_the_template(tokenizer):
+    """Fields besides role and content (metadata, tool_calls...) reach the chat template's messages."""
+    seen = []
+
+    class Recording(ChatMLTemplate):
+        def encode_messages(self, messages, where="record"):
+            seen.extend(messages)
+            return super().encode_messages(messages, where)
+
+    raw = [
+        {"from": "human", "value": "Hi", "metadata": {"source": "forum"}},
+        {"from": "gpt", "value": "Hello!", "tool_calls": [{"name": "greet"}]},
+    ]
+    transform = TextConversationTransform(Recording(tokenizer), role_key="from", content_key="value")
+    transform({"conversation": raw}, WHERE)
+    assert seen == [
+        {"role": "user", "content": "Hi", "metadata": {"source": "forum"}},
+        {"role": "assistant", "content": "Hello!", "tool_calls": [{"name": "greet"}]},
+    ]
+
+
 def test_conversation_text_keys_fallbacks_and_sharegpt_fields(tokenizer):
     """text_keys lists fallbacks; role_key/content_key read ShareGPT's from/value; role_map renames roles."""
     transform = TextConversationTransform(

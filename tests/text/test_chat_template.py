@@ -23,6 +23,7 @@ from hyper_parallel.data.text.chat_template import (
     ChatMLTemplate,
     ChatTemplate,
     DefaultChatTemplate,
+    GptOssChatTemplate,
     Llama2ChatTemplate,
     TokenizerChatTemplate,
     build_chat_template,
@@ -69,6 +70,23 @@ STRIP_EARLIER_REASONING = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONTENTS_ONLY = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# Reads a field of the message besides role and content. (transformers renders with trim_blocks: a newline right
+# after a block tag is dropped, so these templates write it in an expression.)
+WITH_METADATA = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.metadata is defined %} ({{ m.metadata.source }})"
+    "{% endif %}{{ '\\n' + m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Shaped like gpt-oss's template: the last assistant turn ends with <|return|>, every other turn with <|end|>, so
+# adding a message after an assistant turn rewrites the final token of the previous render.
+HARMONY_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|return|>")
+HARMONY = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' and loop.last %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+# The same, with a newline after the terminal token: the rewritten token is no longer the render's last.
+HARMONY_WITH_NEWLINE = HARMONY.replace("{% endif %}{% endfor %}", "{% endif %}{{ '\\n' }}{% endfor %}")
 REJECTS_TOOLS = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}"
     "{{ raise_exception('tool turns are not supported by this template') }}{% endif %}"
@@ -112,6 +130,28 @@ def tokenizer_with_template(tmp_path: Path, template: str | None):
     else:
         (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
     return build_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """The bundled tokenizer with gpt-oss's markers added as special tokens, and the HARMONY template."""
+    directory = tmp_path_factory.mktemp("harmony") / "tokenizer"
+    shutil.copytree(BUNDLED_TOKENIZER_PATH, directory)
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    backend.add_special_tokens(list(HARMONY_TOKENS))
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(HARMONY, encoding="utf-8")
+    return build_tokenizer(directory)
+
+
+def message_labels(tokenizer, texts: list[str], supervised: list[bool]) -> np.ndarray:
+    """Labels of a render made of ``texts`` (one per message, each split from the next by special tokens): a
+    supervised message's tokens, IGNORE_INDEX for the others."""
+    pieces = [
+        np.asarray(ids if keep else [IGNORE_INDEX] * len(ids), dtype=np.int64)
+        for ids, keep in ((tokenizer.encode(text), keep) for text, keep in zip(texts, supervised, strict=True))
+    ]
+    return np.concatenate(pieces)
 
 
 def word_level_tokenizer(tmp_path: Path):
@@ -163,22 +203,25 @@ def test_role_map_comes_first_exact_then_lower_cased_and_overrides_aliases():
     assert roles == ["system", "assistant", "user", "user", "user"]
 
 
-def test_normalize_uses_custom_keys_returns_new_dicts_and_keeps_loss_mask():
-    """ShareGPT keys (from/value) work; other fields are dropped, a null loss_mask is no loss_mask."""
+def test_normalize_uses_custom_keys_returns_new_dicts_and_keeps_loss_mask_and_other_fields():
+    """ShareGPT keys (from/value) become role/content; other fields are kept as they are (for the template), a
+    null loss_mask is no loss_mask, and a field named like the canonical ones is replaced by them."""
+    metadata = {"source": "wiki", "turn": 1}
     raw = [
-        {"from": "human", "value": "Hi", "weight": 0.5},
+        {"from": "human", "value": "Hi", "weight": 0.5, "metadata": metadata},
         {"from": "gpt", "value": "Hello!", "loss_mask": False},
-        {"from": "human", "value": "Bye", "loss_mask": 1},
-        {"from": "gpt", "value": "Bye!", "loss_mask": None},
+        {"from": "human", "value": "Bye", "loss_mask": 1, "role": "ignored", "content": "ignored"},
+        {"from": "gpt", "value": "Bye!", "loss_mask": None, "name": "helper"},
     ]
     snapshot = [dict(m) for m in raw]
     messages = normalize_messages(raw, role_key="from", content_key="value")
     assert messages == [
-        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Hi", "weight": 0.5, "metadata": {"source": "wiki", "turn": 1}},
         {"role": "assistant", "content": "Hello!", "loss_mask": False},
         {"role": "user", "content": "Bye", "loss_mask": 1},
-        {"role": "assistant", "content": "Bye!"},
+        {"role": "assistant", "content": "Bye!", "name": "helper"},
     ]
+    assert messages[0]["metadata"] is metadata  # values are passed through, not copied
     assert raw == snapshot  # the input is not modified
     assert [is_supervised(m) for m in messages] == [False, False, True, True]
 
@@ -472,7 +515,7 @@ def test_chatml_needs_its_markers_and_eos_templates_need_eos(tmp_path):
 
 def test_registry_names_and_errors(tokenizer, tokenizer_path):
     """Known names build their class (a path works as tokenizer); an instance is returned as is."""
-    assert set(CHAT_TEMPLATE_REGISTRY) == {"tokenizer", "chatml", "llama2", "default"}
+    assert set(CHAT_TEMPLATE_REGISTRY) == {"tokenizer", "chatml", "llama2", "default", "gpt_oss"}
     expected = {
         "tokenizer": TokenizerChatTemplate,
         "chatml": ChatMLTemplate,
@@ -496,13 +539,149 @@ def test_chat_template_is_abstract():
         ChatTemplate(None)
 
 
+@pytest.mark.parametrize("supervise_role_header", [False, True])
 @pytest.mark.parametrize("name", sorted(CHAT_TEMPLATE_REGISTRY))
-def test_templates_pickle_and_encode_the_same(tokenizer, name):
+def test_templates_pickle_and_encode_the_same(tokenizer, harmony, name, supervise_role_header):
     """Templates travel to data-loader workers: a pickled copy gives the same ids and labels."""
-    template = build_chat_template(name, tokenizer)
+    template = build_chat_template(
+        name, harmony if name == "gpt_oss" else tokenizer, supervise_role_header=supervise_role_header
+    )
     messages = conversation(overrides=True)
     ids, labels = template.encode_messages(messages)
     copy = pickle.loads(pickle.dumps(template))
     copy_ids, copy_labels = copy.encode_messages(messages)
     assert np.array_equal(ids, copy_ids) and np.array_equal(labels, copy_labels)
     assert (labels != IGNORE_INDEX).any()
+
+
+# -- supervise_role_header: upstream's supervision of whole messages ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["chatml", "tokenizer"])
+@pytest.mark.parametrize(("overrides", "supervised"), [(False, DEFAULT_SUPERVISED), (True, OVERRIDE_SUPERVISED)])
+def test_supervise_role_header_supervises_each_supervised_message_whole(tokenizer, name, overrides, supervised):
+    """With supervise_role_header every token of a supervised message is supervised, its <|im_start|>role
+    header included; the ids are the same as without it."""
+    texts = [
+        f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in zip(CANONICAL_ROLES_OF_RAW, CONTENTS, strict=True)
+    ]
+    expected = message_labels(tokenizer, texts, [i in supervised for i in range(len(texts))])
+    ids, labels = build_chat_template(name, tokenizer, supervise_role_header=True).encode_messages(
+        conversation(overrides)
+    )
+    plain_ids, plain_labels = build_chat_template(name, tokenizer).encode_messages(conversation(overrides))
+    assert np.array_equal(ids, plain_ids) and np.array_equal(labels, expected)
+    assert (labels[ids == 2] != IGNORE_INDEX).sum() == len(supervised)  # one supervised <|im_start|> per message
+    # The default differs exactly on the headers of the supervised messages.
+    differs = labels != plain_labels
+    header_tokens = sum(len(tokenizer.encode(f"{IM_START}{CANONICAL_ROLES_OF_RAW[i]}\n")) for i in supervised)
+    assert differs.sum() == header_tokens and (plain_labels[differs] == IGNORE_INDEX).all()
+
+
+def test_supervise_role_header_in_the_default_and_llama2_templates(tokenizer):
+    """default: the '{Role}: ' header joins the supervised span; llama2 has no separate header, so nothing changes."""
+    messages = normalize_messages(
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "human", "content": "Hi there"},
+            {"role": "gpt", "content": "Hello!"},
+            {"role": "observation", "content": "42", "loss_mask": True},
+            {"role": "user", "content": "Thanks"},
+        ]
+    )
+    ids, labels = DefaultChatTemplate(tokenizer, supervise_role_header=True).encode_messages(messages)
+    assert decoded_spans(tokenizer, ids, labels) == [f"Assistant: Hello!{EOS}\nTool: 42{EOS}\n"]
+    plain = Llama2ChatTemplate(tokenizer).encode_messages(messages)
+    headed = Llama2ChatTemplate(tokenizer, supervise_role_header=True).encode_messages(messages)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, headed, strict=True))
+
+
+def test_supervise_role_header_is_checked_and_named_in_the_repr(tokenizer):
+    """The option is a bool; a template keeps its setting (a contradicting option is refused); the repr, which
+    a resumed loader compares, names it only when set."""
+    plain, headed = ChatMLTemplate(tokenizer), ChatMLTemplate(tokenizer, supervise_role_header=True)
+    assert "supervise_role_header" not in repr(plain)
+    assert repr(headed).endswith(", supervise_role_header=True)")
+    assert build_chat_template(headed, None) is headed
+    assert build_chat_template(headed, None, supervise_role_header=True) is headed
+    with pytest.raises(DataConfigError, match=r"built with supervise_role_header=True, but supervise_role_header=Fals"):
+        build_chat_template(headed, None, supervise_role_header=False)
+    with pytest.raises(DataConfigError, match=r"supervise_role_header must be true or false, got 'true'"):
+        build_chat_template("chatml", tokenizer, supervise_role_header="true")
+    assert build_chat_template("chatml", tokenizer, supervise_role_header=np.bool_(True)).supervise_role_header is True
+
+
+# -- extra message fields -------------------------------------------------------------------------------------------
+
+
+def test_extra_message_fields_reach_the_tokenizer_template(tmp_path):
+    """A Jinja template sees every field of a message (here metadata); the header search keeps them too, so the
+    header it finds is the one the template writes for that message."""
+    custom = tokenizer_with_template(tmp_path, WITH_METADATA)
+    messages = normalize_messages(
+        [
+            {"role": "user", "content": "Capital?", "metadata": {"source": "quiz"}},
+            {"role": "assistant", "content": "Paris.", "metadata": {"source": "atlas"}},
+            {"role": "user", "content": "Thanks"},
+        ]
+    )
+    ids, labels = build_chat_template("tokenizer", custom).encode_messages(messages)
+    assert custom.decode(ids) == (
+        f"{IM_START}user (quiz)\nCapital?{IM_END}\n{IM_START}assistant (atlas)\nParis.{IM_END}\n"
+        f"{IM_START}user\nThanks{IM_END}\n"
+    )
+    assert decoded_spans(custom, ids, labels) == [f"Paris.{IM_END}\n"]
+
+
+# -- gpt-oss: the terminal <|return|> -> <|end|> rewrite ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "gpt_oss"])
+@pytest.mark.parametrize("supervise_role_header", [False, True])
+def test_gpt_oss_terminal_rewrite_is_accepted_and_labelled_with_the_final_token(harmony, name, supervise_role_header):
+    """Adding a message after an assistant turn turns its <|return|> into <|end|>: accepted, the ids are the full
+    render and the rewritten position is supervised with the <|end|> id. Two assistant turns in a row work too."""
+    end, ret = harmony.backend.token_to_id("<|end|>"), harmony.backend.token_to_id("<|return|>")
+    template = build_chat_template(name, harmony, supervise_role_header=supervise_role_header)
+    assert isinstance(template, GptOssChatTemplate if name == "gpt_oss" else TokenizerChatTemplate)
+    header = "<|start|>assistant<|message|>" if supervise_role_header else ""
+    cases = [
+        (
+            ["user", "assistant", "user", "assistant"],
+            ["Capital?", "Paris.", "And Spain?", "Madrid."],
+            [f"{header}Paris.<|end|>", f"{header}Madrid.<|return|>"],
+        ),
+        (["user", "assistant", "assistant"], ["Hi", "Hello.", "Anything else?"], None),
+    ]
+    for roles, contents, spans in cases:
+        messages = normalize_messages([{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)])
+        ids, labels = template.encode_messages(messages)
+        terminals = [
+            "<|return|>" if r == "assistant" and k == len(roles) - 1 else "<|end|>" for k, r in enumerate(roles)
+        ]
+        text = "".join(f"<|start|>{r}<|message|>{c}{t}" for r, c, t in zip(roles, contents, terminals, strict=True))
+        assert np.array_equal(ids, harmony.encode(text))
+        assert ids.tolist().count(ret) == 1 and ids[-1] == ret
+        for position in np.flatnonzero(ids == end):
+            is_assistant_turn_end = harmony.decode(ids[:position]).endswith(("Paris.", "Hello."))
+            assert labels[position] == (end if is_assistant_turn_end else IGNORE_INDEX)
+        if spans is not None:
+            assert decoded_spans(harmony, ids, labels) == spans
+        else:  # the two assistant turns are adjacent: one span, headers as configured
+            assert decoded_spans(harmony, ids, labels) == [
+                f"{header}Hello.<|end|><|start|>assistant<|message|>Anything else?<|return|>"
+                if supervise_role_header
+                else "Hello.<|end|>"
+            ] + ([] if supervise_role_header else ["Anything else?<|return|>"])
+
+
+def test_only_the_terminal_rewrite_of_tokens_the_tokenizer_has_is_accepted(tmp_path, tokenizer, harmony):
+    """Without <|return|>/<|end|> tokens the same rewrite of plain text is refused, as is a rewrite of a token
+    that is not the render's last; 'gpt_oss' names the token a tokenizer lacks."""
+    plain = tokenizer_with_template(tmp_path / "plain", HARMONY)
+    with pytest.raises(DataConfigError, match=r"rewrites the text of earlier messages"):
+        build_chat_template("tokenizer", plain)
+    with pytest.raises(DataConfigError, match=r"chat_template 'gpt_oss' needs the token <\|return\|>"):
+        build_chat_template("gpt_oss", plain)
+    with pytest.raises(DataConfigError, match=r"rewrites the text of earlier messages"):
+        TokenizerChatTemplate(harmony, template=HARMONY_WITH_NEWLINE)

@@ -31,6 +31,7 @@ from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.chat_template import (
     ROLE_ALIASES,
     ChatTemplate,
+    _flag,
     build_chat_template,
     normalize_messages,
 )
@@ -62,15 +63,6 @@ def _positive_int(value, name: str, *, optional: bool) -> int | None:
             "set it to the model's context length in tokens, e.g. 4096"
         )
     return int(value)
-
-
-def _flag(value, name: str) -> bool:
-    # bool("false") is True: a quoted YAML value must not silently mean the opposite
-    if not isinstance(value, bool | np.bool_):
-        raise DataConfigError(
-            f"{name} must be true or false, got {value!r} ({type(value).__name__}); write it unquoted"
-        )
-    return bool(value)
 
 
 def _field_name(value, name: str) -> str:
@@ -288,9 +280,16 @@ class PlaintextTransform(_RecordTransform):
 class TextConversationTransform(_RecordTransform):
     """A conversation (SFT): normalize the messages, apply a chat template, shift; one ModelSample per record.
 
-    Only supervised messages carry loss (assistant messages, or per-message ``loss_mask``). No truncation: a
-    conversation longer than ``max_seq_len`` is returned whole. A conversation without any supervised target
-    is an invalid record, never returned.
+    Only supervised messages carry loss (assistant messages, or per-message ``loss_mask``); their role header
+    (``<|im_start|>assistant\\n``) too with ``supervise_role_header``. Fields of a message other than its role
+    and content reach the chat template. No truncation: a conversation longer than ``max_seq_len`` is returned
+    whole. A conversation without any supervised target is an invalid record, never returned.
+
+    Example, without a separate tokenizer (the template carries one)::
+
+        template = build_chat_template("chatml", "path/to/tokenizer")
+        transform = TextConversationTransform(chat_template=template, text_keys="messages")
+        # or, as upstream hyper_parallel writes it: TextConversationTransform(template, text_keys="messages")
     """
 
     def __init__(
@@ -303,27 +302,43 @@ class TextConversationTransform(_RecordTransform):
         role_key: str = "role",
         content_key: str = "content",
         role_map: Mapping[str, str] | None = None,
+        supervise_role_header: bool | None = None,
         on_invalid_record: str = "error",
     ):
         """
         Args:
             tokenizer: anything ``build_tokenizer`` takes (a ``transformers`` tokenizer object brings its own chat
                 template and special tokens); optional when ``chat_template`` is a ``ChatTemplate``, which carries
-                its tokenizer.
+                its tokenizer. A ``ChatTemplate`` given here (upstream hyper_parallel's first argument) is the chat
+                template.
             max_seq_len: the model's context length, for the loader; conversations are not truncated.
-            chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``chatml``, ``llama2``, ``default``
-                or a ``ChatTemplate``.
+            chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``gpt_oss``, ``chatml``,
+                ``llama2``, ``default`` or a ``ChatTemplate``.
             text_keys: the field with the list of messages, or fields tried in order.
             role_key, content_key: the message fields that hold the speaker and the text.
             role_map: raw role -> role, applied before the built-in aliases (e.g. ``{"narrator": "system"}``).
+            supervise_role_header: also supervise the role header of supervised messages, as upstream
+                hyper_parallel does. None: the ``ChatTemplate``'s own setting, or False for a named template.
             on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+
+        Raises:
+            DataConfigError: an invalid option, two chat templates, or a template and a tokenizer that differ.
         """
         super().__init__(max_seq_len, on_invalid_record)
+        if isinstance(tokenizer, ChatTemplate):
+            if isinstance(chat_template, ChatTemplate) or chat_template != "tokenizer":
+                raise DataConfigError(
+                    f"two chat templates given: {tokenizer!r} in place of the tokenizer and chat_template="
+                    f"{chat_template!r}; pass the ChatTemplate once, as chat_template="
+                )
+            tokenizer, chat_template = None, tokenizer
         self.tokenizer = _template_tokenizer(tokenizer, chat_template)
         self.text_keys = _key_list(text_keys, "text_keys")
         self.role_key, self.content_key = _field_name(role_key, "role_key"), _field_name(content_key, "content_key")
         self.role_map = _check_role_map(role_map)
-        self.chat_template = build_chat_template(chat_template, self.tokenizer)
+        self.chat_template = build_chat_template(
+            chat_template, self.tokenizer, supervise_role_header=supervise_role_header
+        )
 
     def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
         key, raw_messages = _pick(record, self.text_keys, where, "conversation")

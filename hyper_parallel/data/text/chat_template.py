@@ -1,14 +1,16 @@
 """Chat templates: turn a conversation into token ids and per-token labels that supervise chosen messages.
 
-Owns: normalizing raw messages (role aliases, ``role_map``, field checks), the ``ChatTemplate`` interface, the
-named templates (``tokenizer``, ``chatml``, ``llama2``, ``default``) and their registry. Labels returned here
-are **unshifted**: ``labels[i]`` is ``input_ids[i]`` where the token is supervised and ``IGNORE_INDEX``
-elsewhere; shifting into next-token targets is the transform's job (``build_data_transform``).
+Owns: normalizing raw messages (role aliases, ``role_map``, field checks; other fields are kept for the
+template), the ``ChatTemplate`` interface, the named templates (``tokenizer``, ``gpt_oss``, ``chatml``,
+``llama2``, ``default``) and their registry. Labels returned here are **unshifted**: ``labels[i]`` is
+``input_ids[i]`` where the token is supervised and ``IGNORE_INDEX`` elsewhere; shifting into next-token targets
+is the transform's job (``build_data_transform``).
 Not responsible for: picking the conversation out of a record, shifting, truncation or batching.
 
 Supervision: a message with a truthy ``loss_mask`` is supervised, one with a falsy ``loss_mask`` is not, and
 without ``loss_mask`` only ``assistant`` messages are. Within a supervised message the role header (e.g.
-``<|im_start|>assistant\\n``) is never supervised; the content and the end-of-turn tokens are.
+``<|im_start|>assistant\\n``) is not supervised by default; the content and the end-of-turn tokens are. With
+``supervise_role_header=True`` the header is supervised too, as upstream hyper_parallel does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ __all__ = [
     "ChatMLTemplate",
     "ChatTemplate",
     "DefaultChatTemplate",
+    "GptOssChatTemplate",
     "Llama2ChatTemplate",
+    "TERMINAL_REWRITES",
     "TokenizerChatTemplate",
     "build_chat_template",
     "is_supervised",
@@ -83,6 +87,15 @@ def _resolve_role(role: str, role_map: Mapping | None) -> str | None:
     return ROLE_ALIASES.get(role.lower())
 
 
+def _flag(value, name: str) -> bool:
+    # bool("false") is True: a quoted YAML value must not silently mean the opposite
+    if not isinstance(value, bool | np.bool_):
+        raise DataConfigError(
+            f"{name} must be true or false, got {value!r} ({type(value).__name__}); write it unquoted"
+        )
+    return bool(value)
+
+
 def _check_loss_mask(value, where: str, position: int) -> bool | int:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
@@ -102,7 +115,7 @@ def normalize_messages(
     role_map: Mapping[str, str] | None = None,
     where: str = "record",
 ) -> list[dict]:
-    """Check raw messages and return new ``{"role", "content"[, "loss_mask"]}`` dicts with canonical roles.
+    """Check raw messages and return new dicts with canonical roles, keeping every other field of a message.
 
     Args:
         messages: a non-empty list of mappings (a tuple or an object array, as read from Parquet, also works).
@@ -112,7 +125,10 @@ def normalize_messages(
         where: the record, for error messages (e.g. ``"record 17 of /data/train.jsonl"``).
 
     Returns:
-        New dicts; ``loss_mask`` is kept (as bool or 0/1) only when the message has a non-null one.
+        New dicts ``{"role", "content", ...}``: the canonical role, the text, ``loss_mask`` (as bool or 0/1) when
+        the message has a non-null one, and every other field as it is (``metadata``, ``tool_calls``, ``name``...),
+        which a ``tokenizer`` chat template sees. The ``role_key`` and ``content_key`` fields become ``role`` and
+        ``content``.
 
     Raises:
         DataFileError: the conversation, a message, a role, a content or a ``loss_mask`` is malformed.
@@ -125,6 +141,7 @@ def normalize_messages(
         )
     if len(messages) == 0:
         raise DataFileError(f"{where}: the conversation has no messages; remove the record or add messages")
+    replaced = {role_key, content_key, "loss_mask"}  # written again below, normalized
     normalized = []
     for position, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -162,6 +179,7 @@ def normalize_messages(
                 "flatten multi-part content into one string"
             )
         entry = {"role": canonical, "content": content}
+        entry.update((key, value) for key, value in message.items() if key not in replaced and key not in entry)
         loss_mask = message.get("loss_mask")
         if loss_mask is not None:
             entry["loss_mask"] = _check_loss_mask(loss_mask, where, position)
@@ -186,6 +204,10 @@ class ChatTemplate(ABC):
 
     Subclasses are picklable so that they can travel to data-loader workers. A template carries its tokenizer
     (``.tokenizer``, a ``TextTokenizer``), so a transform given a template needs no tokenizer of its own.
+
+    Porting from upstream hyper_parallel: ``encode_messages`` returns ``(input_ids, labels)`` int64 arrays instead
+    of a dict of lists with ``attention_mask``, takes ``where`` instead of ``max_seq_len`` and never truncates
+    (see docs/porting.md).
     """
 
     name: str = ""
@@ -193,13 +215,20 @@ class ChatTemplate(ABC):
     # pickled, so it is left out of the pickled state and bound again after unpickling.
     _BACKEND_METHODS: dict[str, str] = {}
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, supervise_role_header: bool = False):
         """
         Args:
             tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object
                 (its special tokens and chat template are used), or a tokenizer path.
+            supervise_role_header: also supervise the role header of every supervised message (e.g.
+                ``<|im_start|>assistant\\n``), as upstream hyper_parallel does; by default only the content and the
+                end-of-turn tokens are.
+
+        Raises:
+            DataConfigError: ``supervise_role_header`` is not a bool, or the tokenizer lacks what the template needs.
         """
         self.tokenizer = build_tokenizer(tokenizer)
+        self.supervise_role_header = _flag(supervise_role_header, "supervise_role_header")
         self._bind_backend()
 
     def _bind_backend(self) -> None:
@@ -226,7 +255,9 @@ class ChatTemplate(ABC):
         """
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(tokenizer={read_tokenizer(self.tokenizer).name!r})"
+        # The repr names the labels a template gives (a resumed loader compares it); the default adds nothing.
+        header = ", supervise_role_header=True" if self.supervise_role_header else ""
+        return f"{type(self).__name__}(tokenizer={read_tokenizer(self.tokenizer).name!r}{header})"
 
 
 def _special_id(tokenizer, token: str, template: str) -> int:
@@ -251,7 +282,8 @@ def _required_eos(tokenizer, template: str) -> int:
 
 
 class _PiecewiseTemplate(ChatTemplate):
-    """A template written in Python: each message is a header (never supervised) and a body, encoded separately.
+    """A template written in Python: each message is a header and a body, encoded separately; the header is
+    supervised only with ``supervise_role_header``.
 
     Pieces are tokenized on their own and concatenated, so no token spans a piece boundary and the label
     boundary always falls between tokens. Constant pieces (role headers, separators) are encoded once.
@@ -259,8 +291,8 @@ class _PiecewiseTemplate(ChatTemplate):
 
     _BACKEND_METHODS = {"_encode_text": "encode"}
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, *, supervise_role_header: bool = False):
+        super().__init__(tokenizer, supervise_role_header=supervise_role_header)
         self._constants: dict[str, list[int]] = {}
 
     def _encode(self, text: str) -> list[int]:
@@ -281,7 +313,7 @@ class _PiecewiseTemplate(ChatTemplate):
         labels: list[int] = []
         for header, body, supervised in self._pieces(messages):
             ids += header
-            labels += [IGNORE_INDEX] * len(header)
+            labels += header if supervised and self.supervise_role_header else [IGNORE_INDEX] * len(header)
             ids += body
             labels += body if supervised else [IGNORE_INDEX] * len(body)
         return _as_arrays(ids, labels)
@@ -290,14 +322,15 @@ class _PiecewiseTemplate(ChatTemplate):
 class ChatMLTemplate(_PiecewiseTemplate):
     """``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
 
-    The header ``<|im_start|>{role}\\n`` is never supervised; a supervised message contributes its content,
-    ``<|im_end|>`` and the newline. The markers are the tokenizer's own special tokens, never text.
+    A supervised message contributes its content, ``<|im_end|>`` and the newline, and with
+    ``supervise_role_header`` its header ``<|im_start|>{role}\\n`` too. The markers are the tokenizer's own special
+    tokens, never text. Unlike upstream hyper_parallel's ``chatml``, the content is not stripped.
     """
 
     name = "chatml"
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, *, supervise_role_header: bool = False):
+        super().__init__(tokenizer, supervise_role_header=supervise_role_header)
         self.im_start_id = _special_id(self.tokenizer, "<|im_start|>", self.name)
         self.im_end_id = _special_id(self.tokenizer, "<|im_end|>", self.name)
 
@@ -318,13 +351,14 @@ class Llama2ChatTemplate(_PiecewiseTemplate):
     - assistant: `` {content} `` + EOS, all of it supervised when the message is;
     - tool: BOS + ``[TOOL] {content} [/TOOL]``.
 
-    Each turn is one encoded string (no separate header), so a supervised user or tool turn is supervised whole.
+    Each turn is one encoded string (no separate header), so a supervised user or tool turn is supervised whole
+    and ``supervise_role_header`` changes nothing.
     """
 
     name = "llama2"
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, *, supervise_role_header: bool = False):
+        super().__init__(tokenizer, supervise_role_header=supervise_role_header)
         self.eos_id = _required_eos(self.tokenizer, self.name)
         self.bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
 
@@ -350,14 +384,14 @@ class Llama2ChatTemplate(_PiecewiseTemplate):
 class DefaultChatTemplate(_PiecewiseTemplate):
     """A plain format for tokenizers without a chat template: ``{Role}: {content}`` + EOS + ``\\n`` per message.
 
-    The header ``{Role}: `` is never supervised; a supervised message contributes its stripped content, the
-    EOS token and the newline.
+    A supervised message contributes its stripped content, the EOS token and the newline, and with
+    ``supervise_role_header`` its header ``{Role}: `` too.
     """
 
     name = "default"
 
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, *, supervise_role_header: bool = False):
+        super().__init__(tokenizer, supervise_role_header=supervise_role_header)
         self.eos_id = _required_eos(self.tokenizer, self.name)
 
     def _pieces(self, messages):
@@ -384,18 +418,29 @@ _NOT_INCREMENTAL_FIX = (
     "use a named template such as chat_template='chatml' (or 'llama2', 'default')"
 )
 
+# The one rewrite of earlier text that incremental rendering tolerates: gpt-oss ends the last assistant turn of a
+# conversation with <|return|> and every earlier one with <|end|>, so adding a message after an assistant turn
+# turns the final token of the previous render into <|end|>. Used when the tokenizer has both tokens.
+TERMINAL_REWRITES: dict[str, str] = {"<|return|>": "<|end|>"}
+
 
 class TokenizerChatTemplate(ChatTemplate):
     """The tokenizer's own Jinja chat template, rendered incrementally to find each message's tokens.
 
     Messages ``[:1]``, ``[:2]``, ... are rendered with ``apply_chat_template(..., tokenize=False)``; the text
-    of message ``k`` is what the render of ``[:k+1]`` adds to the render of ``[:k]``. Every render must extend
-    the previous one, as text and as tokens (each render is tokenized in full), otherwise the template rewrites
-    earlier messages and a ``DataConfigError`` says so. For a supervised message the prefix is also rendered
-    with ``add_generation_prompt=True``: that header (e.g. ``<|im_start|>assistant\\n``) is not supervised,
-    only the content and the end-of-turn text after it. When the generation prompt does not match the message
-    (a supervised non-assistant message, or a template without one), the header is found by rendering the
-    message with a placeholder content; failing that, the whole message is supervised.
+    of message ``k`` is what the render of ``[:k+1]`` adds to the render of ``[:k]``. Every field of a message
+    reaches the template (``tool_calls``, ``metadata``...). Every render must extend the previous one, as text
+    and as tokens (each render is tokenized in full), otherwise the template rewrites earlier messages and a
+    ``DataConfigError`` says so. One rewrite is tolerated (``TERMINAL_REWRITES``, when the tokenizer has both
+    tokens): a previous render that ends with gpt-oss's ``<|return|>`` may continue with ``<|end|>`` in its place;
+    that token then belongs to the earlier message, with the ``<|end|>`` id as its label when it is supervised.
+
+    For a supervised message the prefix is also rendered with ``add_generation_prompt=True``: that header (e.g.
+    ``<|im_start|>assistant\\n``) is not supervised, only the content and the end-of-turn text after it. When the
+    generation prompt does not match the message (a supervised non-assistant message, or a template without
+    one), the header is found by rendering the message with a placeholder content; failing that, the whole
+    message is supervised. With ``supervise_role_header`` no header is searched: every token a supervised
+    message adds is supervised, as upstream hyper_parallel does.
 
     The compiled Jinja template is cached by ``transformers``; this class keeps the template text, so a
     pickled copy renders the same way after the tokenizer is reloaded in a worker. The template is checked
@@ -408,14 +453,18 @@ class TokenizerChatTemplate(ChatTemplate):
     name = "tokenizer"
     _BACKEND_METHODS = {"_encode_batch": "encode_batch"}
 
-    def __init__(self, tokenizer, template: str | None = None):
+    def __init__(self, tokenizer, template: str | None = None, *, supervise_role_header: bool = False):
         """
         Args:
             tokenizer: anything ``build_tokenizer`` takes; its ``hf`` tokenizer renders the template (for a
                 ``transformers`` tokenizer object: one built with the object's own special tokens).
             template: a Jinja template to use instead of the tokenizer's own (``tokenizer.chat_template``).
+            supervise_role_header: also supervise each supervised message's role header (see ``ChatTemplate``).
+
+        Raises:
+            DataConfigError: the tokenizer has no chat template, or the template rewrites earlier messages.
         """
-        super().__init__(tokenizer)
+        super().__init__(tokenizer, supervise_role_header=supervise_role_header)
         if template is None:
             template = getattr(self.tokenizer.hf, "chat_template", None)
             if isinstance(template, dict):
@@ -427,6 +476,13 @@ class TokenizerChatTemplate(ChatTemplate):
                 "a named template: chat_template='chatml', 'llama2' or 'default'"
             )
         self.template = template
+        token_id = self.tokenizer.backend.token_to_id
+        # (text ending a render, text replacing it, the id it had, the id it gets) for the tokens this tokenizer has
+        self.terminal_rewrites = tuple(
+            (old, new, token_id(old), token_id(new))
+            for old, new in TERMINAL_REWRITES.items()
+            if token_id(old) is not None and token_id(new) is not None
+        )
         self._check_with_probe()
 
     def _check_with_probe(self) -> None:
@@ -437,29 +493,29 @@ class TokenizerChatTemplate(ChatTemplate):
         except Exception as error:  # noqa: BLE001 - a template may reject the probe; real records decide then
             logger.debug("chat template check skipped: %s: %s", type(error).__name__, error)
 
-    def _render(self, conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str]:
+    def _render(self, conversations: list[list[Mapping]], add_generation_prompt: bool = False) -> list[str]:
         return self.tokenizer.hf.apply_chat_template(
             conversations, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def _render_prefixes(self, plain: list[dict], where: str) -> list[str]:
+    def _render_prefixes(self, messages: list[Mapping], where: str) -> list[str]:
         try:
-            return self._render([plain[: k + 1] for k in range(len(plain))])
+            return self._render([messages[: k + 1] for k in range(len(messages))])
         except Exception as error:  # noqa: BLE001 - Jinja templates raise anything; find the message
-            failure, k = error, len(plain) - 1
-            for position in range(len(plain)):
+            failure, k = error, len(messages) - 1
+            for position in range(len(messages)):
                 try:
-                    self._render([plain[: position + 1]])
+                    self._render([messages[: position + 1]])
                 except Exception as first_error:  # noqa: BLE001
                     failure, k = first_error, position
                     break
             raise DataFileError(
-                f"{where}: the chat template failed on message {k} (role '{plain[k]['role']}'): "
+                f"{where}: the chat template failed on message {k} (role '{messages[k]['role']}'): "
                 f"{type(failure).__name__}: {failure}; fix the conversation (e.g. the order of roles the "
                 "template expects) or use another chat_template such as 'chatml'"
             ) from None
 
-    def _try_render(self, conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str] | None:
+    def _try_render(self, conversations: list[list[Mapping]], add_generation_prompt: bool = False) -> list[str] | None:
         if not conversations:
             return []
         try:
@@ -467,22 +523,51 @@ class TokenizerChatTemplate(ChatTemplate):
         except Exception:  # noqa: BLE001 - a failed header search only means the header is supervised
             return None
 
-    def _header_ends(self, plain: list[dict], supervised: list[bool], renders: list[str]) -> dict[int, str]:
+    def _kept_prefixes(
+        self, messages: list[Mapping], renders: list[str], where: str
+    ) -> list[tuple[str, tuple[int, int] | None]]:
+        """For each message ``k``: the render of ``messages[:k]`` as it stands at the start of ``renders[k]``, and
+        the ``(old id, new id)`` of its final token when a terminal rewrite changed it.
+
+        Raises:
+            DataConfigError: a render is not the previous one extended, nor it with a terminal rewrite.
+        """
+        kept: list[tuple[str, tuple[int, int] | None]] = []
+        previous = ""
+        for k, text in enumerate(renders):
+            if text.startswith(previous):
+                kept.append((previous, None))
+            else:
+                rewritten = next(
+                    (
+                        (f"{previous[: -len(old)]}{new}", (old_id, new_id))
+                        for old, new, old_id, new_id in self.terminal_rewrites
+                        if previous.endswith(old) and text.startswith(f"{previous[: -len(old)]}{new}")
+                    ),
+                    None,
+                )
+                if rewritten is None:
+                    what = "shrinks the text" if len(text) < len(previous) else "rewrites the text of earlier messages"
+                    raise self._prefix_error(where, k, messages[k]["role"], what)
+                kept.append(rewritten)
+            previous = text
+        return kept
+
+    def _header_ends(
+        self, messages: list[Mapping], supervised: list[bool], renders: list[str], kept: list[str]
+    ) -> dict[int, str]:
         """For each supervised message ``k``: the render up to the end of its role header (within ``renders[k]``)."""
         ends: dict[int, str] = {}
-        with_prompt = [k for k in range(1, len(plain)) if supervised[k] and plain[k]["role"] == "assistant"]
-        prompted = self._try_render([plain[:k] for k in with_prompt], add_generation_prompt=True) or []
+        with_prompt = [k for k in range(1, len(messages)) if supervised[k] and messages[k]["role"] == "assistant"]
+        prompted = self._try_render([messages[:k] for k in with_prompt], add_generation_prompt=True) or []
         for k, text in zip(with_prompt, prompted, strict=False):
-            if len(text) > len(renders[k - 1]) and text.startswith(renders[k - 1]) and renders[k].startswith(text):
+            if len(text) > len(kept[k]) and text.startswith(kept[k]) and renders[k].startswith(text):
                 ends[k] = text
-        searched = [k for k in range(len(plain)) if supervised[k] and k not in ends]
-        probed = self._try_render(
-            [[*plain[:k], {"role": plain[k]["role"], "content": _CONTENT_PROBE}] for k in searched]
-        )
+        searched = [k for k in range(len(messages)) if supervised[k] and k not in ends]
+        probed = self._try_render([[*messages[:k], {**messages[k], "content": _CONTENT_PROBE}] for k in searched])
         for k, text in zip(searched, probed or [], strict=False):
-            previous = renders[k - 1] if k else ""
-            found = text.find(_CONTENT_PROBE, len(previous))
-            if found >= 0 and text.startswith(previous) and renders[k].startswith(text[:found]):
+            found = text.find(_CONTENT_PROBE, len(kept[k]))
+            if found >= 0 and text.startswith(kept[k]) and renders[k].startswith(text[:found]):
                 ends[k] = text[:found]
         return ends
 
@@ -493,17 +578,13 @@ class TokenizerChatTemplate(ChatTemplate):
         )
 
     def encode_messages(self, messages: Sequence[Mapping], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
-        # Only role and content reach the template: other fields (loss_mask) are ours.
-        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = list(messages)  # every field reaches the template; loss_mask is only read here
         supervised = [is_supervised(m) for m in messages]
-        renders = self._render_prefixes(plain, where)
-        previous = ""
-        for k, text in enumerate(renders):
-            if not text.startswith(previous):
-                what = "shrinks the text" if len(text) < len(previous) else "rewrites the text of earlier messages"
-                raise self._prefix_error(where, k, plain[k]["role"], what)
-            previous = text
-        header_ends = self._header_ends(plain, supervised, renders) if any(supervised) else {}
+        renders = self._render_prefixes(messages, where)
+        kept = self._kept_prefixes(messages, renders, where)
+        header_ends = {}
+        if any(supervised) and not self.supervise_role_header:
+            header_ends = self._header_ends(messages, supervised, renders, [text for text, _ in kept])
 
         # One batch encode of every boundary: [header end of k,] render of [:k+1], for each message k.
         texts: list[str] = []
@@ -523,8 +604,11 @@ class TokenizerChatTemplate(ChatTemplate):
             index += header is not None
             tokens = encodings[index]
             index += 1
+            rewrite = kept[k][1]
+            if rewrite is not None and done and done[-1] == rewrite[0]:
+                done = [*done[:-1], rewrite[1]]  # the earlier message's terminal token, as it now stands
             if tokens[: len(done)] != done:
-                raise self._prefix_error(where, k, plain[k]["role"], "changes the tokens of earlier messages")
+                raise self._prefix_error(where, k, messages[k]["role"], "changes the tokens of earlier messages")
             body_start = len(done)
             if header is not None:
                 # A token may merge the end of the header with the start of the content; it then counts as content.
@@ -541,27 +625,70 @@ class TokenizerChatTemplate(ChatTemplate):
         return final, labels
 
 
+class GptOssChatTemplate(TokenizerChatTemplate):
+    """gpt-oss's Jinja template (the tokenizer's own), as upstream hyper_parallel's ``gpt_oss`` template.
+
+    The same rendering as ``tokenizer``, which already tolerates gpt-oss's ``<|return|>`` -> ``<|end|>`` rewrite;
+    this name also checks, when built, that the tokenizer has both tokens.
+    """
+
+    name = "gpt_oss"
+
+    def __init__(self, tokenizer, template: str | None = None, *, supervise_role_header: bool = False):
+        """
+        Args:
+            tokenizer, template, supervise_role_header: see ``TokenizerChatTemplate``.
+
+        Raises:
+            DataConfigError: the tokenizer lacks ``<|return|>`` or ``<|end|>``, or has no chat template.
+        """
+        text_tokenizer = build_tokenizer(tokenizer)
+        for token in (*TERMINAL_REWRITES, *TERMINAL_REWRITES.values()):
+            _special_id(text_tokenizer, token, self.name)
+        super().__init__(text_tokenizer, template, supervise_role_header=supervise_role_header)
+
+
 CHAT_TEMPLATE_REGISTRY: dict[str, type[ChatTemplate]] = {
     TokenizerChatTemplate.name: TokenizerChatTemplate,
     ChatMLTemplate.name: ChatMLTemplate,
     Llama2ChatTemplate.name: Llama2ChatTemplate,
     DefaultChatTemplate.name: DefaultChatTemplate,
+    GptOssChatTemplate.name: GptOssChatTemplate,
 }
 
 
-def build_chat_template(name_or_template: str | ChatTemplate, tokenizer) -> ChatTemplate:
+def build_chat_template(
+    name_or_template: str | ChatTemplate, tokenizer, *, supervise_role_header: bool | None = None
+) -> ChatTemplate:
     """A chat template by registry name, or ``name_or_template`` itself when it already is one.
 
     Args:
-        name_or_template: ``tokenizer`` (the tokenizer's own Jinja template), ``chatml``, ``llama2``,
-            ``default``, or a ``ChatTemplate`` instance (returned as is).
+        name_or_template: ``tokenizer`` (the tokenizer's own Jinja template), ``gpt_oss`` (the same, for a
+            tokenizer with gpt-oss's ``<|return|>`` and ``<|end|>``), ``chatml``, ``llama2``, ``default``, or a
+            ``ChatTemplate`` instance (returned as is).
         tokenizer: anything ``build_tokenizer`` takes (a ``TextTokenizer``, a ``transformers`` tokenizer object, a
             tokenizer path); not needed for a ``ChatTemplate`` instance, which carries its own.
+        supervise_role_header: also supervise the role header of supervised messages, as upstream hyper_parallel
+            does. None: the instance's own setting, or False for a name.
 
     Raises:
-        DataConfigError: an unknown name, or a tokenizer that lacks what the template needs.
+        DataConfigError: an unknown name, a tokenizer that lacks what the template needs, or a
+            ``supervise_role_header`` that contradicts the instance's.
+
+    Example::
+
+        template = build_chat_template("chatml", "path/to/tokenizer", supervise_role_header=True)
+        ids, labels = template.encode_messages(normalize_messages(record["conversation"]))
     """
+    if supervise_role_header is not None:
+        supervise_role_header = _flag(supervise_role_header, "supervise_role_header")
     if isinstance(name_or_template, ChatTemplate):
+        if supervise_role_header is not None and supervise_role_header != name_or_template.supervise_role_header:
+            raise DataConfigError(
+                f"chat_template {name_or_template!r} was built with supervise_role_header="
+                f"{name_or_template.supervise_role_header}, but supervise_role_header={supervise_role_header} is "
+                "also given; build the template with the setting you want and leave the option unset"
+            )
         return name_or_template
     template_class = CHAT_TEMPLATE_REGISTRY.get(name_or_template) if isinstance(name_or_template, str) else None
     if template_class is None:
@@ -573,4 +700,4 @@ def build_chat_template(name_or_template: str | ChatTemplate, tokenizer) -> Chat
         raise DataConfigError(
             f"chat_template '{name_or_template}' needs a tokenizer; pass tokenizer=<path or tokenizer object>"
         )
-    return template_class(tokenizer)
+    return template_class(tokenizer, supervise_role_header=bool(supervise_role_header))
