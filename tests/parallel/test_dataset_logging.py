@@ -1,4 +1,5 @@
-"""Specification of ``enable_dataset_logging``: which ranks log, at which level, under real gloo ranks."""
+"""Specification of ``enable_dataset_logging``: which ranks log, at which level, under real gloo ranks; a
+``ParallelBatch`` shape log then appears on the chosen rank only."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import logging
 import os
 
 import pytest
+from batching.test_get_batch import EOD, indexed_batches
 
+from hyper_parallel.data.batching import ParallelBatch
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
-from parallel.launch import launch
+from parallel.launch import grid_coordinates, launch
+from parallel.test_get_batch import grid_context
 
 
 @pytest.fixture
@@ -40,6 +44,56 @@ def test_only_the_chosen_ranks_log_under_gloo(tmp_path):
         chosen = report["rank"] in (1, 3)
         assert messages == ([f"dataset built on rank {report['rank']}"] if chosen else [])
         assert (report["value"]["level"] == logging.INFO) is chosen
+
+
+class _DebugRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.DEBUG:
+            self.messages.append(record.getMessage())
+
+
+def deliver_with_debug_logs(rank: int, world_size: int) -> dict:
+    """CP2 x TP2: every rank enables debug logs for rank 0 (the default) and delivers three Indexed batches of 2
+    rows of 16 tokens; the data ranks (TP rank 0) read them, their TP peers receive them."""
+    for variable in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        os.environ.pop(variable, None)
+    enable_dataset_logging("debug")
+    debug = _DebugRecords()
+    logging.getLogger("hyper_parallel.data").addHandler(debug)
+    context = grid_context(rank, world_size, (1, 2, 2))
+    get_batch = ParallelBatch("indexed", parallel_context=context, eod_token_id=EOD)
+    iterator = iter(indexed_batches(rows=2, width=16, count=3)) if context.is_data_rank else None
+    delivered = 0
+    while True:
+        try:
+            get_batch(iterator)
+        except StopIteration:
+            return {"delivered": delivered, "debug": debug.messages}
+        delivered += 1
+
+
+def test_a_parallel_batch_shape_log_appears_on_rank_0_only(tmp_path):
+    reports = launch(deliver_with_debug_logs, tmp_path, world_size=4)
+    assert [report.get("error") for report in reports] == [None] * 4
+    assert [report["value"]["delivered"] for report in reports] == [3] * 4
+    by_rank = {report["rank"]: report for report in reports}
+    # rank 0 is CP rank 0 and TP rank 0: its 8 columns of each 16-token row, its dense mask against all 16 keys
+    assert grid_coordinates(0, 4, (1, 2, 2)) == (0, 0, 0)
+    assert by_rank[0]["value"]["debug"] == [  # three batches of one shape: one line
+        "get_batch first batch: input_ids int64[2, 8], labels int64[2, 8], position_ids int64[2, 8], attention_mask "
+        "bool[2, 1, 8, 16], swa_mask None, packed_seq_params None; rows of 16 tokens, 8 columns on CP rank 0 of 2 "
+        "(contiguous), TP rank 0 of 2"
+    ]
+    assert [message for _, message in by_rank[0]["logs"]] == [
+        "ParallelBatch: indexed source, dense attention, CP rank 0 of 2 (contiguous layout), TP rank 0 of 2, reads "
+        "the loader, on cpu"
+    ]
+    for rank in (1, 2, 3):
+        assert by_rank[rank]["value"]["debug"] == [] and by_rank[rank]["logs"] == [], rank
 
 
 @pytest.mark.parametrize(("level", "expected"), [("debug", logging.DEBUG), ("warn", logging.WARNING), (40, 40)])
