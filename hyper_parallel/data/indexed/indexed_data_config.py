@@ -77,6 +77,8 @@ class IndexedDataConfig:
         skip_data_check: do not check packed records for length and pad tokens, nor the data-kind pairing.
         create_ltor_fields_in_dataloader: samples also carry ``loss_mask``, ``position_ids`` (and
             ``attention_mask`` when ``create_attention_mask``).
+        create_attention_mask: with ``create_ltor_fields_in_dataloader``, samples also carry the dense
+            ``attention_mask`` (bool ``[1, S, S]``, True = masked out); false leaves it out.
         add_extra_token_to_sequence: read S + 1 tokens per sample so labels are the shifted tokens.
         drop_last_partial_validation_sequence: drop (True) or pad (False) the last partial validation sample.
         reset_position_ids, reset_attention_mask, eod_mask_loss: the LTR field options.

@@ -449,9 +449,12 @@ def build_tokenizer(
       ``dir/``, ``*.json``) is a "no such file or directory" error.
 
     Args:
-        name_or_path: one of the above (a path, or a tokenizer object).
+        name_or_path: one of the above: a ``TextTokenizer``, a ``transformers`` tokenizer object, a Hugging Face
+            tokenizer directory or ``tokenizer.json``, a tiktoken file, or a Hub repository id.
         special_tokens, pattern, eos_token, pad_token, bos_token, chat_template: for a tiktoken file only (see
-            above); ``special_tokens`` maps each special token to its id.
+            above): ``special_tokens`` maps each special token to its id, ``pattern`` splits the text before BPE,
+            ``eos_token``/``pad_token``/``bos_token`` name those special tokens and ``chat_template`` is the Jinja
+            chat template.
 
     Returns:
         The ``TextTokenizer``.

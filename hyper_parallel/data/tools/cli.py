@@ -23,6 +23,10 @@ COMMANDS = {
         "build_sequences_per_dataset",
         "write the {prefix: [sequences, documents]} file for per_dataset_sequences_path",
     ),
+    "config-reference": (
+        "config_reference",
+        "write the configuration reference: every _target_ of a pipeline config and its keys",
+    ),
 }
 
 

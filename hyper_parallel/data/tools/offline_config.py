@@ -58,7 +58,7 @@ class OfflinePreparationConfig:
             partition packs on its own and drops its tail shorter than N + 1.
         text_template: a ``str.format`` template over record fields (e.g. ``"{title}\\n\\n{text}"``) whose result
             is tokenized instead of the raw field; needs exactly one json key, which names the output.
-        workers: tokenizer processes.
+        workers: tokenizer processes (default: the number of CPUs).
         partitions: independent partitions (own packing buffer each), merged into the final prefix at the end.
         keep_sequential_samples: give partitions contiguous blocks of records instead of round-robin.
         keep_partition_files: keep the per-partition outputs after merging, listed by a manifest written last.
