@@ -9,7 +9,10 @@ path (the example's default pipeline), with a tiny model:
 - A's CP slices, put together by an independent ``zigzag_thd`` reference (each sequence in four chunks, rank 0
   holding chunks 0 and 3), are the batches a loader of that DP rank reads, built here in one process;
 - a DP2 x CP2 x TP2 run: the two TP ranks of every (DP, CP) coordinate train on identical batches, and the DP
-  replicas on different ones.
+  replicas on different ones;
+- the model on ``ParallelBatch``'s micro-batches cut across CP 2, in each attention mode and layout it takes
+  (packed ``zigzag_thd``, dense ``zigzag`` and ``contiguous``), gives the loss and gradients of the whole
+  micro-batch on one rank; and a dense micro-batch of several rows gives each row's logits alone.
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 from parallel.launch import launch
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_tiny_gpt  # noqa: E402
+from tiny_gpt import CPAttention, TinyGPT  # noqa: E402
 
+from hyper_parallel.data.batching.attention_runtime import dense_attention_mask  # noqa: E402
 from hyper_parallel.data.batching.dataloader import build_dataloaders  # noqa: E402
-from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH  # noqa: E402
+from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext  # noqa: E402
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer  # noqa: E402
 
 STEPS, SAVED_AT = 24, 10
 SEQ_LEN, MICRO_BATCH_SIZE = 32, 2
@@ -135,3 +144,84 @@ def test_tp_peers_train_on_identical_batches(runs):
         assert peers[0]["batches"] == peers[1]["batches"] and peers[0]["digests"] == peers[1]["digests"]
     assert places[0, 0][0]["digests"] != places[1, 0][0]["digests"], "the DP replicas read other data"
     assert all(r["losses"] == records[0]["losses"] for r in records)
+
+
+# -- the model on every delivery mode -------------------------------------------------------------------------------
+
+DELIVERY = [("packed", "zigzag_thd"), ("dense", "zigzag"), ("dense", "contiguous")]
+
+
+def loss_and_gradients(model, model_inputs, loss_inputs, cp_layout: str, cp_group) -> tuple[float, torch.Tensor]:
+    """The summed loss and flat gradients of one micro-batch, summed over the CP group."""
+    model.zero_grad()
+    attention = CPAttention.from_model_inputs(model_inputs, cp_layout=cp_layout, cp_group=cp_group)
+    logits = model(model_inputs["input_ids"], model_inputs["position_ids"], attention)
+    loss, _ = train_tiny_gpt.masked_loss_sum(logits, loss_inputs)
+    loss.backward()
+    summed = torch.cat([loss.detach().reshape(1), *(p.grad.flatten() for p in model.parameters())])
+    if cp_group is not None:
+        dist.all_reduce(summed, group=cp_group)
+    return float(summed[0]), summed[1:]
+
+
+def delivery_against_one_rank(cache_dir: str, rank: int, world_size: int) -> dict:
+    """Per delivery mode: the first micro-batch cut across CP 2 against the same micro-batch whole on one rank."""
+    context = DataLoaderParallelContext.from_mesh(init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)))
+    tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
+    torch.manual_seed(0)
+    model = TinyGPT(8192, width=32, heads=2, layers=2)
+    found = {}
+    for mode, layout in DELIVERY:
+        config = train_tiny_gpt.default_pipeline(SEQ_LEN, cache_dir)
+        config["get_batch"].update(attention_mode=mode, cp_layout=layout)
+        cut = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=4, parallel_context=context)
+        whole = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=4, cp_size=2)  # the same rows
+        read = next(iter(whole.train))
+        whole_loss, whole_grads = loss_and_gradients(model, *whole.get_batch(iter([read])), layout, None)
+        model_inputs, loss_inputs = cut.get_batch(iter(cut.train))
+        loss, grads = loss_and_gradients(model, model_inputs, loss_inputs, layout, context.cp_group)
+        found[f"{mode} {layout}"] = {
+            "local_tokens": model_inputs["input_ids"].shape[1],
+            "sequences": len(read.cu_seq_lens) - 1,
+            "loss": [loss, whole_loss],
+            "grads": float((grads - whole_grads).abs().max()),
+            "grad_scale": float(whole_grads.abs().max()),
+        }
+    return found
+
+
+def test_the_model_cut_across_cp_computes_the_whole_micro_batch_in_every_delivery_mode(runs):
+    directory = runs["tmp"] / "delivery"
+    directory.mkdir()
+    reports = launch(functools.partial(delivery_against_one_rank, str(runs["tmp"] / "hf_cache")), directory, 2)
+    assert [report.get("error") for report in reports] == [None, None]
+    for name in (f"{mode} {layout}" for mode, layout in DELIVERY):
+        for report in reports:
+            value = report["value"][name]
+            assert value["sequences"] >= 2, "a micro-batch of several windows: attention must not cross them"
+            loss, whole_loss = value["loss"]
+            assert whole_loss > 100 and abs(loss - whole_loss) <= 1e-5 * whole_loss, (name, value)
+            assert value["grad_scale"] > 1e-3 and value["grads"] <= 1e-4 * value["grad_scale"], (name, value)
+
+
+def test_a_dense_micro_batch_of_several_rows_gives_each_rows_logits_alone():
+    """Rows are independent: two rows with their own documents give what each row gives on its own."""
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (2, 12), generator=generator)
+    bounds = np.array([0, 5, 12, 15, 24])  # row 0: documents of 5 and 7 tokens; row 1: of 3 and 9
+    columns = np.tile(np.arange(12), (2, 1))
+    positions = torch.from_numpy(np.concatenate([np.arange(n) for n in np.diff(bounds)]).reshape(2, 12))
+    mask, _ = dense_attention_mask(bounds, columns, 12, causal=True)
+    torch.manual_seed(0)
+    model = TinyGPT(64)
+
+    def logits(rows: slice, row_mask: torch.Tensor) -> torch.Tensor:
+        model_inputs = {"input_ids": tokens[rows], "attention_mask": row_mask, "packed_seq_params": None}
+        attention = CPAttention.from_model_inputs(model_inputs, cp_layout="contiguous", cp_group=None)
+        return model(tokens[rows], positions[rows], attention)
+
+    both = logits(slice(0, 2), mask)
+    for row in (0, 1):
+        alone = logits(slice(row, row + 1), mask[row : row + 1])
+        torch.testing.assert_close(both[row : row + 1], alone, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(both[0], both[1])
