@@ -1,0 +1,254 @@
+"""The example data set: the bundled Jane Austen chapters prepared for every path the example configs read.
+
+``prepare_example_data(output_dir)`` writes, from the bundled corpus and tokenizer and with no network::
+
+    <output_dir>/train.jsonl                        every chapter, {"text": ..., "book": ...}   (Online path)
+    <output_dir>/conversations.jsonl                synthetic conversations {"messages": [{"role", "content"}, ...]}
+    <output_dir>/corpus_text_document.{bin,idx}     every chapter, one document each, EOD appended
+    <output_dir>/train_text_document.{bin,idx}      train.jsonl packed into records of 4096 + 1 tokens
+    <output_dir>/books/pride_and_prejudice_text_document.{bin,idx}   one book each: the prefixes of a blend
+    <output_dir>/books/emma_text_document.{bin,idx}
+
+The conversations are derived from the chapters: a user asks how a chapter begins and the assistant quotes its
+opening (some with a system message, some with a follow-up turn), or a user quotes an opening sentence and the
+assistant names the book and chapter. Every one has a supervised assistant turn and fits a 4096-token window
+under the bundled tokenizer's ChatML template.
+
+Every file is written under a temporary name and renamed when complete, and a second call rewrites the same
+bytes, so ``hp-data quickstart`` and the example configs under ``examples/`` can rely on the paths.
+
+Owns: the example file names, the synthetic conversations and the order in which outputs are prepared.
+Not responsible for: tokenizing and writing the ``.bin``/``.idx`` pairs (``tools.offline_preparation``), what the
+quickstart prints (``tools.quickstart``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hyper_parallel.data.errors import require_int
+from hyper_parallel.data.indexed.io import write_atomically
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+from hyper_parallel.data.text.records import RecordChunk
+from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+from hyper_parallel.data.tools.offline_preparation import RecordSource, run_offline_preparation
+
+__all__ = [
+    "BLEND_BOOKS",
+    "BUNDLED_CORPUS_PATH",
+    "EXAMPLE_PACK_TO_SEQ_LEN",
+    "ExampleData",
+    "book_prefix_name",
+    "example_conversations",
+    "prepare_example_data",
+    "read_bundled_chapters",
+]
+
+BUNDLED_CORPUS_PATH = BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapters.jsonl.gz"
+# The books prepared as separate prefixes, in the order of ``ExampleData.blend_prefixes``.
+BLEND_BOOKS = ("Pride & Prejudice", "Emma")
+EXAMPLE_PACK_TO_SEQ_LEN = 4096
+
+_SYSTEM_PROMPT = "You are a literary assistant. Quote Jane Austen's novels exactly as written."
+# An answer quotes whole paragraphs up to about this many characters: far below 4096 tokens with the prompt.
+_PASSAGE_CHARACTERS = 1200
+# Very short paragraphs (a letter's date line) are joined to the next ones up to at least this many characters.
+_MIN_PASSAGE_CHARACTERS = 200
+_MAX_QUOTED_SENTENCE = 300
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+@dataclass(frozen=True)
+class ExampleData:
+    """Where ``prepare_example_data`` wrote each example file.
+
+    Attributes:
+        train_jsonl: every chapter as ``{"text", "book"}``, one JSON line each (Online configs).
+        conversations_jsonl: the synthetic conversations, ``{"messages": [...]}`` per line (SFT configs).
+        corpus_prefix: ``.bin``/``.idx`` prefix with one document per chapter, EOD appended (Indexed configs).
+        packed_prefix: ``.bin``/``.idx`` prefix of ``train_jsonl`` packed into records of
+            ``EXAMPLE_PACK_TO_SEQ_LEN + 1`` tokens (``is_dataset_from_mr`` configs).
+        blend_prefixes: one ``.bin``/``.idx`` prefix per book of ``BLEND_BOOKS``, in that order (blend configs).
+    """
+
+    train_jsonl: Path
+    conversations_jsonl: Path
+    corpus_prefix: Path
+    packed_prefix: Path
+    blend_prefixes: tuple[Path, ...]
+
+
+def book_prefix_name(book: str) -> str:
+    """The file name stem of a book's prefix: ``"Pride & Prejudice"`` -> ``"pride_and_prejudice"``."""
+    return re.sub(r"[^a-z0-9]+", "_", book.lower().replace("&", "and")).strip("_")
+
+
+def read_bundled_chapters() -> list[dict]:
+    """The bundled corpus: one dict per chapter with ``text``, ``title``, ``book`` and ``chapter``, in file order."""
+    with gzip.open(BUNDLED_CORPUS_PATH, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def _excerpt(paragraph: str, limit: int) -> str:
+    """The paragraph cut after its last sentence that ends within ``limit`` characters (or at a word)."""
+    if len(paragraph) <= limit:
+        return paragraph
+    cut = max((match.start() for match in _SENTENCE_END.finditer(paragraph, 0, limit)), default=0)
+    if cut == 0:
+        cut = paragraph.rfind(" ", 0, limit)
+        return paragraph[: cut if cut > 0 else limit] + " [...]"
+    return paragraph[:cut]
+
+
+def _passages(text: str) -> list[str]:
+    """The chapter's opening passages: paragraphs joined until long enough, each cut to ``_PASSAGE_CHARACTERS``."""
+    passages: list[str] = []
+    pending: list[str] = []
+    for paragraph in (part.strip() for part in text.split("\n\n")):
+        if not paragraph:
+            continue
+        pending.append(paragraph)
+        joined = "\n\n".join(pending)
+        if len(joined) >= _MIN_PASSAGE_CHARACTERS:
+            passages.append(_excerpt(joined, _PASSAGE_CHARACTERS))
+            pending = []
+    if pending:
+        passages.append(_excerpt("\n\n".join(pending), _PASSAGE_CHARACTERS))
+    return passages
+
+
+def example_conversations(chapters: Sequence[Mapping]) -> list[dict]:
+    """Synthetic conversations derived from the chapters, deterministically.
+
+    For chapter ``i`` (0-based): a user asks how the chapter begins and the assistant quotes its opening passage;
+    every third such conversation starts with a system message, and every fourth (``i % 4 == 1``) continues with
+    a follow-up question answered by the next passage. For every even ``i`` a second conversation quotes the
+    chapter's first sentence and the assistant names the book and chapter.
+
+    Args:
+        chapters: records with ``text``, ``book`` and ``chapter`` (as ``read_bundled_chapters`` returns).
+
+    Returns:
+        ``{"messages": [{"role": ..., "content": ...}, ...]}`` dicts.
+    """
+    conversations = []
+    for index, chapter in enumerate(chapters):
+        book, number = chapter["book"], chapter["chapter"]
+        passages = _passages(chapter["text"])
+        messages = [{"role": "system", "content": _SYSTEM_PROMPT}] if index % 3 == 0 else []
+        messages += [
+            {"role": "user", "content": f"How does {book}, chapter {number} begin?"},
+            {"role": "assistant", "content": passages[0]},
+        ]
+        if index % 4 == 1 and len(passages) > 1:
+            messages += [
+                {"role": "user", "content": "And what comes next?"},
+                {"role": "assistant", "content": passages[1]},
+            ]
+        conversations.append({"messages": messages})
+        if index % 2 == 0:
+            sentence = _excerpt(_SENTENCE_END.split(passages[0], maxsplit=1)[0], _MAX_QUOTED_SENTENCE)
+            question = f'Which novel and chapter begin with these words?\n\n"{sentence}"'
+            conversations.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": f"{book}, chapter {number}."},
+                    ]
+                }
+            )
+    return conversations
+
+
+def _write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    write_atomically(path, text.encode("utf-8"))
+
+
+def _prepare(input_path: Path, output_prefix: Path, workers: int, pack_to_seq_len: int | None = None, source=None):
+    config = OfflinePreparationConfig(
+        dataset_name_or_path=str(input_path),
+        output_prefix=str(output_prefix),
+        tokenizer_name_or_path=str(BUNDLED_TOKENIZER_PATH),
+        json_keys=("text",),
+        append_eod=True,
+        pack_to_seq_len=pack_to_seq_len,
+        workers=workers,
+        overwrite=True,  # the example folder is rewritten by every call, with the same bytes
+    )
+    run_offline_preparation(config, source)
+    return Path(config.output_prefix_for("text"))
+
+
+def _book_source(train_jsonl: Path, records: Sequence[Mapping], book: str) -> RecordSource:
+    """The records of one book, read from memory but named by their lines of ``train_jsonl`` in messages."""
+    lines = [number for number, record in enumerate(records, start=1) if record["book"] == book]
+    chunk = RecordChunk(
+        source=str(train_jsonl),
+        kind="records",
+        items=[records[number - 1] for number in lines],
+        locations=lines,
+        location_unit="line",
+        bytes_read=0,
+    )
+    return RecordSource(chunks=[chunk], total_records=len(lines))
+
+
+def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> ExampleData:
+    """Write the example files (see the module docstring) into ``output_dir``; a second call rewrites the same bytes.
+
+    Takes a few seconds on one core. Existing example files in ``output_dir`` are replaced; nothing else there is
+    touched.
+
+    Args:
+        output_dir: the folder to write into (created if missing). Paths in the result start with it as given, so
+            a relative folder gives relative paths, as the example configs use.
+        workers: tokenizer processes of the offline preparation.
+
+    Returns:
+        The paths of the files written.
+
+    Raises:
+        DataFileError: a file cannot be written (the message names it and the fix).
+        DataConfigError: ``workers`` is not an integer of at least 1.
+
+    Example::
+
+        data = prepare_example_data("quickstart_output")
+        IndexedDataReader(data.corpus_prefix).num_documents  # 269 chapters
+    """
+    workers = require_int("workers", workers, 1)
+    output_dir = Path(output_dir)
+    (output_dir / "books").mkdir(parents=True, exist_ok=True)
+    chapters = read_bundled_chapters()
+    train_records = [{"text": chapter["text"], "book": chapter["book"]} for chapter in chapters]
+
+    train_jsonl = output_dir / "train.jsonl"
+    _write_jsonl(train_jsonl, train_records)
+    conversations_jsonl = output_dir / "conversations.jsonl"
+    _write_jsonl(conversations_jsonl, example_conversations(chapters))
+
+    corpus_prefix = _prepare(train_jsonl, output_dir / "corpus", workers)
+    packed_prefix = _prepare(train_jsonl, output_dir / "train", workers, pack_to_seq_len=EXAMPLE_PACK_TO_SEQ_LEN)
+    blend_prefixes = tuple(
+        _prepare(
+            train_jsonl,
+            output_dir / "books" / book_prefix_name(book),
+            workers,
+            source=_book_source(train_jsonl, train_records, book),
+        )
+        for book in BLEND_BOOKS
+    )
+    return ExampleData(
+        train_jsonl=train_jsonl,
+        conversations_jsonl=conversations_jsonl,
+        corpus_prefix=corpus_prefix,
+        packed_prefix=packed_prefix,
+        blend_prefixes=blend_prefixes,
+    )

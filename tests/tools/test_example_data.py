@@ -1,0 +1,124 @@
+"""Specification of the example data set that the quickstart and the example configs read."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
+from hyper_parallel.data.text.build_data_transform import TextConversationTransform
+from hyper_parallel.data.tools.example_data import ExampleData, prepare_example_data
+
+SEQ_LEN = 4096
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> ExampleData:
+    return prepare_example_data(tmp_path_factory.mktemp("example") / "out", workers=1)
+
+
+@pytest.fixture(scope="module")
+def chapters(corpus_path) -> list[dict]:
+    with gzip.open(corpus_path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_writes_the_documented_files(example):
+    out = example.train_jsonl.parent
+    assert example == ExampleData(
+        train_jsonl=out / "train.jsonl",
+        conversations_jsonl=out / "conversations.jsonl",
+        corpus_prefix=out / "corpus_text_document",
+        packed_prefix=out / "train_text_document",
+        blend_prefixes=(
+            out / "books" / "pride_and_prejudice_text_document",
+            out / "books" / "emma_text_document",
+        ),
+    )
+    names = set(_files(out))
+    for prefix in (example.corpus_prefix, example.packed_prefix, *example.blend_prefixes):
+        assert {f"{prefix.relative_to(out)}.bin", f"{prefix.relative_to(out)}.idx"} <= names
+    assert not [name for name in names if ".tmp-" in name]
+
+
+def test_train_jsonl_holds_every_chapter_with_its_book(example, chapters):
+    records = [json.loads(line) for line in example.train_jsonl.read_text(encoding="utf-8").splitlines()]
+    assert records == [{"text": chapter["text"], "book": chapter["book"]} for chapter in chapters]
+
+
+def test_corpus_pair_is_one_document_per_chapter_with_eod(example, chapters, tokenizer):
+    reader = IndexedDataReader(example.corpus_prefix)
+    reader.verify()
+    assert reader.num_documents == len(chapters) == 269
+    for index in (0, 100, 268):
+        expected = tokenizer.encode(chapters[index]["text"], add_special_tokens=True) + [tokenizer.eod]
+        assert reader[index].tolist() == expected
+
+
+def test_packed_pair_is_the_corpus_stream_cut_into_fixed_records(example):
+    corpus = IndexedDataReader(example.corpus_prefix)
+    packed = IndexedDataReader(example.packed_prefix)
+    packed.verify()
+    # Records of SEQ_LEN + 1 tokens: SEQ_LEN inputs and their SEQ_LEN shifted targets.
+    lengths = [len(packed[i]) for i in range(len(packed))]
+    assert set(lengths) == {SEQ_LEN + 1}
+    stream = np.concatenate([corpus[i] for i in range(len(corpus))])
+    packed_stream = np.concatenate([packed[i] for i in range(len(packed))])
+    assert len(stream) - len(packed_stream) < SEQ_LEN + 1  # only the tail is dropped
+    np.testing.assert_array_equal(packed_stream, stream[: len(packed_stream)])
+
+
+def test_blend_prefixes_hold_only_their_books_chapters(example, chapters):
+    corpus = IndexedDataReader(example.corpus_prefix)
+    for prefix, book in zip(example.blend_prefixes, ("Pride & Prejudice", "Emma"), strict=True):
+        reader = IndexedDataReader(prefix)
+        reader.verify()
+        indices = [i for i, chapter in enumerate(chapters) if chapter["book"] == book]
+        assert reader.num_documents == len(indices) > 20
+        for position, index in enumerate(indices):
+            np.testing.assert_array_equal(reader[position], corpus[index])
+
+
+def test_a_second_call_rewrites_the_same_bytes_whatever_the_workers(example, tmp_path):
+    first = _files(example.train_jsonl.parent)
+    again = prepare_example_data(tmp_path, workers=2)
+    assert _files(tmp_path) == first
+    assert again.packed_prefix == tmp_path / "train_text_document"
+
+
+def test_conversations_go_through_the_bundled_chatml_template_with_a_supervised_answer(example, tokenizer):
+    conversations = [json.loads(line) for line in example.conversations_jsonl.read_text(encoding="utf-8").splitlines()]
+    assert 200 <= len(conversations) <= 1000
+    roles = [[message["role"] for message in conversation["messages"]] for conversation in conversations]
+    assert any(r[0] == "system" for r in roles) and any(r.count("assistant") > 1 for r in roles)
+    assert all(set(r) <= {"system", "user", "assistant"} and r[-1] == "assistant" for r in roles)
+
+    bundled = TextConversationTransform(tokenizer, text_keys="messages", max_seq_len=SEQ_LEN)
+    chatml = TextConversationTransform(tokenizer, text_keys="messages", max_seq_len=SEQ_LEN, chat_template="chatml")
+    for conversation in conversations:
+        (sample,) = bundled(conversation)
+        np.testing.assert_array_equal(sample["input_ids"], chatml(conversation)[0]["input_ids"])
+        assert len(sample["input_ids"]) < SEQ_LEN
+        targets = sample["labels"][sample["labels"] != IGNORE_INDEX]
+        # ChatML supervises each answer and its end of turn, never the prompt or the role header.
+        answers = [m["content"] for m in conversation["messages"] if m["role"] == "assistant"]
+        assert tokenizer.decode(targets) == "".join(f"{answer}<|im_end|>\n" for answer in answers)
+    first = conversations[0]["messages"]
+    assert first[1]["content"] == "How does Sense & Sensibility, chapter 1 begin?"
+    assert first[2]["content"].startswith("The family of Dashwood had long been settled in Sussex.")
+
+
+def test_workers_must_be_a_positive_integer(tmp_path):
+    with pytest.raises(DataConfigError, match="workers must be an integer >= 1, got 0"):
+        prepare_example_data(tmp_path, workers=0)
+    assert not list(tmp_path.iterdir())
