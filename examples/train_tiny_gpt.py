@@ -61,7 +61,16 @@ from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection  
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer  # noqa: E402
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer  # noqa: E402
 
-__all__ = ["BUNDLED_CORPUS_PATH", "default_pipeline", "main", "parse_args", "run_rank"]
+__all__ = [
+    "BUNDLED_CORPUS_PATH",
+    "default_pipeline",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "main",
+    "parse_args",
+    "run_rank",
+    "save_checkpoint",
+]
 
 BUNDLED_CORPUS_PATH = BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapters.jsonl.gz"
 # The settings a checkpoint must have been saved with to be resumed (the others may change between runs).
@@ -188,8 +197,13 @@ def save_checkpoint(save_dir: Path, step: int, rank: int, model, optimizer, load
     dist.barrier()
 
 
-def load_checkpoint(save_dir: Path, rank: int, settings: dict, model, optimizer, loader) -> int:
-    """Restore the latest checkpoint of ``save_dir`` on this rank; returns the step it was saved after."""
+def latest_checkpoint(save_dir: Path, settings: dict) -> Path:
+    """The step directory ``latest.json`` of ``save_dir`` names, once its settings are those of this run.
+
+    Raises:
+        FileNotFoundError: there is no ``latest.json`` (nothing was saved there).
+        ValueError: the checkpoint was saved with other settings (named, with both values).
+    """
     latest = save_dir / "latest.json"
     if not latest.is_file():
         raise FileNotFoundError(f"--resume: {latest} does not exist; run once with --save-dir {save_dir} first")
@@ -204,7 +218,12 @@ def load_checkpoint(save_dir: Path, rank: int, settings: dict, model, optimizer,
             f"--resume: the checkpoint in {save_dir} was saved with other settings: {', '.join(differing)}; resume "
             "with the settings it was saved with, or start without --resume"
         )
-    directory = save_dir / saved["directory"]
+    return save_dir / saved["directory"]
+
+
+def load_checkpoint(save_dir: Path, rank: int, settings: dict, model, optimizer, loader) -> int:
+    """Restore the latest checkpoint of ``save_dir`` on this rank; returns the step it was saved after."""
+    directory = latest_checkpoint(save_dir, settings)
     trainer = torch.load(directory / "trainer.pt", weights_only=True)
     model.load_state_dict(trainer["model"])
     optimizer.load_state_dict(trainer["optimizer"])
@@ -361,11 +380,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2: TP peers get identical batches)")
     parser.add_argument(
         "--config", type=Path, help="a pipeline YAML with a get_batch node, e.g. examples/online_mapping_dynamic.yaml "
-        "(default: the bundled corpus, packed zigzag_thd delivery; --seq-len and --cache-dir apply to it only)",
+        "(none: the bundled corpus, packed zigzag_thd delivery; --seq-len and --cache-dir apply to it only)",
     )  # fmt: skip
     parser.add_argument("--tokenizer", default=str(BUNDLED_TOKENIZER_PATH), help="tokenizer path")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per window of the default pipeline")
-    parser.add_argument("--cache-dir", help="Arrow cache of the default pipeline (default: Hugging Face's)")
+    parser.add_argument("--cache-dir", help="Arrow cache of the default pipeline (none: Hugging Face's)")
     parser.add_argument(
         "--micro-batch-size", type=int, default=2, help="per DP rank and step (a token budget of this many windows)"
     )
@@ -393,6 +412,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run on the ranks torchrun started (``RANK`` and ``WORLD_SIZE`` set), or spawn ``dp * cp * tp`` ranks."""
     args = parse_args(argv)
+    if args.resume:
+        try:
+            latest_checkpoint(args.save_dir, _settings(args))  # before any rank starts
+        except (FileNotFoundError, ValueError) as error:
+            print(f"train_tiny_gpt.py: error: {error}", file=sys.stderr)
+            return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
         try:
