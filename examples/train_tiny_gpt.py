@@ -58,7 +58,7 @@ from hyper_parallel.data.batching.get_batch import ParallelBatch  # noqa: E402
 from hyper_parallel.data.constants import IGNORE_INDEX  # noqa: E402
 from hyper_parallel.data.dataset_logging import enable_dataset_logging  # noqa: E402
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection  # noqa: E402
-from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer  # noqa: E402
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH  # noqa: E402
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer  # noqa: E402
 
 __all__ = [
@@ -177,8 +177,9 @@ def _save_atomically(state, path: Path) -> None:
     os.replace(partial, path)
 
 
-def save_checkpoint(save_dir: Path, step: int, rank: int, model, optimizer, loader, settings: dict) -> None:
-    """Every rank calls it. Rank 0 writes the model and optimizer (replicated), each data rank its loader's state;
+def save_checkpoint(save_dir: Path, step: int, rank: int, model, optimizer, loaders, settings: dict) -> None:
+    """Every rank calls it. Rank 0 writes the model and optimizer (replicated), every rank its pipeline's loader
+    state (``DataLoaders.state_dict``: every split's position, None on ranks that read no data);
     then rank 0 points ``latest.json`` at the new step directory (the commit) and removes the older ones."""
     directory = save_dir / f"step_{step:07d}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -186,8 +187,7 @@ def save_checkpoint(save_dir: Path, step: int, rank: int, model, optimizer, load
         _save_atomically(
             {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, directory / "trainer.pt"
         )
-    if loader is not None:
-        _save_atomically(loader.state_dict(), directory / f"data_rank{rank}.pt")
+    _save_atomically(loaders.state_dict(), directory / f"data_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         _save_atomically({"step": step, "directory": directory.name, "settings": settings}, save_dir / "latest.json")
@@ -221,14 +221,13 @@ def latest_checkpoint(save_dir: Path, settings: dict) -> Path:
     return save_dir / saved["directory"]
 
 
-def load_checkpoint(save_dir: Path, rank: int, settings: dict, model, optimizer, loader) -> int:
+def load_checkpoint(save_dir: Path, rank: int, settings: dict, model, optimizer, loaders) -> int:
     """Restore the latest checkpoint of ``save_dir`` on this rank; returns the step it was saved after."""
     directory = latest_checkpoint(save_dir, settings)
     trainer = torch.load(directory / "trainer.pt", weights_only=True)
     model.load_state_dict(trainer["model"])
     optimizer.load_state_dict(trainer["optimizer"])
-    if loader is not None:
-        loader.load_state_dict(torch.load(directory / f"data_rank{rank}.pt", weights_only=True))
+    loaders.load_state_dict(torch.load(directory / f"data_rank{rank}.pt", weights_only=True))
     return int(trainer["step"])
 
 
@@ -266,10 +265,13 @@ def run_rank(args: argparse.Namespace, rank: int, world_size: int, *, keep_batch
     mesh = init_device_mesh("cpu", (args.dp, args.cp, args.tp), mesh_dim_names=("dp", "cp", "tp"))
     groups = ProcessGroupCollection.from_mesh(mesh)
     context = groups.parallel_context()
-    tokenizer = build_tokenizer(args.tokenizer)
     config = default_pipeline(args.seq_len, args.cache_dir) if args.config is None else args.config
     loaders = build_dataloaders(
-        config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size, seed=args.seed, parallel_context=context
+        config,
+        tokenizer=args.tokenizer,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        parallel_context=context,
     )
     get_batch = loaders.get_batch
     if not isinstance(get_batch, ParallelBatch):
@@ -279,12 +281,14 @@ def run_rank(args: argparse.Namespace, rank: int, world_size: int, *, keep_batch
         )
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = TinyGPT(read_tokenizer(tokenizer).vocab_size, width=args.width, heads=args.heads, layers=args.layers)
+    model = TinyGPT(
+        read_tokenizer(loaders.tokenizer).vocab_size, width=args.width, heads=args.heads, layers=args.layers
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     settings = _settings(args)
     first_step = 0
     if args.resume:
-        first_step = load_checkpoint(args.save_dir, rank, settings, model, optimizer, loaders.train)
+        first_step = load_checkpoint(args.save_dir, rank, settings, model, optimizer, loaders)
     batches = _Batches(get_batch, loaders.train)
 
     record = {"dp": context.dp_rank, "cp": context.cp_rank, "tp": context.tp_rank, "first_step": first_step}
@@ -329,7 +333,7 @@ def run_rank(args: argparse.Namespace, rank: int, world_size: int, *, keep_batch
         progress.update()
         done = step + 1
         if args.save_dir is not None and (done == args.steps or (args.save_every and done % args.save_every == 0)):
-            save_checkpoint(args.save_dir, done, rank, model, optimizer, loaders.train, settings)
+            save_checkpoint(args.save_dir, done, rank, model, optimizer, loaders, settings)
     progress.close()
     record["seconds"] = time.perf_counter() - started
     if rank == 0 and record["losses"]:
