@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.cli import COMMANDS, main
 
@@ -47,32 +46,6 @@ def test_unknown_command_exits_2(capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith("error: unknown command 'tokenise'")
     assert "commands:" in captured.err and captured.out == ""
-
-
-def test_quickstart_writes_a_verified_pair_and_decodes_it(tmp_path, capsys, tokenizer):
-    """``hp-data quickstart`` tokenizes the bundled corpus, verifies the pair and prints the first document."""
-    assert main(["quickstart", "--output-dir", str(tmp_path), "--workers", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "verify: OK" in out
-    assert "the first document" in out
-    assert out.split("decoded (first 600 characters):\n\n", 1)[1].startswith("The family of Dashwood")
-
-    reader = IndexedDataReader(tmp_path / "austen_text_document")
-    reader.verify()
-    assert reader.num_documents == 269 and len(reader) == 269
-    assert int(reader[0][-1]) == tokenizer.eod
-    assert tokenizer.decode(reader[0]).startswith("The family of Dashwood had long been settled in Sussex.")
-
-    # Step 4 cuts the pair into 512-token samples with the Indexed path and caches its indices in the output.
-    train_line = next(line for line in out.splitlines() if line.startswith("  train: "))
-    train_samples = int(train_line.split(" of ")[1].split()[0].replace(",", ""))
-    assert train_line.startswith("  train: GPTDataset of ") and train_samples > 0
-    assert list((tmp_path / "index_cache").glob("*-GPTDataset-train-description.txt"))
-
-    # Step 5 reads the chapters with the Online path and checks a restored loader continues exactly.
-    batch_lines = [line for line in out.splitlines() if line.startswith("  batch ")]
-    assert len(batch_lines) == 3 and all("input_ids (1, " in line for line in batch_lines)
-    assert "a new loader restored from it gives batch 3: identical" in out
 
 
 def test_prepare_dispatches_to_offline_preparation(tmp_path, tokenizer, capsys, restore_package_logger):
