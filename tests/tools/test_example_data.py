@@ -13,7 +13,12 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.text.build_data_transform import TextConversationTransform
-from hyper_parallel.data.tools.example_data import ExampleData, prepare_example_data
+from hyper_parallel.data.tools.example_data import (
+    EXAMPLE_MAX_SEQ_LEN,
+    ExampleData,
+    example_passages,
+    prepare_example_data,
+)
 
 SEQ_LEN = 4096
 
@@ -51,17 +56,52 @@ def test_writes_the_documented_files(example):
     assert not [name for name in names if ".tmp-" in name]
 
 
-def test_train_jsonl_holds_every_chapter_with_its_book(example, chapters):
-    records = [json.loads(line) for line in example.train_jsonl.read_text(encoding="utf-8").splitlines()]
-    assert records == [{"text": chapter["text"], "book": chapter["book"]} for chapter in chapters]
+def _records(example) -> list[dict]:
+    return [json.loads(line) for line in example.train_jsonl.read_text(encoding="utf-8").splitlines()]
 
 
-def test_corpus_pair_is_one_document_per_chapter_with_eod(example, chapters, tokenizer):
+def test_train_jsonl_holds_every_chapter_in_passages_that_fit_the_configs_max_seq_len(example, chapters, tokenizer):
+    records = _records(example)
+    assert [set(record) for record in records] == [{"text", "book", "chapter"}] * len(records)
+    lengths = [len(tokenizer.encode(record["text"])) for record in records]
+    assert max(lengths) <= EXAMPLE_MAX_SEQ_LEN  # one plaintext window each: FixedBatchDataLoader reads them
+    # The passages of a chapter, in order and joined by a blank line, are the chapter; a chapter that fits is whole.
+    rebuilt = {}
+    for record in records:
+        rebuilt.setdefault((record["book"], record["chapter"]), []).append(record["text"])
+    assert list(rebuilt) == [(chapter["book"], chapter["chapter"]) for chapter in chapters]
+    long_chapters = 0
+    for chapter, passages in zip(chapters, rebuilt.values(), strict=True):
+        assert "\n\n".join(passages) == chapter["text"]
+        fits = len(tokenizer.encode(chapter["text"])) <= EXAMPLE_MAX_SEQ_LEN
+        assert (len(passages) == 1) == fits
+        long_chapters += not fits
+    assert long_chapters > 50 and len(records) > len(chapters) + long_chapters - 1
+
+
+def test_passages_are_the_fewest_near_equal_parts_cut_at_blank_lines(tokenizer):
+    paragraphs = [" ".join(f"w{n}x{i}" for i in range(12)) for n in range(10)]
+    text = "\n\n".join(paragraphs)
+    limit = len(tokenizer.encode("\n\n".join(paragraphs[:3])))  # three paragraphs fit a part, four do not
+    (parts,) = example_passages([text], tokenizer, limit=limit)
+    assert "\n\n".join(parts) == text
+    assert len(parts) == 4 and all(len(tokenizer.encode(part)) <= limit for part in parts)
+    assert sorted(part.count("\n\n") + 1 for part in parts) == [2, 2, 3, 3]  # near-equal, not 3 + 3 + 3 + 1
+    assert example_passages(["a short text", text], tokenizer, limit=10_000) == [["a short text"], [text]]
+
+
+def test_a_paragraph_longer_than_the_limit_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="a paragraph of .* tokens is longer than 8 tokens"):
+        example_passages(["one two\n\n" + "word " * 40], tokenizer, limit=8)
+
+
+def test_corpus_pair_is_one_document_per_passage_with_eod(example, tokenizer):
+    records = _records(example)
     reader = IndexedDataReader(example.corpus_prefix)
     reader.verify()
-    assert reader.num_documents == len(chapters) == 269
-    for index in (0, 100, 268):
-        expected = tokenizer.encode(chapters[index]["text"], add_special_tokens=True) + [tokenizer.eod]
+    assert reader.num_documents == len(records)
+    for index in (0, 100, len(records) - 1):
+        expected = tokenizer.encode(records[index]["text"], add_special_tokens=True) + [tokenizer.eod]
         assert reader[index].tolist() == expected
 
 
@@ -78,12 +118,12 @@ def test_packed_pair_is_the_corpus_stream_cut_into_fixed_records(example):
     np.testing.assert_array_equal(packed_stream, stream[: len(packed_stream)])
 
 
-def test_blend_prefixes_hold_only_their_books_chapters(example, chapters):
-    corpus = IndexedDataReader(example.corpus_prefix)
+def test_blend_prefixes_hold_only_their_books_passages(example):
+    corpus, records = IndexedDataReader(example.corpus_prefix), _records(example)
     for prefix, book in zip(example.blend_prefixes, ("Pride & Prejudice", "Emma"), strict=True):
         reader = IndexedDataReader(prefix)
         reader.verify()
-        indices = [i for i, chapter in enumerate(chapters) if chapter["book"] == book]
+        indices = [i for i, record in enumerate(records) if record["book"] == book]
         assert reader.num_documents == len(indices) > 20
         for position, index in enumerate(indices):
             np.testing.assert_array_equal(reader[position], corpus[index])

@@ -75,7 +75,9 @@ def test_prepares_and_verifies_the_example_data(run, tokenizer):
     assert _step(run["out"], 3).split("characters):\n\n", 1)[1].startswith("The family of Dashwood")
 
     reader = IndexedDataReader(run["output"] / "corpus_text_document")
-    assert reader.num_documents == 269 and int(reader[0][-1]) == tokenizer.eod
+    passages = sum(1 for _ in (run["output"] / "train.jsonl").open(encoding="utf-8"))
+    assert f"{passages} passages as JSON lines" in prepared
+    assert reader.num_documents == passages > 269 and int(reader[0][-1]) == tokenizer.eod
     assert tokenizer.decode(reader[0]).startswith("The family of Dashwood had long been settled in Sussex.")
 
 

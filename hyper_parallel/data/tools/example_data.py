@@ -2,12 +2,17 @@
 
 ``prepare_example_data(output_dir)`` writes, from the bundled corpus and tokenizer and with no network::
 
-    <output_dir>/train.jsonl                        every chapter, {"text": ..., "book": ...}   (Online path)
+    <output_dir>/train.jsonl                        every passage, {"text", "book", "chapter"}   (Online path)
     <output_dir>/conversations.jsonl                synthetic conversations {"messages": [{"role", "content"}, ...]}
-    <output_dir>/corpus_text_document.{bin,idx}     every chapter, one document each, EOD appended
+    <output_dir>/corpus_text_document.{bin,idx}     every passage, one document each, EOD appended
     <output_dir>/train_text_document.{bin,idx}      train.jsonl packed into records of 4096 + 1 tokens
     <output_dir>/books/pride_and_prejudice_text_document.{bin,idx}   one book each: the prefixes of a blend
     <output_dir>/books/emma_text_document.{bin,idx}
+
+A passage is a whole chapter when its text fits ``EXAMPLE_MAX_SEQ_LEN`` (4096) tokens, the ``max_seq_len`` of the
+example configs; a longer chapter is cut between paragraphs into the fewest passages that fit, of near-equal
+size, so that its passages joined by a blank line are its text. Every record is then one sample of the Online
+configs, which ``FixedBatchDataLoader`` (one sample per record) needs as much as the token-budget loader does.
 
 The conversations are derived from the chapters: a user asks how a chapter begins and the assistant quotes its
 opening (some with a system message, some with a follow-up turn), or a user quotes an opening sentence and the
@@ -25,6 +30,7 @@ quickstart prints (``tools.quickstart``).
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import re
@@ -32,9 +38,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from hyper_parallel.data.errors import require_int
 from hyper_parallel.data.indexed.io import write_atomically
-from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.text.records import RecordChunk
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_preparation import RecordSource, run_offline_preparation
@@ -42,10 +50,12 @@ from hyper_parallel.data.tools.offline_preparation import RecordSource, run_offl
 __all__ = [
     "BLEND_BOOKS",
     "BUNDLED_CORPUS_PATH",
+    "EXAMPLE_MAX_SEQ_LEN",
     "EXAMPLE_PACK_TO_SEQ_LEN",
     "ExampleData",
     "book_prefix_name",
     "example_conversations",
+    "example_passages",
     "prepare_example_data",
     "read_bundled_chapters",
 ]
@@ -54,6 +64,9 @@ BUNDLED_CORPUS_PATH = BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapter
 # The books prepared as separate prefixes, in the order of ``ExampleData.blend_prefixes``.
 BLEND_BOOKS = ("Pride & Prejudice", "Emma")
 EXAMPLE_PACK_TO_SEQ_LEN = 4096
+# The max_seq_len of the Online example configs (and seq_length of the Indexed ones): every passage fits it.
+EXAMPLE_MAX_SEQ_LEN = 4096
+_PARAGRAPH_BREAK = "\n\n"
 
 _SYSTEM_PROMPT = "You are a literary assistant. Quote Jane Austen's novels exactly as written."
 # An answer quotes whole paragraphs up to about this many characters: far below 4096 tokens with the prompt.
@@ -69,9 +82,9 @@ class ExampleData:
     """Where ``prepare_example_data`` wrote each example file.
 
     Attributes:
-        train_jsonl: every chapter as ``{"text", "book"}``, one JSON line each (Online configs).
+        train_jsonl: every passage as ``{"text", "book", "chapter"}``, one JSON line each (Online configs).
         conversations_jsonl: the synthetic conversations, ``{"messages": [...]}`` per line (SFT configs).
-        corpus_prefix: ``.bin``/``.idx`` prefix with one document per chapter, EOD appended (Indexed configs).
+        corpus_prefix: ``.bin``/``.idx`` prefix with one document per passage, EOD appended (Indexed configs).
         packed_prefix: ``.bin``/``.idx`` prefix of ``train_jsonl`` packed into records of
             ``EXAMPLE_PACK_TO_SEQ_LEN + 1`` tokens (``is_dataset_from_mr`` configs).
         blend_prefixes: one ``.bin``/``.idx`` prefix per book of ``BLEND_BOOKS``, in that order (blend configs).
@@ -93,6 +106,50 @@ def read_bundled_chapters() -> list[dict]:
     """The bundled corpus: one dict per chapter with ``text``, ``title``, ``book`` and ``chapter``, in file order."""
     with gzip.open(BUNDLED_CORPUS_PATH, "rt", encoding="utf-8") as lines:
         return [json.loads(line) for line in lines]
+
+
+def _near_equal_parts(paragraphs: Sequence[str], sizes: Sequence[int], parts: int) -> list[str]:
+    """The paragraphs in ``parts`` consecutive groups, each cut at the paragraph end nearest its share of the
+    total size; fewer groups when two shares end at the same paragraph."""
+    ends = np.cumsum(sizes)
+    targets = ends[-1] * np.arange(1, parts) / parts
+    cuts = np.unique(np.abs(ends[None, :-1] - targets[:, None]).argmin(axis=1) + 1)  # after paragraph 0 to n - 2
+    bounds = [0, *cuts.tolist(), len(paragraphs)]
+    return [_PARAGRAPH_BREAK.join(paragraphs[start:end]) for start, end in itertools.pairwise(bounds)]
+
+
+def example_passages(texts: Sequence[str], tokenizer, limit: int = EXAMPLE_MAX_SEQ_LEN) -> list[list[str]]:
+    """Each text whole when it has at most ``limit`` tokens, else cut between paragraphs (at blank lines) into the
+    fewest parts of at most ``limit`` tokens each, of near-equal size; a text's parts joined by a blank line are
+    the text.
+
+    Args:
+        texts: the chapters.
+        tokenizer: the tokenizer of the configs (a ``TextTokenizer``); tokens are counted without special tokens.
+        limit: tokens a part may hold.
+
+    Raises:
+        ValueError: a single paragraph longer than ``limit`` (no cut at a blank line can make it fit).
+    """
+    backend = tokenizer.backend
+    passages = []
+    for text, encoding in zip(texts, backend.encode_batch(list(texts), add_special_tokens=False), strict=True):
+        if len(encoding.ids) <= limit:
+            passages.append([text])
+            continue
+        paragraphs = text.split(_PARAGRAPH_BREAK)
+        # Each paragraph's tokens in the whole text, read off the token offsets (checked exactly below).
+        starts = np.cumsum([0] + [len(paragraph) + len(_PARAGRAPH_BREAK) for paragraph in paragraphs[:-1]])
+        first_tokens = np.searchsorted([start for start, _ in encoding.offsets], starts)
+        sizes = np.diff(np.append(first_tokens, len(encoding.ids)))
+        for parts in range(max(2, -(-len(encoding.ids) // limit)), len(paragraphs) + 1):
+            candidate = _near_equal_parts(paragraphs, sizes, parts)
+            if all(len(e.ids) <= limit for e in backend.encode_batch(candidate, add_special_tokens=False)):
+                passages.append(candidate)
+                break
+        else:
+            raise ValueError(f"a paragraph of {sizes.max()} tokens is longer than {limit} tokens; it cannot be cut")
+    return passages
 
 
 def _excerpt(paragraph: str, limit: int) -> str:
@@ -221,13 +278,18 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
     Example::
 
         data = prepare_example_data("quickstart_output")
-        IndexedDataReader(data.corpus_prefix).num_documents  # 269 chapters
+        IndexedDataReader(data.corpus_prefix).num_documents  # one per passage
     """
     workers = require_int("workers", workers, 1)
     output_dir = Path(output_dir)
     (output_dir / "books").mkdir(parents=True, exist_ok=True)
     chapters = read_bundled_chapters()
-    train_records = [{"text": chapter["text"], "book": chapter["book"]} for chapter in chapters]
+    passages = example_passages([chapter["text"] for chapter in chapters], build_tokenizer(BUNDLED_TOKENIZER_PATH))
+    train_records = [
+        {"text": passage, "book": chapter["book"], "chapter": chapter["chapter"]}
+        for chapter, parts in zip(chapters, passages, strict=True)
+        for passage in parts
+    ]
 
     train_jsonl = output_dir / "train.jsonl"
     _write_jsonl(train_jsonl, train_records)

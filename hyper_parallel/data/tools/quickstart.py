@@ -3,12 +3,12 @@
 Steps, in well under a minute on two cores:
 
 1. prepare the example data (``tools.example_data``) that the configs under ``examples/`` read: the chapters as
-   JSON lines, synthetic conversations, and Megatron-compatible ``.bin``/``.idx`` pairs (one document per
-   chapter, packed 4096-token records, one pair per book);
+   JSON lines (in passages of at most 4096 tokens), synthetic conversations, and Megatron-compatible
+   ``.bin``/``.idx`` pairs (one document per passage, packed 4096-token records, one pair per book);
 2. verify every pair and summarise the corpus pair; 3. decode the start of its first document;
 4. cut it into train/valid/test samples with the Indexed path (megatron-core's sample order);
 5. blend the two book pairs 70/30 with a weighted ``data_path`` list and show each book's share of the samples;
-6. read the chapters with the Online path (tokenized while loading, packed into token-budget micro-batches) and
+6. read the passages with the Online path (tokenized while loading, packed into token-budget micro-batches) and
    show that a loader restored from a saved state continues with exactly the next batch;
 7. show one conversation through the bundled ChatML template with its supervised tokens marked;
 8. deliver Online batches on spawned gloo ranks, DP2 x CP2: every rank builds the pipeline with
@@ -47,6 +47,7 @@ from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, bui
 from hyper_parallel.data.tools.example_data import (
     BLEND_BOOKS,
     BUNDLED_CORPUS_PATH,
+    EXAMPLE_MAX_SEQ_LEN,
     ExampleData,
     prepare_example_data,
 )
@@ -67,8 +68,8 @@ __all__ = [
 ]
 
 STEPS = 8
-# Longer than any bundled chapter (at most 8,999 tokens): on the mesh every chapter is one sample.
-MESH_MAX_SEQ_LEN = 16384
+# Every passage of the example data fits it: on the mesh every passage is one sample.
+MESH_MAX_SEQ_LEN = EXAMPLE_MAX_SEQ_LEN
 BLEND_WEIGHTS = (70, 30)
 _TERMINAL_MARKS = ("\033[1;32m", "\033[0m")
 _PLAIN_MARKS = ("[[", "]]")
@@ -179,10 +180,10 @@ def _prepare(output_dir: Path, workers: int) -> ExampleData:
     with _quiet_progress_bars():
         data = prepare_example_data(output_dir, workers=workers)
     seconds = time.perf_counter() - started
-    chapters = sum(1 for _ in data.train_jsonl.open(encoding="utf-8"))
+    passages = sum(1 for _ in data.train_jsonl.open(encoding="utf-8"))
     conversations = sum(1 for _ in data.conversations_jsonl.open(encoding="utf-8"))
     rows = [
-        (data.train_jsonl, f"{chapters} chapters as JSON lines", "Online configs"),
+        (data.train_jsonl, f"{passages} passages as JSON lines", "Online configs"),
         (data.conversations_jsonl, f"{conversations} synthetic conversations", "the SFT config"),
     ]
     uses = ["Indexed configs", "offline-packed records", *(f"the blend ({book})" for book in BLEND_BOOKS)]
@@ -276,7 +277,7 @@ def _online(
 ) -> StageStats:
     shown = 3
     print(
-        f"\n6/{STEPS} the chapters read online from {data.train_jsonl}: tokenized while loading, packed into "
+        f"\n6/{STEPS} the passages read online from {data.train_jsonl}: tokenized while loading, packed into "
         f"{micro_batch_size} x {seq_length} tokens"
     )
 
@@ -295,7 +296,7 @@ def _online(
     first, read = _measured("Online dynamic packing", iterator, shown)
     for number, batch in enumerate(read):
         windows = batch.num_sequences
-        print(f"  batch {number}: input_ids {tuple(batch.input_ids.shape)}, {windows} windows of chapters")
+        print(f"  batch {number}: input_ids {tuple(batch.input_ids.shape)}, {windows} windows of passages")
     state = uninterrupted.state_dict()
     rest, read = _measured(first.name, iterator, max(batches - shown, 1))
     with _quiet_progress_bars():
@@ -382,7 +383,7 @@ def mesh_pipeline_config(
 ) -> dict:
     """The pipeline every rank of step 8 builds: the Online path over ``train_jsonl``, packed rows, ``zigzag_thd``.
 
-    Each record is one sample (``max_seq_len`` must exceed the longest record, or the fixed loader refuses the
+    Each record is one sample (``max_seq_len`` must hold the longest record, or the fixed loader refuses the
     record), so every DP rank delivers the same number of micro-batches per step, as a trainer needs.
     ``reset_position_ids`` stays off, so the ``position_ids`` of a CP slice are its tokens' columns in the reader's
     row: where each token goes back.
@@ -526,7 +527,7 @@ def deliver_on_mesh(
         train_jsonl: JSON lines with a ``text`` field (``ExampleData.train_jsonl``).
         dp, cp: the mesh; ``dp * cp`` processes are started.
         steps: micro-batches per rank.
-        max_seq_len: the plaintext transform's window; longer than any record, which is one sample each.
+        max_seq_len: the plaintext transform's window; at least the longest record, which is one sample each.
         micro_batch_size: records per micro-batch, packed into one row.
         cache_dir: the Hugging Face ``datasets`` cache of the Online source (None: its default).
         tokenizer: the tokenizer path.
@@ -573,7 +574,7 @@ def deliver_on_mesh(
 def _mesh(data: ExampleData, cache_dir: Path, dp: int, cp: int, steps: int) -> StageStats:
     print(
         f"\n8/{STEPS} delivering Online batches on a spawned gloo mesh, DP{dp} x CP{cp} ({dp * cp} processes), two "
-        "whole chapters per micro-batch:\n  every rank builds the pipeline with build_dataloaders and a "
+        "whole passages per micro-batch:\n  every rank builds the pipeline with build_dataloaders and a "
         "DataLoaderParallelContext, and calls its get_batch (ParallelBatch, packed attention, zigzag_thd)"
     )
     started = time.perf_counter()
