@@ -60,6 +60,7 @@ from hyper_parallel.data.dataset_logging import enable_dataset_logging  # noqa: 
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH  # noqa: E402
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer  # noqa: E402
+from hyper_parallel.data.tools.example_data import BUNDLED_CORPUS_PATH  # noqa: E402
 
 __all__ = [
     "BUNDLED_CORPUS_PATH",
@@ -72,7 +73,6 @@ __all__ = [
     "save_checkpoint",
 ]
 
-BUNDLED_CORPUS_PATH = BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapters.jsonl.gz"
 # The settings a checkpoint must have been saved with to be resumed (the others may change between runs).
 _RESUMED_SETTINGS = (
     "config", "tokenizer", "seq_len", "micro_batch_size", "dp", "cp", "tp", "width", "heads", "layers", "lr", "seed",
@@ -271,6 +271,7 @@ def run_rank(args: argparse.Namespace, rank: int, world_size: int, *, keep_batch
         tokenizer=args.tokenizer,
         micro_batch_size=args.micro_batch_size,
         seed=args.seed,
+        train_valid_test_num_samples=[None, 0, 0],  # one epoch of train at a time; no evaluation, so no such loaders
         parallel_context=context,
     )
     get_batch = loaders.get_batch

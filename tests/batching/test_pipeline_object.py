@@ -60,7 +60,7 @@ def test_the_model_assets_node_builds_the_tokenizer_and_chat_template_every_node
             "data_path": str(conversation_path),
             "data_transform": {
                 "_target_": "hyper_parallel.data.text.build_data_transform.TextConversationTransform",
-                                "max_seq_len": 512,
+                "max_seq_len": 512,
             },
             "data_config": {"dataset_type": "mapping", "cache_dir": str(hf_cache_dir)},
         },
@@ -165,3 +165,72 @@ def test_states_that_do_not_fit_this_ranks_loaders_name_the_split(indexed_config
     without_valid = {**state, "splits": {**state["splits"], "valid": None}}
     with pytest.raises(DataConfigError, match=r"^valid: this rank has a loader for the valid split"):
         built.load_state_dict(without_valid)
+
+
+# -- the trainer's sample counts ----------------------------------------------------------------------------------
+
+
+def test_the_trainers_sample_counts_reach_the_indexed_dataset_node(indexed_config, tokenizer_path):
+    one_epoch = build_dataloaders(indexed_config, tokenizer=tokenizer_path)
+    valid_epoch = len(one_epoch.datasets[1])
+    batch = valid_epoch + 1  # one epoch of the valid split holds less than a global batch
+    with pytest.raises(DataConfigError, match=f"smaller than global_batch_size {batch}"):
+        build_dataloaders(indexed_config, tokenizer=tokenizer_path, micro_batch_size=batch)
+
+    counts = [None, 2 * batch, batch]
+    loaders = build_dataloaders(
+        indexed_config, tokenizer=tokenizer_path, micro_batch_size=batch, train_valid_test_num_samples=counts
+    )
+    train, valid, test = loaders.datasets
+    assert len(train) == len(one_epoch.datasets[0])  # None: one epoch
+    assert len(valid) >= counts[1] and len(test) >= counts[2]  # epochs repeated until they hold that many
+    # The same datasets as the Indexed builder given the counts itself (megatron-core's trainer passes them so).
+    direct = copy.deepcopy(indexed_config)
+    direct["dataset"]["train_valid_test_num_samples"] = counts
+    by_config = build_dataloaders(direct, tokenizer=tokenizer_path, micro_batch_size=batch)
+    assert [len(d) for d in by_config.datasets] == [len(d) for d in loaders.datasets]
+    assert take(by_config.valid, 2) == take(loaders.valid, 2)
+
+
+def test_sample_counts_set_by_the_config_win_over_the_trainers(indexed_config, tokenizer_path):
+    config = copy.deepcopy(indexed_config)
+    config["dataset"]["train_valid_test_num_samples"] = [None, 30, 30]
+    loaders = build_dataloaders(config, tokenizer=tokenizer_path, train_valid_test_num_samples=[None, 60, 60])
+    expected = build_dataloaders(config, tokenizer=tokenizer_path)
+    assert [len(d) for d in loaders.datasets] == [len(d) for d in expected.datasets]
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        ([100, 10], "train_valid_test_num_samples must have three entries"),
+        ([100, -1, 10], r"train_valid_test_num_samples\[1\] \(valid samples\) must be an integer >= 0"),
+        ("100,10,10", "train_valid_test_num_samples must be a list of three sample counts"),
+    ],
+)
+def test_bad_sample_counts_are_refused_naming_the_entry(indexed_config, tokenizer_path, counts, message):
+    with pytest.raises(DataConfigError, match=message):
+        build_dataloaders(indexed_config, tokenizer=tokenizer_path, train_valid_test_num_samples=counts)
+
+
+def test_a_split_the_trainer_takes_no_samples_from_gets_no_loader(
+    indexed_config, conversation_path, hf_cache_dir, tokenizer_path
+):
+    loaders = build_dataloaders(indexed_config, tokenizer=tokenizer_path, train_valid_test_num_samples=[None, 0, 5])
+    assert loaders.train is not None and loaders.valid is None and loaders.test is not None
+    assert all(dataset is not None for dataset in loaders.datasets)  # built as megatron-core builds them
+    assert loaders.state_dict()["splits"]["valid"] is None
+
+    online = {
+        "dataset": {
+            "_target_": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
+            "data_path": str(conversation_path),
+            "data_transform": {"data_type": "conversation", "text_keys": "messages", "chat_template": "chatml"},
+            "data_config": {"cache_dir": str(hf_cache_dir)},
+        },
+        "dataloader": {"_target_": "hyper_parallel.data.batching.DynamicBatchDataLoader"},
+        "collate_fn": {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn"},
+    }
+    assert (
+        build_dataloaders(online, tokenizer=tokenizer_path, train_valid_test_num_samples=[0, None, None]).train is None
+    )

@@ -54,6 +54,7 @@ from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import LoaderOptions
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.indexed_data_config import sample_counts
 from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_config, instantiate, load_config
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
@@ -96,9 +97,9 @@ class DataLoaders:
 
     ``tokenizer`` and ``chat_template`` are the model assets (from the ``model_assets`` node or the ``tokenizer``
     argument; None when neither was given). ``datasets`` is ``(train, valid, test)`` and ``collate_fn`` the built
-    ``collate_fn`` node. ``train``, ``valid`` and ``test`` are the loaders: None for a split without data, and for
-    every split on a rank that reads no data (a TP rank other than 0), where ``datasets`` is ``(None, None, None)``
-    too. ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the
+    ``collate_fn`` node. ``train``, ``valid`` and ``test`` are the loaders: None for a split without data or one the
+    trainer takes no samples from (``train_valid_test_num_samples``), and for every split on a rank that reads no
+    data (a TP rank other than 0), where ``datasets`` is ``(None, None, None)`` too. ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the
     node. ``packing_scheduler`` is the built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the
     ``config`` of ``wrap_data_iterator``) on every rank, or None without the node. Iterating gives the three
     loaders, so ``train, valid, test = build_dataloaders(...)`` keeps working.
@@ -378,6 +379,7 @@ def build_dataloaders(
     tp_size: int = 1,
     sequence_parallel: bool = False,
     seed: int = 1234,
+    train_valid_test_num_samples: Sequence[int | None] | None = None,
     allowed_prefixes: Sequence[str] = DEFAULT_ALLOWED_PREFIXES,
     parallel_context: DataLoaderParallelContext | None = None,
 ) -> DataLoaders:
@@ -405,6 +407,12 @@ def build_dataloaders(
             runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
             are checked first, as the loaders check them. With a ``parallel_context``, leave the ranks and sizes
             out: they come from it.
+        train_valid_test_num_samples: the samples the trainer takes from each split, as megatron-core's trainer
+            computes them (train iterations x global batch, evaluation iterations x global batch; see
+            ``tools.prepare_cache.num_samples_from_schedule``), offered like the facts above: the Indexed
+            builder then repeats a split's epochs until it holds that many samples. None, or a None entry, is one
+            epoch of the split; a count the config's dataset node sets wins. A split the trainer takes 0 samples
+            from gets no loader (its dataset is still built, as megatron-core builds it), on either path.
         allowed_prefixes: module prefixes that ``_target_`` may name.
         parallel_context: this rank's ``DataLoaderParallelContext``. It gives the DP rank and size, the CP and TP
             sizes, and it is offered to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``); the
@@ -441,6 +449,7 @@ def build_dataloaders(
         dp_world_size=ranks["dp_world_size"],
         seed=seed,
     )
+    wanted = [count != 0 for count in sample_counts(train_valid_test_num_samples)]
     context = {
         "tokenizer": tokenizer,
         "micro_batch_size": micro_batch_size,
@@ -448,6 +457,7 @@ def build_dataloaders(
         **ranks,
         "sequence_parallel": sequence_parallel,
         "seed": seed,
+        "train_valid_test_num_samples": train_valid_test_num_samples,
     }
     assets = config.get("model_assets") or {}
     if isinstance(assets, Mapping) and assets.get("chat_template") is not None:
@@ -488,7 +498,7 @@ def build_dataloaders(
         )
         _check_row_length(get_batch, datasets)
         loaders = _build_loaders(
-            config, context, datasets, collate_fn, allowed_prefixes, scheduled=scheduler is not None
+            config, context, datasets, wanted, collate_fn, allowed_prefixes, scheduled=scheduler is not None
         )
         return datasets, loaders
 
@@ -550,11 +560,18 @@ def _warn_uneven_micro_batches(loader) -> None:
 
 
 def _build_loaders(
-    config: Mapping, context: dict, datasets: tuple, collate_fn, allowed_prefixes, *, scheduled: bool
+    config: Mapping,
+    context: dict,
+    datasets: tuple,
+    wanted: list[bool],
+    collate_fn,
+    allowed_prefixes,
+    *,
+    scheduled: bool,
 ) -> list:
     loaders = []
-    for split, dataset in zip(SPLITS, datasets, strict=True):
-        if dataset is None:
+    for split, dataset, want in zip(SPLITS, datasets, wanted, strict=True):
+        if dataset is None or not want:
             loaders.append(None)
             continue
         loader = instantiate(
