@@ -1,4 +1,4 @@
-"""Specification of what the dataset logs say, at which level, and what they never say (001 section 14).
+"""Specification of what the dataset logs say, at which level, and what they never say (docs/tools.md, Logging).
 
 Real small datasets and loaders are built and iterated with the package logger at DEBUG. Each category of the
 section is asserted at its level (docs/tools.md, "Logging", lists them): the dataset type chosen, the splits and
