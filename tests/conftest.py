@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,3 +31,14 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def corpus_path() -> Path:
     return BUNDLED_CORPUS_PATH
+
+
+@pytest.fixture
+def restore_package_logger():
+    """A command's ``main`` configures the package logger (own handler, no propagation); undo that after the test."""
+    logger = logging.getLogger("hyper_parallel.data")
+    saved = logger.level, logger.propagate, list(logger.handlers)
+    yield
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+    logger.handlers[:] = saved[2]

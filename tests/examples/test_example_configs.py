@@ -137,7 +137,9 @@ def test_the_offline_records_config_is_the_designs_dataset_node_with_the_documen
     }
 
 
-def test_the_offline_records_pair_is_what_the_command_in_its_comment_writes(in_workdir, tmp_path):
+def test_the_offline_records_pair_is_what_the_command_in_its_comment_writes(
+    in_workdir, tmp_path, restore_package_logger
+):
     comment = [line[1:].strip() for line in (EXAMPLES / "indexed_offline_records.yaml").read_text().splitlines()]
     start = next(i for i, line in enumerate(comment) if line.startswith("python -m "))
     command = " ".join(line.rstrip("\\").strip() for line in comment[start : start + 3])

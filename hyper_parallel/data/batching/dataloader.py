@@ -99,10 +99,11 @@ class DataLoaders:
     argument; None when neither was given). ``datasets`` is ``(train, valid, test)`` and ``collate_fn`` the built
     ``collate_fn`` node. ``train``, ``valid`` and ``test`` are the loaders: None for a split without data or one the
     trainer takes no samples from (``train_valid_test_num_samples``), and for every split on a rank that reads no
-    data (a TP rank other than 0), where ``datasets`` is ``(None, None, None)`` too. ``get_batch`` is the built ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the
-    node. ``packing_scheduler`` is the built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the
-    ``config`` of ``wrap_data_iterator``) on every rank, or None without the node. Iterating gives the three
-    loaders, so ``train, valid, test = build_dataloaders(...)`` keeps working.
+    data (a TP rank other than 0), where ``datasets`` is ``(None, None, None)`` too. ``get_batch`` is the built
+    ``get_batch`` node (a ``ParallelBatch``) on every rank, or None without the node. ``packing_scheduler`` is the
+    built ``packing_scheduler`` node (a ``PackingSchedulerConfig``, the ``config`` of ``wrap_data_iterator``) on
+    every rank, or None without the node. Iterating gives the three loaders, so ``train, valid, test =
+    build_dataloaders(...)`` keeps working.
 
     Example (a checkpoint holds every split's position)::
 
@@ -252,16 +253,19 @@ def _get_batch_context(context: dict, parallel_context, tokenizer) -> dict:
     return {**context, "parallel_context": parallel_context, "eod_token_id": eod}
 
 
+def _did_you_mean(key, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(key), choices, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]) -> None:
     """Refuse unknown or missing top-level nodes, then check every node as ``instantiate`` would, building nothing,
     so that a typo anywhere fails before the dataset is read."""
     for key in config:
         if key not in NODES:
-            close = difflib.get_close_matches(str(key), NODES, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise DataConfigError(
-                f"{key}: the pipeline config has no node '{key}'{hint}; its top-level nodes are {', '.join(NODES)}. "
-                "Rename or remove it"
+                f"{key}: the pipeline config has no node '{key}'{_did_you_mean(key, NODES)}; its top-level nodes are "
+                f"{', '.join(NODES)}. Rename or remove it"
             )
     for key in _REQUIRED:
         if key not in config:
@@ -296,10 +300,9 @@ def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) ->
         )
     for key in node:
         if key not in _MODEL_ASSET_KEYS:
-            close = difflib.get_close_matches(str(key), _MODEL_ASSET_KEYS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise DataConfigError(
-                f"model_assets.{key}: unknown key{hint}; the model_assets node takes {', '.join(_MODEL_ASSET_KEYS)}"
+                f"model_assets.{key}: unknown key{_did_you_mean(key, _MODEL_ASSET_KEYS)}; the model_assets node takes "
+                f"{', '.join(_MODEL_ASSET_KEYS)}"
             )
     given = node.get("tokenizer")
     if given is not None and context.get("tokenizer") is not None:
