@@ -652,7 +652,8 @@ def run_quickstart(
         f"  hp-data inspect {_display(data.corpus_prefix)} --decode 1 --tokenizer {tokenizer_path}\n"
         f"  hp-data preview examples/online_mapping_dynamic.yaml --tokenizer {tokenizer_path}\n"
         "      (from the repository root: the configs under examples/ read quickstart_output/, the default output)\n"
-        "  python examples/train_tiny_gpt.py   (a small GPT trained on these batches, DP2 x CP2)\n"
+        "  python examples/train_tiny_gpt.py   (a small GPT trained on DP2 x CP2 gloo ranks; --config takes any of "
+        "examples/*.yaml)\n"
         "  hp-data prepare --help   (tokenize your own files)"
     )
     return 0
