@@ -148,3 +148,24 @@ def test_preview_of_an_indexed_pipeline_counts_what_the_loss_mask_trains(tmp_pat
     assert sum(batch["tokens"] for batch in batches) == tokens.numel()
     assert sum(batch["trained_tokens"] for batch in batches) == int(loss_mask.sum()) < tokens.numel()
     assert sum(batch["sequences"] for batch in batches) == len(samples) + int((tokens[:, :-1] == tokenizer.eod).sum())
+
+
+def test_preview_builds_only_the_split_it_shows(tmp_path, tokenizer, tokenizer_path, capsys):
+    """A 1% test split of one sample cannot fill a micro-batch of 4: a trainer's loaders refuse the config, but
+    the preview of the train or valid split does not build the test loader."""
+    prefix = tmp_path / "corpus_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for index in range(400):
+        document = [2 + index % 100] * 20 + [tokenizer.eod]
+        builder.add_document(document, [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    data_config = {"seq_length": 32, "split": "90, 9, 1", "data_cache_path": str(tmp_path)}
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(INDEXED_CONFIG.format(prefix=prefix, data_config=json.dumps(data_config)))
+    command = ["preview", str(config), "--tokenizer", str(tokenizer_path), "--json", "--micro-batch-size", "4"]
+    for split in ("train", "valid"):
+        assert hp_data([*command, "--split", split, "--batches", "2"]) == 0
+        batches = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [batch["shapes"]["input_ids"] for batch in batches] == [[4, 32], [4, 32]]
+    assert hp_data([*command, "--split", "test"]) == 2
+    assert "smaller than global_batch_size 4" in capsys.readouterr().err

@@ -117,7 +117,11 @@ def _preview(args: argparse.Namespace) -> None:
             "no tokenizer to decode with: pass --tokenizer, or set model_assets.tokenizer in the config"
         )
     tokenizer = None if args.tokenizer is None else build_tokenizer(args.tokenizer)
-    loaders = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size)
+    # Only the split shown gets a loader, so a small other split (a 1% test split) cannot refuse the micro-batch size.
+    shown = [None if split == args.split else 0 for split in SPLITS]
+    loaders = build_dataloaders(
+        config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size, train_valid_test_num_samples=shown
+    )
     tokenizer = loaders.tokenizer
     loader = getattr(loaders, args.split)
     if loader is None:
