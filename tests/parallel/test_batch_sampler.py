@@ -326,7 +326,7 @@ RESUME_CASES = [
     dict(total_samples=29, micro_batch_size=1, global_batch_size=4, dp_world_size=4, drop_last=False, **CYCLIC),
     dict(total_samples=40, micro_batch_size=2, global_batch_size=8, dp_world_size=2, **SHARDED),
     dict(total_samples=43, micro_batch_size=2, global_batch_size=4, dp_world_size=2, drop_last=False, **SHARDED),
-    dict(total_samples=30, micro_batch_size=2, global_batch_size=4, data_rearrange_map=np.arange(90, 0, -3)),
+    dict(total_samples=30, micro_batch_size=2, global_batch_size=4, data_rearrange_map=np.arange(90, 0, -3) // 3 - 1),
 ]
 
 
@@ -480,8 +480,9 @@ def test_state_dict_is_small_and_plain():
         "seed": SEED,
         "data_sharding": False,
         "drop_last": True,
+        "data_rearrange_map": None,
     }
-    assert all(type(v) in (int, str, bool) for v in state.values())
+    assert all(type(v) in (int, str, bool, type(None)) for v in state.values())
 
 
 # -- rearrange map ------------------------------------------------------------------------------------------------
@@ -489,7 +490,7 @@ def test_state_dict_is_small_and_plain():
 
 @pytest.mark.parametrize("sampler_type", ["single", "cyclic"])
 def test_rearrange_map_from_array_list_and_file(tmp_path, sampler_type):
-    mapping = np.random.default_rng(0).permutation(100)[:30] + 1000  # longer than needed is fine
+    mapping = np.concatenate([np.random.default_rng(0).permutation(25), [99] * 5])  # longer than needed is fine
     kwargs = dict(total_samples=25, micro_batch_size=2, global_batch_size=8, dp_world_size=2, sampler_type=sampler_type)
     path = tmp_path / "rearrange.npy"
     np.save(path, mapping)
@@ -608,3 +609,98 @@ def test_the_distributed_sampler_type_of_earlier_releases_is_refused_with_what_t
     # a type no release had is still an unknown one
     with pytest.raises(DataConfigError, match=r"unknown sampler_type 'Distributed'"):
         SamplerOptions(sampler_type="Distributed")
+
+
+# -- rearrange map: values and resume -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 11, 2**40, -(2**40)])
+@pytest.mark.parametrize("position", [0, 4, 9])
+@pytest.mark.parametrize("given_as", ["array", "list", "file"])
+def test_rearrange_map_entries_outside_the_dataset_are_refused_when_the_sampler_is_built(
+    tmp_path, bad, position, given_as
+):
+    mapping = np.arange(10)[::-1].copy()
+    mapping[position] = bad
+    given = mapping if given_as == "array" else mapping.tolist()
+    error, where = DataConfigError, "data_rearrange_map"
+    if given_as == "file":
+        given = tmp_path / "map.npy"
+        np.save(given, mapping)
+        error, where = DataFileError, f"data_rearrange_map file {given}"
+    with pytest.raises(error) as raised:
+        make(total_samples=10, micro_batch_size=2, data_rearrange_map=given)
+    message = str(raised.value)
+    assert message.startswith(f"{where}: entry {position} is {bad}, which is not an index of the dataset's 10 samples")
+    assert "[0, 10)" in message and "rebuild it for this dataset" in message
+
+
+def test_rearrange_map_checks_find_the_first_bad_entry_of_a_large_memory_mapped_map(tmp_path):
+    total = 3 * (1 << 20) + 17  # several chunks, the last one partial
+    mapping = np.arange(total, dtype=np.int32)[::-1].copy()
+    mapping[[2 * (1 << 20) + 5, total - 1]] = [total, -3]
+    np.save(tmp_path / "map.npy", mapping)
+    with pytest.raises(DataFileError, match=rf"entry {2 * (1 << 20) + 5} is {total}, "):
+        make(total_samples=total, micro_batch_size=4, data_rearrange_map=tmp_path / "map.npy")
+    mapping[2 * (1 << 20) + 5] = 0
+    np.save(tmp_path / "map.npy", mapping)
+    with pytest.raises(DataFileError, match=rf"entry {total - 1} is -3, "):
+        make(total_samples=total, micro_batch_size=4, data_rearrange_map=tmp_path / "map.npy")
+
+
+MAP_KWARGS = dict(total_samples=12, micro_batch_size=2, global_batch_size=4)
+
+
+def _mid_epoch_state(**kwargs) -> dict:
+    sampler = make(**MAP_KWARGS, **kwargs)
+    next(iter(sampler))
+    return sampler.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "current"),
+    [
+        (np.arange(12)[::-1], None),
+        (None, np.arange(12)[::-1]),
+        (np.arange(12)[::-1], np.roll(np.arange(12), 1)),
+        (np.arange(12)[::-1], np.r_[np.arange(12)[::-1][:-1], 11]),  # one entry differs, the last
+    ],
+    ids=["map-then-none", "none-then-map", "another-map", "last-entry-differs"],
+)
+@pytest.mark.parametrize("sampler_type", ["single", "cyclic"])
+def test_a_state_saved_with_another_rearrange_map_is_refused(saved, current, sampler_type):
+    state = _mid_epoch_state(data_rearrange_map=saved, sampler_type=sampler_type)
+    sampler = make(**MAP_KWARGS, data_rearrange_map=current, sampler_type=sampler_type)
+    with pytest.raises(ResumeStateError, match=r"saved with data_rearrange_map .* but this run has .*different sample"):
+        sampler.load_state_dict(state)
+    assert (sampler.epoch, sampler.consumed_samples) == (0, 0)
+
+
+def test_the_same_rearrange_map_resumes_from_a_file_a_list_or_another_dtype(tmp_path):
+    mapping = np.random.default_rng(3).permutation(12)
+    np.save(tmp_path / "map.npy", mapping.astype(np.int16))
+    state = _mid_epoch_state(data_rearrange_map=mapping)
+    assert state["data_rearrange_map"].startswith("12 entries, xxh3_64 ")
+    for given in (tmp_path / "map.npy", mapping.tolist(), mapping.astype(np.uint32)):
+        sampler = make(**MAP_KWARGS, data_rearrange_map=given)
+        sampler.load_state_dict(state)
+        assert list(sampler) == [[int(mapping[i]) for i in range(p, p + 2)] for p in range(2, 12, 2)]
+
+
+def test_a_rearrange_map_file_rewritten_with_other_content_is_refused(tmp_path):
+    path = tmp_path / "map.npy"
+    np.save(path, np.arange(12))
+    state = _mid_epoch_state(data_rearrange_map=path)
+    np.save(path, np.arange(12)[::-1])  # the same path and size, another order
+    with pytest.raises(ResumeStateError, match="data_rearrange_map"):
+        make(**MAP_KWARGS, data_rearrange_map=path).load_state_dict(state)
+
+
+def test_states_that_recorded_no_rearrange_map_resume_without_one_and_refuse_a_map():
+    state = _mid_epoch_state()
+    del state["data_rearrange_map"]  # as states saved before the map was recorded
+    make(**MAP_KWARGS).load_state_dict(state)
+    with pytest.raises(ResumeStateError, match="data_rearrange_map none but this run has 12 entries"):
+        make(**MAP_KWARGS, data_rearrange_map=np.arange(12)).load_state_dict(state)
+    with pytest.raises(ResumeStateError, match="data_rearrange_map must be a string or None, got 5"):
+        make(**MAP_KWARGS).load_state_dict({**state, "data_rearrange_map": 5})

@@ -2,13 +2,13 @@
 
 Owns: the per-epoch order of sample positions (``single``: in order; ``cyclic``: a fresh permutation each
 epoch), how one micro-step of ``micro_batch_size * dp_world_size`` positions is split between data-parallel
-ranks, the optional per-rank data sharding, the optional rearrange map to physical dataset indices, the
-resumable position (epoch, consumed samples) with its checks, and the two validated option groups the loaders
-share with it: ``BatchLayout`` (batch sizes and the rank layout) and ``SamplerOptions`` (order and seed). Plans
-are pure numpy functions; the sampler is a thin stateful iterator over them that
-``torch.utils.data.DataLoader(batch_sampler=...)`` consumes. Ranks are plain integers. Not responsible for:
-``torch.distributed``, reading samples (the datasets), collation (``batching``), or accounting for batches a
-``DataLoader`` has prefetched but the trainer has not consumed yet.
+ranks, the optional per-rank data sharding, the optional rearrange map to physical dataset indices (checked to
+hold indices of the dataset, and hashed into the state), the resumable position (epoch, consumed samples) with
+its checks, and the two validated option groups the loaders share with it: ``BatchLayout`` (batch sizes and
+the rank layout) and ``SamplerOptions`` (order and seed). Plans are pure numpy functions; the sampler is a thin
+stateful iterator over them that ``torch.utils.data.DataLoader(batch_sampler=...)`` consumes. Ranks are plain
+integers. Not responsible for: ``torch.distributed``, reading samples (the datasets), collation (``batching``),
+or accounting for batches a ``DataLoader`` has prefetched but the trainer has not consumed yet.
 
 Layout without data sharding, ``M = micro_batch_size * dp_world_size``: micro-step ``b`` covers epoch positions
 ``[b*M, (b+1)*M)`` and rank ``r`` reads the contiguous slice ``[b*M + r*mbs, b*M + (r+1)*mbs)``. An optimizer step
@@ -26,10 +26,12 @@ import operator
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from xxhash import xxh3_64
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError, require_int
 
@@ -45,6 +47,7 @@ __all__ = [
     "epoch_length",
     "load_rearrange_map",
     "num_micro_steps",
+    "rearrange_map_identity",
     "rank_batch_positions",
     "rank_num_batches",
     "sharded_bucket",
@@ -77,6 +80,8 @@ _STATE_KEYS = (
     "data_sharding",
     "drop_last",
 )
+# Entries of a rearrange map read at a time: checking and hashing a memory-mapped map never loads it whole.
+_MAP_CHUNK = 1 << 20
 
 
 def _index_dtype(total: int) -> type[np.integer]:
@@ -268,14 +273,21 @@ def sharded_bucket(epoch_len: int, *, dp_rank: int, dp_world_size: int, seed: in
     return bucket
 
 
+def _map_chunks(array: np.ndarray, total_samples: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, entries)`` over the first ``total_samples`` entries of a map, ``_MAP_CHUNK`` at a time."""
+    for start in range(0, total_samples, _MAP_CHUNK):
+        yield start, np.asarray(array[start : min(start + _MAP_CHUNK, total_samples)])
+
+
 def load_rearrange_map(data_rearrange_map: Any, total_samples: int) -> np.ndarray | None:
     """Validate a rearrange map (logical index -> physical dataset index) given as an array, list or ``.npy`` path.
 
-    A ``.npy`` file is memory-mapped, so a large map costs no memory until batches read it.
+    A ``.npy`` file is memory-mapped and its values are checked a chunk at a time, so a large map costs no memory
+    until batches read it. Only the first ``total_samples`` entries are read (and checked); longer maps are allowed.
 
     Raises:
         DataFileError: the file is missing or unreadable, or the array it holds is not a 1-D integer array at
-            least ``total_samples`` long.
+            least ``total_samples`` long whose entries are physical indices in ``[0, total_samples)``.
         DataConfigError: the same problems with an in-memory map.
     """
     if data_rearrange_map is None:
@@ -301,7 +313,27 @@ def load_rearrange_map(data_rearrange_map: Any, total_samples: int) -> np.ndarra
             f"{where} holds {len(array)} entries but total_samples is {total_samples}; it needs one physical "
             "index per logical sample"
         )
+    for start, entries in _map_chunks(array, total_samples):
+        if entries.min() >= 0 and entries.max() < total_samples:
+            continue
+        position = int(np.flatnonzero((entries < 0) | (entries >= total_samples))[0])
+        raise error(
+            f"{where}: entry {start + position} is {int(entries[position])}, which is not an index of the dataset's "
+            f"{total_samples} samples (every entry must be in [0, {total_samples})); the map was made for other "
+            "data: rebuild it for this dataset, or set data_rearrange_map to the map made for it"
+        )
     return array
+
+
+def rearrange_map_identity(rearrange_map: np.ndarray, total_samples: int) -> str:
+    """What a resume compares of a rearrange map: its length and the xxh3 of the entries it uses.
+
+    The entries are hashed as little-endian int64, so the same order saved in another integer dtype is the same map.
+    """
+    digest = xxh3_64()
+    for _, entries in _map_chunks(rearrange_map, total_samples):
+        digest.update(entries.astype("<i8", copy=False).tobytes())
+    return f"{total_samples} entries, xxh3_64 {digest.hexdigest()}"
 
 
 # -- the sampler --------------------------------------------------------------------------------------------------
@@ -386,6 +418,14 @@ class DatasetBatchSampler:
         if problem:
             raise DataConfigError(f"consumed_samples {consumed}: {problem}")
         self._set_position(epoch, consumed)
+
+    @cached_property
+    def rearrange_map_identity(self) -> str | None:
+        """The rearrange map as states record it (``rearrange_map_identity``), or None without a map; hashed when
+        first asked, so a run that saves no state never reads a large map whole."""
+        if self.rearrange_map is None:
+            return None
+        return rearrange_map_identity(self.rearrange_map, self.total_samples)
 
     @classmethod
     def from_options(cls, total_samples: int, layout: BatchLayout, options: SamplerOptions) -> DatasetBatchSampler:
@@ -509,6 +549,7 @@ class DatasetBatchSampler:
             "seed": self.seed,
             "data_sharding": self.data_sharding,
             "drop_last": self.drop_last,
+            "data_rearrange_map": self.rearrange_map_identity,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -559,6 +600,20 @@ class DatasetBatchSampler:
                     f"{key}={current!r}, which gives a different sample order; restore the checkpoint's {key} or "
                     "start the data from scratch"
                 )
+        # States saved before the map was recorded hold no key: they were saved without a map.
+        saved_map = state.get("data_rearrange_map")
+        if not isinstance(saved_map, str | None):
+            raise ResumeStateError(
+                f"the batch sampler state's data_rearrange_map must be a string or None, got {saved_map!r}; the "
+                "checkpoint is damaged: restore it as saved, or start without it"
+            )
+        if saved_map != self.rearrange_map_identity:
+            raise ResumeStateError(
+                f"cannot resume the batch sampler: the checkpoint was saved with data_rearrange_map "
+                f"{saved_map or 'none'} but this run has {self.rearrange_map_identity or 'none'}, which gives a "
+                "different sample order; resume with the checkpoint's data_rearrange_map, or start the data from "
+                "scratch"
+            )
         epoch = require_int("the saved epoch", state["epoch"], 0, ResumeStateError)
         consumed = require_int("the saved consumed_samples", state["consumed_samples"], 0, ResumeStateError)
         saved_mbs = require_int("the saved micro_batch_size", state["micro_batch_size"], 1, ResumeStateError)
