@@ -748,7 +748,12 @@ def test_missing_config_file_is_named(tmp_path):
     ("text", "fragments"),
     [
         ("a: [1, 2\nb: 3\n", ["is not valid YAML", "line"]),
-        ("- 1\n- 2\n", ["must hold a mapping at the top level", "ListConfig"]),
+        ("- 1\n- 2\n", ["must hold a mapping at the top level", "got a list"]),
+        ("5\n", ["must hold a mapping at the top level", "got the scalar '5'"]),
+        ("just text\n", ["must hold a mapping at the top level", "got the scalar 'just text'"]),
+        ("", ["is empty", "dataset: and dataloader:"]),
+        ("# only a comment\n", ["is empty", "dataset: and dataloader:"]),
+        ("null: 1\n", ["KeyValidationError", "fix that key"]),
         ("a: 1\nb: ${c}\n", ["Interpolation key 'c' not found", "full_key: b"]),
         ("a: ???\n", ["Missing mandatory value", "full_key: a"]),
         ("a: 1\na: 2\n", ["is not valid YAML", "duplicate key"]),
@@ -769,6 +774,48 @@ def test_bad_config_files_are_named(tmp_path, text, fragments):
     assert str(from_text.value).startswith("config inline.yaml")
     for fragment in fragments:
         assert fragment in str(from_file.value) and fragment in str(from_text.value)
+
+
+UNPLAIN_TAGS = {
+    # YAML text: (the key it names, the tag, a fragment of the fix)
+    "set": ("dataset:\n  keys: !!set {a, b}\n", "dataset.keys (line 2)", "!!set", "write a list"),
+    "binary": ("dataset:\n  blob: !!binary aGVsbG8=\n", "dataset.blob (line 2)", "!!binary", "give its path"),
+    "omap": ("dataset: !!omap [a: 1, b: 2]\n", "dataset (line 1)", "!!omap", "plain mapping"),
+    "pairs": ("dataset:\n  - !!pairs [a: 1]\n", "dataset[0] (line 2)", "!!pairs", "plain mapping"),
+    "timestamp": ("a:\n  b:\n    when: !!timestamp 2001-12-14\n", "a.b.when (line 3)", "!!timestamp", "quoted"),
+    "python-object": ("a: !!python/object/apply:os.system [ls]\n", "a (line 1)", "!!python/object", "_target_"),
+    "python-tuple": ("a: [1, !!python/tuple [1, 2]]\n", "a[1] (line 1)", "!!python/tuple", "remove the tag"),
+    "custom": ("a:\n  b: !include other.yaml\n", "a.b (line 2)", "!include", "remove the tag"),
+    "binary-key": ("a:\n  !!binary aGk=: 1\n", "a.aGk= (line 2)", "!!binary", "give its path"),
+    "root-set": ("!!set {a, b}\n", "<root> (line 1)", "!!set", "write a list"),
+    "under-alias": ("x: &shared {v: !!set {a}}\ny: *shared\n", "x.v (line 1)", "!!set", "write a list"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNPLAIN_TAGS))
+def test_yaml_tags_a_config_cannot_hold_name_the_file_the_key_and_the_fix(tmp_path, name):
+    """A value tagged with a YAML type omegaconf cannot hold (or would silently turn into a tuple or bytes) is one
+    ``DataConfigError`` naming the file, the key, its line, the tag and the fix; nothing is constructed."""
+    text, key, tag, fix = UNPLAIN_TAGS[name]
+    path = tmp_path / "tagged.yaml"
+    path.write_text(text, encoding="utf-8")
+
+    with pytest.raises(DataConfigError) as from_file:
+        load_config(path)
+    with pytest.raises(DataConfigError) as from_text:
+        load_config_text(text, source="inline.yaml")
+
+    assert str(from_file.value).startswith(f"config file {path}: {key} is tagged {tag}")
+    assert str(from_text.value).startswith(f"config inline.yaml: {key} is tagged {tag}")
+    assert fix in str(from_file.value) and "\n" not in str(from_file.value)
+
+
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+
+    with pytest.raises(DataConfigError, match=f"config file {path} is not UTF-8 text .*; save it as UTF-8"):
+        load_config(path)
 
 
 def test_directory_instead_of_file(tmp_path):

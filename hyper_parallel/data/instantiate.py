@@ -1,8 +1,9 @@
 """Build pipeline objects from YAML: ``_target_`` nodes called with their keys, runtime facts offered by name.
 
-Owns: reading a YAML config into plain containers (``load_config``, ``load_config_text``) and turning a config
-tree into objects (``instantiate``). A mapping with ``_target_: dotted.path`` is called with its other keys as
-keyword arguments, after its own values are built (depth-first); ``_args_`` gives positional arguments and
+Owns: reading a YAML config into plain containers (``load_config``, ``load_config_text``; a value tagged with a
+YAML type a config cannot hold, such as ``!!set``, ``!!binary`` or ``!!python/...``, is refused naming its key) and
+turning a config tree into objects (``instantiate``). A mapping with ``_target_: dotted.path`` is called with its
+other keys as keyword arguments, after its own values are built (depth-first); ``_args_`` gives positional arguments and
 ``_partial_: true`` returns a ``functools.partial`` instead of calling. A target is a public class or function
 (or a class's classmethod) named by its canonical path, in a module under ``allowed_prefixes``; in this library,
 only the pipeline building blocks of ``LIBRARY_TARGET_MODULES`` qualify, so a config cannot call the instantiation
@@ -92,20 +93,23 @@ def load_config(path: str | os.PathLike) -> dict:
         The top-level mapping as a ``dict``.
 
     Raises:
-        DataConfigError: the file is missing or unreadable, is not valid YAML, its top level is not a mapping, or
-            an interpolation cannot be resolved. The message names the file.
+        DataConfigError: the file is missing, unreadable or empty, is not valid YAML, its top level is not a
+            mapping, a value carries a YAML tag a config cannot hold (``!!set``, ``!!binary``, ``!!timestamp``,
+            ``!!python/...``), or an interpolation cannot be resolved. The message names the file.
     """
     path = Path(path).expanduser()
     try:
-        loaded = OmegaConf.load(path)
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         hint = "; to parse YAML text, call load_config_text" if "\n" in str(path) else ""
         raise DataConfigError(f"config file {path} does not exist; check the path{hint}") from None
     except OSError as error:
         raise DataConfigError(f"config file {path} cannot be read ({error.strerror or error})") from None
-    except yaml.YAMLError as error:
-        raise DataConfigError(f"config file {path} is not valid YAML: {error}") from None
-    return _plain_mapping(loaded, f"config file {path}")
+    except UnicodeDecodeError as error:
+        raise DataConfigError(
+            f"config file {path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
+        ) from None
+    return _parse_mapping(text, f"config file {path}")
 
 
 def load_config_text(text: str, *, source: str = "<string>") -> dict:
@@ -116,22 +120,91 @@ def load_config_text(text: str, *, source: str = "<string>") -> dict:
         source: how error messages name the text.
 
     Raises:
-        DataConfigError: invalid YAML, a top level that is not a mapping, or an unresolvable interpolation.
+        DataConfigError: as ``load_config``, naming ``source``.
     """
+    return _parse_mapping(text, f"config {source}")
+
+
+# The YAML types omegaconf keeps as plain values; any other tag (``!!set``, ``!!binary``, ``!!python/...``, a custom
+# ``!tag``) makes a value a config cannot hold, or one omegaconf would silently turn into something else.
+_YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+_PLAIN_TAGS = frozenset(_YAML_TAG_PREFIX + name for name in ("str", "int", "float", "bool", "null", "map", "seq"))
+_TAG_FIXES = {
+    "set": "write a list instead, such as [a, b]",
+    "omap": "write a plain mapping instead (it keeps the order of its keys)",
+    "pairs": "write a plain mapping instead, or a list of [key, value] lists",
+    "binary": "keep the bytes in a file and give its path",
+    "timestamp": "write the date or time as a quoted string",
+}
+_DEFAULT_TAG_FIX = (
+    "remove the tag: a config holds mappings, lists, strings, numbers, booleans and null only, and objects are "
+    f"built by {TARGET_KEY} nodes"
+)
+
+
+class _WrittenTagReader(yaml.SafeLoader):
+    """Composes YAML without resolving plain scalars, so that each node's tag is the one its text writes."""
+
+    yaml_implicit_resolvers: dict = {}
+
+
+def _parse_mapping(text: str, where: str) -> dict:
+    """The YAML mapping ``text`` holds as plain containers, or a ``DataConfigError`` naming ``where`` and the key."""
+    try:
+        root = yaml.compose(text, Loader=_WrittenTagReader)
+    except yaml.YAMLError as error:
+        raise DataConfigError(f"{where} is not valid YAML: {_one_line(error)}") from None
+    if root is None:
+        raise DataConfigError(
+            f"{where} is empty; a pipeline config is a mapping of nodes, such as dataset: and dataloader:"
+        )
+    if not isinstance(root, yaml.MappingNode):
+        held = "a list" if isinstance(root, yaml.SequenceNode) else f"the scalar {root.value!r}"
+        raise DataConfigError(
+            f"{where} must hold a mapping at the top level (keys such as dataset: and dataloader:), got {held}"
+        )
+    _refuse_unplain_tags(root, where)
     try:
         loaded = OmegaConf.create(text)
     except yaml.YAMLError as error:
-        raise DataConfigError(f"config {source} is not valid YAML: {error}") from None
-    return _plain_mapping(loaded, f"config {source}")
-
-
-def _plain_mapping(loaded: DictConfig | ListConfig, where: str) -> dict:
-    if not isinstance(loaded, DictConfig):
-        raise DataConfigError(
-            f"{where} must hold a mapping at the top level (keys such as dataset: and dataloader:), "
-            f"got a {type(loaded).__name__}"
-        )
+        raise DataConfigError(f"{where} is not valid YAML: {_one_line(error)}") from None
+    except OmegaConfBaseException as error:
+        raise DataConfigError(f"{where}: {type(error).__name__}: {_one_line(error)}; fix that key") from None
     return _to_container(loaded, where)
+
+
+def _refuse_unplain_tags(root: yaml.Node, where: str) -> None:
+    """Refuse the first node, in document order, whose written tag is not a plain YAML type, naming its key."""
+    pending: list[tuple[yaml.Node, str]] = [(root, "")]
+    seen: set[int] = set()  # an alias is the node it names: visit each once, whatever the aliases
+    while pending:
+        node, path = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag not in _PLAIN_TAGS:
+            short = node.tag.removeprefix(_YAML_TAG_PREFIX)
+            written = f"!!{short}" if short != node.tag else node.tag
+            fix = _TAG_FIXES.get(short, _DEFAULT_TAG_FIX)
+            raise DataConfigError(
+                f"{where}: {_where(path)} (line {node.start_mark.line + 1}) is tagged {written}, a value a config "
+                f"cannot hold; {fix}"
+            )
+        if isinstance(node, yaml.MappingNode):
+            children = []
+            for key, value in node.value:
+                named = _join(path, key.value if isinstance(key, yaml.ScalarNode) else "<complex key>")
+                children += [(key, named), (value, named)]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(value, f"{path}[{index}]") for index, value in enumerate(node.value)]
+        else:
+            children = []
+        pending.extend(reversed(children))
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line: yaml and omegaconf spread theirs over several, the CLI prints one."""
+    return " ".join(str(error).split())
 
 
 def _to_container(config: DictConfig | ListConfig, where: str) -> Any:
@@ -140,7 +213,7 @@ def _to_container(config: DictConfig | ListConfig, where: str) -> Any:
     except OmegaConfBaseException as error:
         # omegaconf's own message names the key ("full_key: ..."); keep it whole.
         raise DataConfigError(
-            f"{where}: {type(error).__name__}: {error}\nFix the interpolation or set the value."
+            f"{where}: {type(error).__name__}: {_one_line(error)}. Fix the interpolation or set the value."
         ) from None
 
 
