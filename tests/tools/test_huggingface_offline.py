@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -126,3 +129,55 @@ def test_cli_reports_unknown_split_with_exit_code_2(tmp_path, capsys, saved_data
     assert main(argv + ["--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "not 'dev'" in err and "Traceback" not in err
+
+
+def run_prepare_hf_command(dataset: Path, output_prefix: Path, hf_cache: Path) -> subprocess.CompletedProcess:
+    """``hp-data prepare-hf`` in a fresh process with "y" on stdin, as a user answering a trust prompt would; the
+    Hugging Face default cache is ``hf_cache``."""
+    argv = [str(Path(sys.executable).with_name("hp-data")), "prepare-hf", "--dataset-name-or-path", str(dataset)]
+    argv += ["--output-prefix", str(output_prefix), "--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH)]
+    return subprocess.run(
+        [*argv, "--workers", "1"],
+        input="y\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_DATASETS_CACHE": str(hf_cache)},
+    )
+
+
+@pytest.mark.parametrize("script", ["mydata/mydata.py", "mydata/loader.py", "mydata/train/helpers.py"])
+def test_prepare_hf_refuses_a_dataset_directory_with_a_loading_script_and_never_runs_it(tmp_path, script):
+    """A ``datasets`` loading script beside the data (the directory's own name, any other name, or in a
+    subdirectory) is refused with exit code 2 naming it; the script never runs, even with "y" on stdin."""
+    (tmp_path / "mydata" / "train").mkdir(parents=True)
+    write_jsonl(tmp_path / "mydata" / "train" / "part.jsonl", RECORDS)
+    marker = tmp_path / "marker"
+    (tmp_path / script).write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    result = run_prepare_hf_command(tmp_path / "mydata", tmp_path / "out", tmp_path / "hf_cache")
+    assert result.returncode == 2, result.stderr
+    assert f"error: {tmp_path / script}" in result.stderr and "never run" in result.stderr
+    assert "JSON lines, Parquet or Arrow" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists() and not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("planted", ["builder folder", "lock file"])
+def test_prepare_hf_refuses_a_symlink_in_the_arrow_cache_of_a_dataset_directory(tmp_path, planted):
+    """The Arrow cache of a dataset directory goes to the Hugging Face default cache, in a folder named after the
+    directory (snake-cased); a link planted there is refused and the file it points at is left unchanged."""
+    (tmp_path / "MyData").mkdir()
+    write_jsonl(tmp_path / "MyData" / "train.jsonl", RECORDS)
+    hf_cache = tmp_path / "hf_cache"
+    assert run_prepare_hf_command(tmp_path / "MyData", tmp_path / "first", hf_cache).returncode == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"outside the cache\n")
+    link = hf_cache / "my_data" if planted == "builder folder" else next(hf_cache.glob("*.lock"))
+    if link.is_dir():
+        link.rename(tmp_path / "moved")
+    else:
+        link.unlink()
+    link.symlink_to(victim)
+    result = run_prepare_hf_command(tmp_path / "MyData", tmp_path / "second", hf_cache)
+    assert result.returncode == 2, result.stderr
+    assert f"error: {link} is a symbolic link" in result.stderr and "Remove the link" in result.stderr
+    assert victim.read_bytes() == b"outside the cache\n"

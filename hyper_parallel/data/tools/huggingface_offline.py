@@ -8,7 +8,9 @@ Usage::
 
 The dataset is read with Hugging Face ``datasets`` (``load_from_disk`` for a ``save_to_disk`` folder,
 ``load_dataset`` for a local dataset directory) and fed through the same pipeline as ``offline_preparation``:
-same flags, same outputs. Only the columns the run needs are read.
+same flags, same outputs. Only the columns the run needs are read. No code from the dataset runs: a dataset
+directory holding a Python file (a ``datasets`` loading script) is refused, and so is a symbolic link where the
+Arrow cache of a dataset directory is written.
 
 Owns: loading the dataset and turning it into record chunks. Not responsible for: tokenizing or writing
 (``offline_preparation``).
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.text.online.online_utils import refuse_cache_symlinks, refuse_loading_scripts
 from hyper_parallel.data.text.records import RecordChunk, is_saved_hf_dataset, select_hf_split
 from hyper_parallel.data.tools.offline_config import (
     OfflinePreparationConfig,
@@ -46,8 +49,13 @@ def load_hf_dataset(name_or_path: str, split: str = "train", subset: str | None 
         name_or_path: a ``save_to_disk`` folder (a Dataset or a DatasetDict) or a local dataset directory.
         split: the split to read from a DatasetDict or a dataset directory.
         subset: the configuration name of a dataset directory with several.
+
+    Raises:
+        DataFileError: nothing at the path, it cannot be loaded, or a symbolic link sits in its Arrow cache.
+        DataConfigError: a dataset directory that holds a Python file (a loading script, never run).
     """
     import datasets
+    from datasets.naming import camelcase_to_snakecase
 
     path = Path(name_or_path).expanduser()
     if not path.exists():
@@ -55,11 +63,16 @@ def load_hf_dataset(name_or_path: str, split: str = "train", subset: str | None 
             f"no dataset at '{name_or_path}': pass a folder written by `Dataset.save_to_disk` or a local "
             "dataset directory (download Hub datasets with `datasets.load_dataset(...).save_to_disk(DIR)` first)"
         )
+    saved = is_saved_hf_dataset(path)
+    if not saved:
+        refuse_loading_scripts(path, recursive=True)
+        # datasets names the directory's cache folder after it, snake-cased
+        refuse_cache_symlinks(None, camelcase_to_snakecase(path.name))
     try:
-        if is_saved_hf_dataset(path):
+        if saved:
             loaded = datasets.load_from_disk(str(path))
         else:
-            loaded = datasets.load_dataset(str(path), name=subset, split=split)
+            loaded = datasets.load_dataset(str(path), name=subset, split=split, trust_remote_code=False)
     except (FileNotFoundError, ValueError) as error:
         raise DataFileError(f"could not load a Hugging Face dataset from {path}: {error}") from None
     return select_hf_split(loaded, split, path, "pass --split with one of them")
