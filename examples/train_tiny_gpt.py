@@ -9,13 +9,13 @@ loss curve.
 
 Run it from the repository root (it spawns its own gloo ranks on free local ports)::
 
-    python examples/train_tiny_gpt.py                      # DP2 x CP2: 4 processes, 300 steps
-    python examples/train_tiny_gpt.py --tp 2               # DP2 x CP2 x TP2: 8 processes
-    python examples/train_tiny_gpt.py --dp 1 --tp 2        # CP2 x TP2: 4 processes (a small machine)
-    torchrun --nproc-per-node 4 examples/train_tiny_gpt.py # the same 4 ranks, started by torchrun
-    python examples/train_tiny_gpt.py --steps 100 --save-dir checkpoints
-    python examples/train_tiny_gpt.py --steps 300 --save-dir checkpoints --resume
-    python examples/train_tiny_gpt.py --config examples/online_mapping_dynamic.yaml  # after hp-data quickstart
+    .venv/bin/python examples/train_tiny_gpt.py                       # DP2 x CP2: 4 processes, 300 steps
+    .venv/bin/python examples/train_tiny_gpt.py --tp 2                # DP2 x CP2 x TP2: 8 processes
+    .venv/bin/python examples/train_tiny_gpt.py --dp 1 --tp 2         # CP2 x TP2: 4 processes (a small machine)
+    .venv/bin/torchrun --nproc-per-node 4 examples/train_tiny_gpt.py  # the same 4 ranks, started by torchrun
+    .venv/bin/python examples/train_tiny_gpt.py --steps 100 --save-dir checkpoints
+    .venv/bin/python examples/train_tiny_gpt.py --steps 300 --save-dir checkpoints --resume
+    .venv/bin/python examples/train_tiny_gpt.py --config examples/online_mapping_dynamic.yaml  # after the quickstart
 
 The default pipeline reads the bundled corpus with the Online path (a mapping source, plaintext windows of
 ``--seq-len`` tokens, cyclic order), packs each DP rank's windows into token-budget micro-batches

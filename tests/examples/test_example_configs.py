@@ -141,10 +141,10 @@ def test_the_offline_records_pair_is_what_the_command_in_its_comment_writes(
     in_workdir, tmp_path, restore_package_logger
 ):
     comment = [line[1:].strip() for line in (EXAMPLES / "indexed_offline_records.yaml").read_text().splitlines()]
-    start = next(i for i, line in enumerate(comment) if line.startswith("python -m "))
+    start = next(i for i, line in enumerate(comment) if line.startswith(".venv/bin/python -m "))
     command = " ".join(line.rstrip("\\").strip() for line in comment[start : start + 3])
     argv = shlex.split(command)
-    assert argv[:3] == ["python", "-m", offline_preparation.__name__]
+    assert argv[:3] == [".venv/bin/python", "-m", offline_preparation.__name__]
     argv = argv[3:]
     argv[argv.index("--output-prefix") + 1] = str(tmp_path / "train")
     argv[argv.index("--tokenizer-name-or-path") + 1] = str(BUNDLED_TOKENIZER_PATH)  # the repository's, from here

@@ -16,6 +16,7 @@ from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.tools.cli import main
 from hyper_parallel.data.tools.quickstart import (
     StageStats,
+    closing_hints,
     cp_slices_rebuild_batch,
     deliver_on_mesh,
     stage_table,
@@ -142,6 +143,8 @@ def test_ends_with_the_stage_table_and_what_to_run_next(run):
     after = run["out"].split("\nnext:\n", 1)[1]
     assert "hp-data preview examples/online_mapping_dynamic.yaml --tokenizer " in after
     assert "hp-data inspect " in after and "examples/train_tiny_gpt.py" in after
+    # tests/test_docs_commands.py checks that every command of the hints runs as printed
+    assert run["out"].endswith("\n" + closing_hints(run["output"] / "corpus_text_document") + "\n")
 
 
 def test_deliver_on_mesh_dp2_cp2_gives_each_dp_rank_its_own_batches_cut_exactly(tmp_path):

@@ -58,6 +58,7 @@ __all__ = [
     "BUNDLED_CORPUS_PATH",
     "MeshDelivery",
     "StageStats",
+    "closing_hints",
     "cp_slices_rebuild_batch",
     "deliver_on_mesh",
     "main",
@@ -646,17 +647,29 @@ def run_quickstart(
     print("\nwhat each stage delivered (efficiency: tokens that carry a loss / tokens delivered, padding included):")
     print(stage_table(stages))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
-    tokenizer_path = _display(BUNDLED_TOKENIZER_PATH)
-    print(
-        "\nnext:\n"
-        f"  hp-data inspect {_display(data.corpus_prefix)} --decode 1 --tokenizer {tokenizer_path}\n"
-        f"  hp-data preview examples/online_mapping_dynamic.yaml --tokenizer {tokenizer_path}\n"
-        "      (from the repository root: the configs under examples/ read quickstart_output/, the default output)\n"
-        "  python examples/train_tiny_gpt.py   (a small GPT trained on DP2 x CP2 gloo ranks; --config takes any of "
-        "examples/*.yaml)\n"
-        "  hp-data prepare --help   (tokenize your own files)"
-    )
+    print("\n" + closing_hints(data.corpus_prefix))
     return 0
+
+
+def _installed(name: str) -> str:
+    """The command ``name`` of the environment running this (``.venv/bin/hp-data`` after the README's set-up), so
+    that every hint runs as printed; the interpreter's own path is not resolved, which would leave the venv."""
+    return f"{_display(Path(sys.executable).parent)}/{name}"
+
+
+def closing_hints(corpus_prefix: Path) -> str:
+    """What to run next, after the quickstart wrote its example data with ``corpus_prefix`` as the corpus pair."""
+    hp_data, python = _installed("hp-data"), _installed(Path(sys.executable).name)
+    tokenizer_path = _display(BUNDLED_TOKENIZER_PATH)
+    return (
+        "next:\n"
+        f"  {hp_data} inspect {_display(corpus_prefix)} --decode 1 --tokenizer {tokenizer_path}\n"
+        f"  {hp_data} preview examples/online_mapping_dynamic.yaml --tokenizer {tokenizer_path}\n"
+        "      (from the repository root: the configs under examples/ read quickstart_output/, the default output)\n"
+        f"  {python} examples/train_tiny_gpt.py   (a small GPT trained on DP2 x CP2 gloo ranks; --config takes any "
+        "of examples/*.yaml)\n"
+        f"  {hp_data} prepare --help   (tokenize your own files)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
