@@ -71,6 +71,7 @@ __all__ = [
     "parse_args",
     "run_rank",
     "save_checkpoint",
+    "summary",
 ]
 
 # The settings a checkpoint must have been saved with to be resumed (the others may change between runs).
@@ -343,14 +344,23 @@ def run_rank(args: argparse.Namespace, rank: int, world_size: int, *, keep_batch
 
 
 def summary(record: dict, window: int = 10) -> str:
-    """One line: the mean loss of the first and last ``window`` steps, tokens and throughput."""
+    """One line: the mean loss over the first and over the last steps, tokens and throughput.
+
+    Each window holds at most ``window`` steps and at most half the run, so the two never share a step (a 3-step run
+    compares its first step with its last); a 1-step run has nothing to compare.
+    """
     losses = record["losses"]
-    first, last = losses[:window], losses[-window:]
     end = record["first_step"] + len(losses)
+    size = min(window, len(losses) // 2)
+    if size == 0:
+        loss = f"loss {losses[0]:.3f} at its only step, nothing to compare"
+    else:
+        first, last = losses[:size], losses[-size:]
+        unit = "step" if size == 1 else f"{size} steps"
+        loss = f"mean loss {sum(first) / size:.3f} over the first {unit} -> {sum(last) / size:.3f} over the last {unit}"
     rate = record["tokens"] / max(record["seconds"], 1e-9)
     return (
-        f"steps {record['first_step']}-{end}: loss {sum(first) / len(first):.3f} (first {len(first)}) -> "
-        f"{sum(last) / len(last):.3f} (last {len(last)}); {record['tokens']:,} tokens in {record['seconds']:.1f} s, "
+        f"steps {record['first_step']}-{end}: {loss}; {record['tokens']:,} tokens in {record['seconds']:.1f} s, "
         f"{rate:,.0f} tokens/s"
     )
 

@@ -225,3 +225,26 @@ def test_a_dense_micro_batch_of_several_rows_gives_each_rows_logits_alone():
         alone = logits(slice(row, row + 1), mask[row : row + 1])
         torch.testing.assert_close(both[row : row + 1], alone, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(both[0], both[1])
+
+
+def summary_of(losses: list[float], first_step: int = 0) -> str:
+    return train_tiny_gpt.summary({"losses": losses, "first_step": first_step, "tokens": 1024, "seconds": 2.0})
+
+
+@pytest.mark.parametrize(
+    ("steps", "window"), [(2, 1), (3, 1), (4, 2), (19, 9), (20, 10), (21, 10), (300, 10)]
+)  # fmt: skip
+def test_the_summary_compares_the_first_and_last_steps_in_windows_that_never_overlap(steps, window):
+    losses = [float(step) for step in range(steps)]  # each step's loss is its index: a mean names its steps
+    line = summary_of(losses)
+    first, last = np.mean(losses[:window]), np.mean(losses[-window:])
+    assert losses[window - 1] < losses[-window], "the windows share no step"
+    unit = "step" if window == 1 else f"{window} steps"
+    assert f"mean loss {first:.3f} over the first {unit} -> {last:.3f} over the last {unit};" in line, line
+    assert line.startswith(f"steps 0-{steps}: ") and line.endswith("1,024 tokens in 2.0 s, 512 tokens/s")
+
+
+def test_the_summary_of_a_one_step_run_says_there_is_nothing_to_compare():
+    line = summary_of([8.403], first_step=100)
+    assert line.startswith("steps 100-101: loss 8.403 at its only step, nothing to compare;"), line
+    assert "->" not in line
