@@ -46,16 +46,22 @@ import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from hyper_parallel.data.batching.build_collate_fn import sequence_alignment
 from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader
 from hyper_parallel.data.batching.get_batch import ParallelBatch
-from hyper_parallel.data.batching.loader_options import LoaderOptions
+from hyper_parallel.data.batching.loader_options import LoaderOptions, WorkerOptions
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_config import sample_counts
-from hyper_parallel.data.instantiate import DEFAULT_ALLOWED_PREFIXES, check_config, instantiate, load_config
+from hyper_parallel.data.instantiate import (
+    DEFAULT_ALLOWED_PREFIXES,
+    TARGET_KEY,
+    check_config,
+    instantiate,
+    load_config,
+)
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
@@ -88,6 +94,16 @@ _RANK_DEFAULTS = {"dp_rank": 0, "dp_world_size": 1, "cp_size": 1, "tp_size": 1}
 # What the collate_fn node is offered under a packing scheduler: no CP or TP alignment (the scheduler aligns).
 _UNPADDED_COLLATOR = {"cp_size": 1, "tp_size": 1, "sequence_parallel": False}
 _SCHEDULER_TARGET = f"{PackingSchedulerConfig.__module__}.{PackingSchedulerConfig.__qualname__}"
+# The nodes that are built, each with a target it may name (for the message of a node of the wrong shape).
+_BUILT_NODE_EXAMPLES = {
+    "dataset": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
+    "dataloader": "hyper_parallel.data.batching.FixedBatchDataLoader",
+    "collate_fn": "hyper_parallel.data.batching.build_online_text_collate_fn",
+    "get_batch": "hyper_parallel.data.batching.ParallelBatch",
+    "packing_scheduler": _SCHEDULER_TARGET,
+}
+# How the torch DataLoader fetches: a build_dataloaders keyword of each name overrides the dataloader node's value.
+_WORKER_DEFAULTS = {option.name: option.default for option in fields(WorkerOptions)}
 _PIPELINE_STATE_VERSION = 1
 
 
@@ -270,6 +286,7 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
     for key in _REQUIRED:
         if key not in config:
             raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
+    _check_node_shapes(config)
     _check_debug(config.get("debug"))
     _check_model_assets(config.get("model_assets"), context, allowed_prefixes)
     check_config(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
@@ -288,6 +305,55 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
             "the get_batch node, or the packing_scheduler node to deliver with ParallelBatch"
         )
     check_config(scheduler, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
+
+
+def _described(value) -> str:
+    """What a config node holds, for a message: its type and a short form of its value."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return f"a mapping without {TARGET_KEY} (keys {', '.join(map(str, value)) or 'none'})"
+    shown = repr(value)
+    return f"the {type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+
+
+def _check_node_shapes(config: Mapping) -> None:
+    """Every built node is a mapping with a _target_ (the optional ones may be null), and variables a mapping."""
+    for key, example in _BUILT_NODE_EXAMPLES.items():
+        node = config.get(key)
+        if key not in config or (node is None and key not in _REQUIRED):
+            continue
+        if isinstance(node, Mapping) and TARGET_KEY in node:
+            continue
+        optional = "" if key in _REQUIRED else ", or null to leave the node out"
+        raise DataConfigError(
+            f"{key}: the node holds {_described(node)}, but it must be a mapping with {TARGET_KEY}, such as "
+            f"'{key}: {{{TARGET_KEY}: {example}}}'{optional}"
+        )
+    variables = config.get("variables")
+    if variables is not None and not isinstance(variables, Mapping):
+        raise DataConfigError(
+            f"variables: the node holds {_described(variables)}, but it must be a mapping of names to values, such "
+            "as 'variables: {seq_len: 4096}', read as ${variables.seq_len}"
+        )
+
+
+def _override_worker_options(config: Mapping, overrides: dict) -> Mapping:
+    """The config with the worker options given to build_dataloaders set on its dataloader node (a node of the
+    wrong shape is left for the node checks to refuse)."""
+    node = config.get("dataloader")
+    if not overrides or not isinstance(node, Mapping):
+        return config
+    return {**config, "dataloader": {**node, **overrides}}
+
+
+def _log_worker_overrides(config: Mapping, overrides: dict) -> None:
+    if overrides:
+        node = config["dataloader"]
+        changes = ", ".join(
+            f"{name} {node.get(name, _WORKER_DEFAULTS[name])!r} -> {value!r}" for name, value in overrides.items()
+        )
+        logger.info("loader options given to build_dataloaders override the dataloader node: %s", changes)
 
 
 def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) -> None:
@@ -385,6 +451,12 @@ def build_dataloaders(
     train_valid_test_num_samples: Sequence[int | None] | None = None,
     allowed_prefixes: Sequence[str] = DEFAULT_ALLOWED_PREFIXES,
     parallel_context: DataLoaderParallelContext | None = None,
+    num_workers: int | None = None,
+    prefetch_factor: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    multiprocessing_context=None,
+    timeout: float | None = None,
 ) -> DataLoaders:
     """Build the pipeline a config describes: its ``get_batch``, its collator, and a loader per non-empty split.
 
@@ -420,6 +492,10 @@ def build_dataloaders(
         parallel_context: this rank's ``DataLoaderParallelContext``. It gives the DP rank and size, the CP and TP
             sizes, and it is offered to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``); the
             ``get_batch`` node's ``cp_layout`` is offered to the ``collate_fn`` node.
+        num_workers, prefetch_factor, pin_memory, persistent_workers, multiprocessing_context, timeout: how the
+            torch DataLoader fetches (``WorkerOptions``; batches and resume never depend on them). Each one given
+            (not None) overrides the ``dataloader`` node's value, is checked as that value would be, and the
+            override is logged at info (``num_workers 0 -> 4``); None keeps the node's value.
 
     Returns:
         ``DataLoaders``: the loaders (None on ranks that read no data), ``get_batch``, ``packing_scheduler``,
@@ -427,11 +503,12 @@ def build_dataloaders(
         over every loader.
 
     Raises:
-        DataConfigError: an unknown or missing node, a bad runtime fact, a rank layout given twice and differently,
-            any error ``instantiate`` finds in a node (before anything is built), a collator alignment or
-            Indexed row length that the ``get_batch`` node's CP layout cannot cut, a ``packing_scheduler`` node
-            beside a ``get_batch`` node or one that builds something else than a ``PackingSchedulerConfig``, or,
-            with it, a collator that pads.
+        DataConfigError: a config that is neither a mapping nor a path, an unknown or missing node, a node of the
+            wrong shape (a built node that is not a mapping with ``_target_``), a bad runtime fact or worker
+            option, a rank layout given twice and differently, any error ``instantiate`` finds in a node (before
+            anything is built), a collator alignment or Indexed row length that the ``get_batch`` node's CP layout
+            cannot cut, a ``packing_scheduler`` node beside a ``get_batch`` node or one that builds something else
+            than a ``PackingSchedulerConfig``, or, with it, a collator that pads.
 
     Example (a packing scheduler; every rank, each step)::
 
@@ -440,8 +517,25 @@ def build_dataloaders(
             train_iterator, loaders.packing_scheduler, num_microbatches, pg_collection=groups
         )
     """
-    if not isinstance(config, Mapping):
+    if isinstance(config, str | os.PathLike):
         config = load_config(config)
+    elif not isinstance(config, Mapping):
+        raise DataConfigError(
+            f"config must be a pipeline mapping (dataset:, dataloader:, ...) or the path of a YAML file holding one, "
+            f"got {_described(config)}"
+        )
+    worker_overrides = {
+        name: value
+        for name, value in {
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+            "pin_memory": pin_memory,
+            "persistent_workers": persistent_workers,
+            "multiprocessing_context": multiprocessing_context,
+            "timeout": timeout,
+        }.items()
+        if value is not None
+    }
     ranks = _rank_layout(
         parallel_context, {"dp_rank": dp_rank, "dp_world_size": dp_world_size, "cp_size": cp_size, "tp_size": tp_size}
     )
@@ -451,6 +545,7 @@ def build_dataloaders(
         dp_rank=ranks["dp_rank"],
         dp_world_size=ranks["dp_world_size"],
         seed=seed,
+        **worker_overrides,
     )
     wanted = [count != 0 for count in sample_counts(train_valid_test_num_samples)]
     context = {
@@ -465,7 +560,10 @@ def build_dataloaders(
     assets = config.get("model_assets") or {}
     if isinstance(assets, Mapping) and assets.get("chat_template") is not None:
         context["chat_template"] = None  # built with the model assets: only its name matters to the checks
-    _check_nodes(config, context, allowed_prefixes)
+    overridden = _override_worker_options(config, worker_overrides)
+    _check_nodes(overridden, context, allowed_prefixes)
+    _log_worker_overrides(config, worker_overrides)
+    config = overridden
     level = (config.get("debug") or {}).get("check_dataset")
     if level is not None:
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
