@@ -38,7 +38,7 @@ from hyper_parallel.data.tools.offline_preparation import run_offline_preparatio
 
 # The bundled tokenizer's ByteLevel pre-tokenizer splits text with GPT-2's expression (tiktoken's "gpt2"/"r50k").
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Llama 3's expression: what build_tokenizer splits a tiktoken text with when no pattern is given.
+# Llama 3's expression.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -142,7 +142,7 @@ def own_render(kind: str, tokenizer) -> str:
     [
         ("specials_first", GPT2_PATTERN, GPT2_PATTERN),  # the bundled ids: specials 0-3, ranks from 4
         ("specials_after", QWEN_PATTERN, QWEN_PATTERN),  # Qwen's: ranks from 0, specials right after them
-        ("specials_with_gaps", None, LLAMA3_PATTERN),  # cl100k's: unused ids between the specials
+        ("specials_with_gaps", LLAMA3_PATTERN, LLAMA3_PATTERN),  # cl100k's: unused ids between the specials
     ],
     ids=["specials_first", "specials_after", "specials_with_gaps"],
 )
@@ -198,11 +198,11 @@ def test_tiktoken_errors_name_the_file_and_the_fix(tmp_path, tiktoken_dir):
 
     path = write_tiktoken(tmp_path / "vocab.tiktoken", ranks)
     with pytest.raises(DataConfigError, match=r"special token '<\|eot\|>': id 4 is already '!'; .* an id of its own"):
-        build_tokenizer(path, special_tokens={"<|eot|>": 4})
+        build_tokenizer(path, special_tokens={"<|eot|>": 4}, pattern=GPT2_PATTERN)
     with pytest.raises(DataConfigError, match=r"the eos token '</s>' .* is not one of its special tokens"):
-        build_tokenizer(path, special_tokens={"<|eot|>": 0}, eos_token="</s>")
+        build_tokenizer(path, special_tokens={"<|eot|>": 0}, eos_token="</s>", pattern=GPT2_PATTERN)
     with pytest.raises(DataConfigError, match=r"special_tokens: the id of '<\|eot\|>' must be a non-negative"):
-        build_tokenizer(path, special_tokens={"<|eot|>": -1})
+        build_tokenizer(path, special_tokens={"<|eot|>": -1}, pattern=GPT2_PATTERN)
     with pytest.raises(DataConfigError, match=r"special_tokens, pattern apply to tiktoken files only"):
         build_tokenizer(BUNDLED_TOKENIZER_PATH, special_tokens={"<|eot|>": 9000}, pattern=GPT2_PATTERN)
     with pytest.raises(DataConfigError, match=r"eos_token apply to tiktoken files only"):

@@ -4,19 +4,24 @@ Owns: the one place where tokenizer objects are normalised (``build_tokenizer``)
 directory or ``tokenizer.json``, a ``transformers`` tokenizer object (``PreTrainedTokenizerFast`` and the v5
 backends with a Rust tokenizer, such as ``TokenizersBackend``) with its own special tokens and chat template, and a
 tiktoken-format tokenizer (a ``*.tiktoken`` file of ``base64-token rank`` lines plus special tokens, as Qwen and
-others ship), converted once into a Rust tokenizer with ``transformers``' ``TikTokenConverter``. Also its
+others ship), converted once into a Rust tokenizer with ``transformers``' ``TikTokenConverter``, with the published
+split pattern of well-known tiktoken files; and refusing a tokenizer directory that declares custom code, which is
+never run. Also its
 special-token ids (and how to name a missing EOS), its vocabulary size and a content fingerprint for cache keys,
 and pickling it without the ``transformers`` tokenizer it built. A local tokenizer is read with ``tokenizers``
 alone (fast start-up); ``transformers`` is imported only when the full tokenizer is asked for (``.hf``, e.g. for
-chat templates).
+chat templates), always with ``trust_remote_code=False``.
 Not responsible for: reading the special ids of tokenizer objects that are not converted (Megatron tokenizers:
 ``tokenizer_protocol``), chat templates (``chat_template``) or record transforms.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -51,6 +56,75 @@ _TIKTOKEN_FILE_NAMES = ("tiktoken.model", "tokenizer.model")
 _TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
 # What an added token of a tiktoken tokenizer may set, as in a tokenizer_config.json's added_tokens_decoder.
 _ADDED_TOKEN_FLAGS = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+# The files of a tokenizer directory where transformers looks for custom code (auto_map) or a tokenizer class.
+_CODE_DECLARING_FILES = ("tokenizer_config.json", "config.json")
+# Tokenizer classes transformers loads by name besides those of its AutoTokenizer registry.
+_GENERIC_TOKENIZER_CLASSES = frozenset(
+    {"PreTrainedTokenizerFast", "PreTrainedTokenizer", "TokenizersBackend", "PythonBackend", "SentencePieceBackend"}
+)
+
+
+@dataclass(frozen=True)
+class _TiktokenPreset:
+    """A well-known tiktoken vocabulary: its published pre-tokenization pattern and special tokens."""
+
+    name: str
+    pattern: str
+    special_tokens: Mapping[str, int]
+
+
+# The published split patterns: tiktoken's (tiktoken_ext/openai_public.py) and Qwen's (PAT_STR, tokenization_qwen.py).
+_R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]"""
+    r"""|\s+(?!\S)|\s"""
+)
+_O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+_CL100K_SPECIALS = {
+    "<|endoftext|>": 100257,
+    "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260,
+    "<|endofprompt|>": 100276,
+}
+_QWEN_SPECIALS = {
+    token: 151643 + offset
+    for offset, token in enumerate(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(f"<|extra_{i}|>" for i in range(205))]
+    )
+}
+# sha256 of each published file (tiktoken's expected_hash; Qwen's from its Git LFS pointer) -> its preset.
+_TIKTOKEN_PRESETS = {
+    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930": _TiktokenPreset(
+        "r50k_base", _R50K_PATTERN, {"<|endoftext|>": 50256}
+    ),
+    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069": _TiktokenPreset(
+        "p50k_base", _R50K_PATTERN, {"<|endoftext|>": 50256}
+    ),
+    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7": _TiktokenPreset(
+        "cl100k_base", _CL100K_PATTERN, _CL100K_SPECIALS
+    ),
+    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d": _TiktokenPreset(
+        "o200k_base", _O200K_PATTERN, {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}
+    ),
+    "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186": _TiktokenPreset(
+        "qwen.tiktoken", _QWEN_PATTERN, _QWEN_SPECIALS
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -111,7 +185,8 @@ class TextTokenizer:
         path = Path(self.name_or_path)
         if path.is_file():
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
-        return AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=path.is_dir())
+        # Never code of the directory's own (transformers would otherwise ask on stdin whether to run it).
+        return AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=path.is_dir(), trust_remote_code=False)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -192,6 +267,92 @@ def _special_token_ids(backend, directory: Path | None) -> dict[str, int | None]
     return ids
 
 
+def _class_references(auto_map) -> list[str]:
+    """The class references of an ``auto_map`` in any shape: a dict of auto class -> reference or ``[slow, fast]``
+    pair (nested as deep as it goes), a list, or one string."""
+    if isinstance(auto_map, str):
+        return [auto_map]
+    if isinstance(auto_map, Mapping):
+        auto_map = list(auto_map.values())
+    if isinstance(auto_map, (list, tuple)):
+        return [reference for item in auto_map for reference in _class_references(item)]
+    return []
+
+
+@functools.cache
+def _registered_tokenizer_classes() -> frozenset[str]:
+    """The classes of transformers' AutoTokenizer registry (``TOKENIZER_MAPPING_NAMES``), read from its source:
+    importing ``transformers`` takes seconds of a start-up that otherwise does not need it. Empty if not found."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    source = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto" / "tokenization_auto.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return frozenset()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        targets = [target.id for target in getattr(node, "targets", ()) if isinstance(target, ast.Name)]
+        if isinstance(node, ast.Assign) and "TOKENIZER_MAPPING_NAMES" in targets:
+            for pair in ast.walk(node.value):
+                if isinstance(pair, ast.Tuple) and len(pair.elts) == 2:
+                    names.update(
+                        constant.value
+                        for constant in ast.walk(pair.elts[1])
+                        if isinstance(constant, ast.Constant) and isinstance(constant.value, str)
+                    )
+    return frozenset(names)
+
+
+def _is_builtin_tokenizer_class(name: str) -> bool:
+    """Whether ``name`` is a tokenizer class of ``transformers`` itself (a pre-v5 ``...Fast`` name included)."""
+    known = _GENERIC_TOKENIZER_CLASSES | _registered_tokenizer_classes()
+    if name in known or name.removesuffix("Fast") in known:
+        return True
+    # A name the registry's source does not list: transformers' own lookup decides (imported only for such names).
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    found = tokenizer_class_from_name(name)
+    return isinstance(found, type) and found.__module__.startswith("transformers.")
+
+
+def _refuse_custom_code(directory: Path, tiktoken_file: Path | None = None) -> None:
+    """Refuse a tokenizer directory that declares code of its own (an ``auto_map``, or a ``tokenizer_class`` that
+    is not a ``transformers`` class): that code is never run, and the ids read from its tokenizer.json or tiktoken
+    file without it may not be the ones it gives."""
+    declared = []
+    for file_name in _CODE_DECLARING_FILES:
+        config = _read_config(directory / file_name)
+        auto_map = config.get("auto_map")
+        if auto_map:
+            references = _class_references(auto_map)
+            modules = {reference.split("--")[-1].rpartition(".")[0] for reference in references}
+            code = [f"{module}.py" for module in sorted(modules) if (directory / f"{module}.py").is_file()]
+            shown = ", ".join(references) if references else json.dumps(auto_map)
+            declared.append(f"auto_map in {file_name}: {shown}" + (f" ({', '.join(code)})" if code else ""))
+        tokenizer_class = config.get("tokenizer_class")
+        if tokenizer_class is not None and not (
+            isinstance(tokenizer_class, str) and _is_builtin_tokenizer_class(tokenizer_class)
+        ):
+            declared.append(f"tokenizer_class in {file_name}: {tokenizer_class!r}, which is not a transformers class")
+    if not declared:
+        return
+    alternative = (
+        f", or pass the tiktoken file {tiktoken_file} itself (its ranks are read without that code) with its "
+        "special_tokens and pattern"
+        if tiktoken_file is not None
+        else ""
+    )
+    raise DataConfigError(
+        f"tokenizer directory {directory} declares custom code ({'; '.join(declared)}); code from a data or "
+        "tokenizer directory is never run. Review that code; to use it, load the tokenizer in your own Python "
+        f"script with `tokenizer = AutoTokenizer.from_pretrained({str(directory)!r}, trust_remote_code=True)` and "
+        f"pass the object instead of the path (build_tokenizer(tokenizer), or build_dataloaders(config, "
+        f"tokenizer=tokenizer)){alternative}"
+    )
+
+
 def _missing_path_error(name: str, path: Path) -> DataConfigError:
     """``name`` (``path`` once expanded) does not exist: say so, naming its first missing part."""
     missing = path
@@ -248,7 +409,7 @@ def _from_hub(name: str) -> TextTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(name)
+        hf = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - any Hub failure gets the same actionable message
         raise _hub_error(name) from error
     return _from_transformers_object(hf)
@@ -265,10 +426,10 @@ def _is_tiktoken_file(path: Path) -> bool:
         return _TIKTOKEN_LINE.fullmatch(file.readline().rstrip(b"\r\n")) is not None
 
 
-def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """The mergeable tokens of a tiktoken file: token bytes -> rank (its id)."""
+def _read_tiktoken_ranks(path: Path, content: bytes) -> dict[bytes, int]:
+    """The mergeable tokens of a tiktoken file (``content`` read from ``path``): token bytes -> rank (its id)."""
     ranks: dict[bytes, int] = {}
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+    for number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.split()
@@ -328,7 +489,7 @@ def _tiktoken_added_tokens(special_tokens, config: dict, source: str) -> dict[st
     return entries
 
 
-def _tiktoken_backend(ranks: dict[bytes, int], added: dict[str, dict], pattern: str | None, where: str):
+def _tiktoken_backend(ranks: dict[bytes, int], added: dict[str, dict], pattern: str, where: str):
     """The Rust tokenizer of a tiktoken vocabulary: byte-level BPE over ``ranks`` (``transformers``'
     ``TikTokenConverter`` derives the merges), ``pattern`` splitting the text first, and the added tokens at their
     own ids."""
@@ -341,9 +502,8 @@ def _tiktoken_backend(ranks: dict[bytes, int], added: dict[str, dict], pattern: 
         def load_tiktoken_bpe(self, tiktoken_url):  # noqa: ARG002 - the ranks are given
             return ranks
 
-    options = {} if pattern is None else {"pattern": pattern}
     try:
-        serialized = json.loads(RanksConverter(**options).converted().to_str())
+        serialized = json.loads(RanksConverter(pattern=pattern).converted().to_str())
     except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception for a bad regex
         raise DataConfigError(f"{where}: cannot build the tokenizer ({error}); check pattern") from None
     vocab = serialized["model"]["vocab"]
@@ -368,13 +528,39 @@ def _tiktoken_backend(ranks: dict[bytes, int], added: dict[str, dict], pattern: 
     return Tokenizer.from_str(json.dumps(serialized, ensure_ascii=False))
 
 
+def _tiktoken_preset(file: Path, content: bytes, pattern: str | None) -> _TiktokenPreset | None:
+    """The preset of a well-known tiktoken file, recognised by its content's sha256 (line endings as published).
+    A file that is none of them needs its ``pattern``: the file does not say how text is split before BPE, and
+    another split gives other ids for some texts."""
+    digest = hashlib.sha256(content.replace(b"\r\n", b"\n")).hexdigest()
+    preset = _TIKTOKEN_PRESETS.get(digest)
+    if preset is None and pattern is None:
+        known = ", ".join(preset.name for preset in _TIKTOKEN_PRESETS.values())
+        raise DataConfigError(
+            f"tiktoken file {file} (sha256 {digest[:16]}...) is none of the known vocabularies ({known}), and a "
+            "tiktoken file does not say how its text is split before BPE; pass pattern=, the model's own "
+            "pre-tokenization regex (PAT_STR or pat_str in the model's tokenization code), to build_tokenizer"
+        )
+    return preset
+
+
 def _load_tiktoken(file: Path, directory: Path | None, options: dict) -> TextTokenizer:
     """A tiktoken file (in ``directory`` when one was passed, whose tokenizer_config.json and chat_template.jinja
-    name the special tokens and the chat template unless ``options`` do)."""
+    name the special tokens and the chat template unless ``options`` do; a known file's preset fills in the
+    pattern and special tokens that neither names)."""
     config_path = (directory or file.parent) / "tokenizer_config.json"
     config = _read_config(config_path) if directory else {}
-    added = _tiktoken_added_tokens(options.get("special_tokens"), config, str(config_path))
-    backend = _tiktoken_backend(_read_tiktoken_ranks(file), added, options.get("pattern"), str(file))
+    content = file.read_bytes()
+    ranks = _read_tiktoken_ranks(file, content)
+    preset = _tiktoken_preset(file, content, options.get("pattern"))
+    special_tokens = options.get("special_tokens")
+    if special_tokens is None and not config.get("added_tokens_decoder") and preset is not None:
+        special_tokens = preset.special_tokens
+    added = _tiktoken_added_tokens(special_tokens, config, str(config_path))
+    pattern = options["pattern"] if "pattern" in options else preset.pattern
+    if preset is not None:
+        logger.info("tiktoken file %s is %s: its published pattern is used unless pattern= is given", file, preset.name)
+    backend = _tiktoken_backend(ranks, added, pattern, str(file))
     names = {
         role: options.get(f"{role}_token") or _token_content(config.get(f"{role}_token")) for role in _SPECIAL_ROLES
     }
@@ -439,9 +625,12 @@ def build_tokenizer(
     - a tiktoken file (``*.tiktoken``, ``tiktoken.model``, or a ``tokenizer.model`` of ``base64-token rank``
       lines), or a directory holding one and no ``tokenizer.json``. Its special tokens are ``special_tokens``, else
       the ``added_tokens_decoder`` of the directory's ``tokenizer_config.json``; the EOS is ``eos_token``, else that
-      config's, else a common name among the special tokens. Text is split by ``pattern`` before BPE (default:
-      ``transformers``' ``TikTokenConverter`` one, as in cl100k and Llama 3; pass the model's own, e.g. Qwen's,
-      which splits digits one by one). The chat template is ``chat_template``, else the directory's.
+      config's, else a common name among the special tokens. Text is split by ``pattern`` before BPE: a file
+      does not say how, so a well-known one (``r50k_base``, ``p50k_base``, ``cl100k_base``, ``o200k_base``, Qwen's
+      ``qwen.tiktoken``, recognised by the sha256 of its content) brings its published pattern, and special tokens
+      when neither ``special_tokens`` nor the directory names any; any other file needs ``pattern``, the model's
+      own (e.g. Qwen's splits digits one by one, cl100k's keeps up to three). An explicit ``pattern`` always wins.
+      The chat template is ``chat_template``, else the directory's.
       ``build_tokenizer(...).hf.save_pretrained(DIR)`` writes it as a ``tokenizer.json`` directory, for the
       command line;
     - a name that is not a local path is taken for a Hub repository id (``gpt2``, ``org/name``) and tried only
@@ -507,8 +696,9 @@ def _load(tokenizer, options: dict) -> TextTokenizer:
     path = Path(name).expanduser()
     if path.is_dir():
         tokenizer_file, directory = path / "tokenizer.json", path
+        tiktoken_file = None if tokenizer_file.is_file() else _tiktoken_file_in(path)
+        _refuse_custom_code(path, tiktoken_file)
         if not tokenizer_file.is_file():
-            tiktoken_file = _tiktoken_file_in(path)
             if tiktoken_file is not None:
                 return _load_tiktoken(tiktoken_file, path, options)
             raise DataConfigError(
