@@ -2,7 +2,8 @@
 
 Owns: ``IndexedDataConfig`` (validated at construction), turning ``split`` into contiguous per-split ranges
 exactly as megatron-core does, parsing ``data_path`` (a prefix, a directory, or a Megatron blend list such as
-``["30", prefix_a, "70", prefix_b]``) into a ``Blend``. Not responsible for: opening files or building datasets
+``["30", prefix_a, "70", prefix_b]``) into a ``Blend``, reading the ``per_dataset_sequences_path`` counts file (each
+entry checked: two integers in range). Not responsible for: opening ``.bin``/``.idx`` files or building datasets
 (``indexed_split_builder``).
 """
 
@@ -241,21 +242,76 @@ class IndexedDataConfig:
             raise DataConfigError(f"unknown data_config key(s) {unknown}; valid keys are {sorted(known)}")
         return cls(**values)
 
+    @property
+    def sequences_file_fix(self) -> str:
+        """How to write the ``per_dataset_sequences_path`` file again, for the messages that refuse it."""
+        return (
+            "write it again with `python -m hyper_parallel.data.tools.build_sequences_per_dataset --data-path "
+            f"<this run's data paths> --per-dataset-sequences-path {self.per_dataset_sequences_path}`"
+        )
+
     def load_sequences_per_dataset(self) -> dict[str, tuple[int, int]] | None:
-        """The ``{prefix: (sequence_count, document_count)}`` file named by ``per_dataset_sequences_path``."""
+        """The ``{prefix: (sequence_count, document_count)}`` file named by ``per_dataset_sequences_path``.
+
+        Raises:
+            DataFileError: the file is missing, unreadable or not JSON, is not an object, or maps a prefix to
+                anything but two integers in range (``document_count`` >= 1: the documents + 1, as in the header).
+        """
         if self.per_dataset_sequences_path is None:
             return None
-        path = Path(self.per_dataset_sequences_path)
+        path, fix = Path(self.per_dataset_sequences_path), self.sequences_file_fix
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
+            raise DataFileError(f"per_dataset_sequences_path {path} does not exist; {fix}") from None
+        except OSError as error:
             raise DataFileError(
-                f"per_dataset_sequences_path {path} does not exist; write it with "
-                "`python -m hyper_parallel.data.tools.build_sequences_per_dataset`"
+                f"per_dataset_sequences_path {path} cannot be read ({error.strerror or error}); {fix}"
             ) from None
-        except json.JSONDecodeError as error:
-            raise DataFileError(f"{path}: invalid JSON ({error}); regenerate it") from None
-        return {prefix: (int(v[0]), int(v[1])) for prefix, v in raw.items()}
+        except UnicodeDecodeError as error:
+            raise DataFileError(
+                f"per_dataset_sequences_path {path} is not UTF-8 JSON (byte {error.start}: {error.reason}); {fix}"
+            ) from None
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, a number of too many digits, deep nesting
+            raise DataFileError(f"per_dataset_sequences_path {path} holds invalid JSON ({error}); {fix}") from None
+        if not isinstance(raw, dict):
+            raise DataFileError(
+                f"per_dataset_sequences_path {path} holds {_json_described(raw)}, but it must be a JSON object "
+                f"{{prefix: [sequence_count, document_count], ...}}; {fix}"
+            )
+        return {prefix: _listed_counts(prefix, counts, path, fix) for prefix, counts in raw.items()}
+
+
+# The counts of an .idx header, used to size numpy arrays: each must fit an int64.
+_MAX_LISTED_COUNT = 2**63 - 1
+_JSON_KINDS = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+def _json_described(value, limit: int = 60) -> str:
+    """What a JSON value is, for a message: ``null``, or its kind and a short form of it."""
+    if value is None:
+        return "null"
+    text = json.dumps(value)
+    shown = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"the JSON {_JSON_KINDS.get(type(value), type(value).__name__)} {shown}"
+
+
+def _listed_counts(prefix: str, counts, path: Path, fix: str) -> tuple[int, int]:
+    """``[sequence_count, document_count]`` of ``prefix`` in the counts file, checked: two integers in range."""
+    where = f"per_dataset_sequences_path {path}: '{prefix}'"
+    if not isinstance(counts, list) or len(counts) != 2:
+        raise DataFileError(
+            f"{where} maps to {_json_described(counts)}, but each prefix must map to "
+            f"[sequence_count, document_count] (two integers, as the .idx header holds them); {fix}"
+        )
+    for name, count, minimum in zip(("sequence_count", "document_count"), counts, (0, 1), strict=True):
+        if isinstance(count, bool) or not isinstance(count, int) or not minimum <= count <= _MAX_LISTED_COUNT:
+            raise DataFileError(
+                f"{where}: {name} is {_json_described(count)}, but it must be an integer in "
+                f"[{minimum}, 2**63 - 1] ({'the documents + 1, ' if minimum else ''}as the .idx header holds it); "
+                f"{fix}"
+            )
+    return counts[0], counts[1]
 
 
 # -- split ---------------------------------------------------------------------------------------------------------

@@ -171,7 +171,8 @@ class IndexedSplitBuilder:
             if prefix not in self._sequences:
                 raise DataConfigError(
                     f"prefix '{prefix}' is missing from per_dataset_sequences_path "
-                    f"{self.config.per_dataset_sequences_path}; rebuild it for this data_path"
+                    f"{self.config.per_dataset_sequences_path}, which lists {len(self._sequences)} other prefixes "
+                    f"(keys are the prefixes as the data paths write them); {self.config.sequences_file_fix}"
                 )
             listed = self._sequences[prefix]
         return _Source(prefix, self.config, self.tokenizer, matrix, self.cache.assume_complete, listed)
