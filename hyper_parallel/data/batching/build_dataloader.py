@@ -1,7 +1,9 @@
 """Fixed and dynamic (token-budget) DataLoaders with exact, worker-count-independent resume.
 
 Owns: choosing the ModelSamples of each micro-batch (a fixed count, or a packing policy's choice), DataLoader
-workers and prefetch, and composing the loader state from its parts. Not responsible for: where keys come from and
+workers and prefetch, composing the loader state from its parts, and what a loader says of its epochs (at
+construction, what it delivers per epoch and the Online records ``drop_last`` leaves out; at each epoch's end, at
+debug, the micro-batches it delivered). Not responsible for: where keys come from and
 what each kind of source keeps (``key_sources``), which keys the caller consumed (``read_tracking``), the state's
 envelope and older versions (``loader_state``), the options (``loader_options``), reading files (sources),
 tokenizing (transforms), packing the chosen samples (collators) or parallel delivery (``ParallelBatch``).
@@ -147,8 +149,7 @@ class _Loader:
         if sampler.rearrange_map is not None:
             ordering += ", data_rearrange_map"
         logger.info(
-            "sampler: DatasetBatchSampler %s, seed %d, DP rank %d of %d, %s samples, epochs of %s (drop_last %s), "
-            "%d micro-batches of %d on this rank per epoch",
+            "sampler: DatasetBatchSampler %s, seed %d, DP rank %d of %d, %s samples, epochs of %s (drop_last %s), %s",
             ordering,
             sampler.seed,
             sampler.dp_rank,
@@ -156,8 +157,39 @@ class _Loader:
             f"{sampler.total_samples:,}",
             f"{sampler.epoch_len:,}",
             sampler.drop_last,
-            len(sampler),
-            sampler.micro_batch_size,
+            self._batches_per_epoch(len(sampler)),
+        )
+        dropped = sampler.total_samples - sampler.epoch_len
+        if dropped and self._source.transform is not None:  # Online records; Indexed samples follow megatron-core
+            logger.warning(
+                "%s over %s leaves out %s of its %s records every epoch (the last %s of each epoch's order): "
+                "drop_last, the default, keeps whole global batches of %d. Set drop_last: false on the dataloader "
+                "to read every record (the last step of an epoch is then smaller, and DP ranks may get different "
+                "numbers of batches in it)",
+                type(self).__name__,
+                _dataset_name(self.dataset),
+                f"{dropped:,}",
+                f"{sampler.total_samples:,}",
+                f"{dropped:,}",
+                sampler.global_batch_size,
+            )
+
+    def _batches_per_epoch(self, sampler_batches: int) -> str:
+        """What this loader delivers per epoch, for the sampler's log line: ``sampler_batches`` micro-batches."""
+        return f"{sampler_batches:,} micro-batches of {self.micro_batch_size} on this rank per epoch"
+
+    def _log_epoch_end(self, epoch: int, delivered: int, records: int, whole_epoch: bool) -> None:
+        """Say (at debug) how many micro-batches an epoch delivered: the count a packing loader cannot know before."""
+        logger.debug(
+            "%s over %s, DP rank %d of %d: epoch %d ended, %s micro-batches from %s records %s",
+            type(self).__name__,
+            _dataset_name(self.dataset),
+            self.dp_rank,
+            self.dp_world_size,
+            epoch,
+            f"{delivered:,}",
+            f"{records:,}",
+            "in the whole epoch" if whole_epoch else "since it was resumed",
         )
 
     def _track(self, worker_collate_fn: Callable, *, one_sample_per_record: bool = False, batches_per_read: int = 1):
@@ -246,10 +278,12 @@ class FixedBatchDataLoader(_Loader):
         for pulled, batch in self._tracked.batches():
             records += len(pulled.keys)
             if batch is not None:
+                self._source.check_loss_tokens(pulled.keys, batch)
                 delivered += 1
                 yield batch
         if whole_epoch and not delivered:
             raise self._nothing_delivered(records, epoch)
+        self._log_epoch_end(epoch, delivered, records, whole_epoch)
 
     def __len__(self) -> int:
         """Batches left in the current epoch (mapping sources)."""
@@ -348,6 +382,13 @@ class DynamicBatchDataLoader(_Loader):
     def token_budget(self) -> int:
         return self.policy.token_budget
 
+    def _batches_per_epoch(self, sampler_batches: int) -> str:
+        # The sampler's batches are groups of records; how many micro-batches they pack into depends on their tokens.
+        return (
+            f"{sampler_batches:,} batches of {self.micro_batch_size} records on this rank per epoch, packed into "
+            "micro-batches under the token budget (how many is known once the epoch is read)"
+        )
+
     def _collate(self, entries: list) -> object:
         return self.collate_fn([sample for _, sample in entries])
 
@@ -386,6 +427,7 @@ class DynamicBatchDataLoader(_Loader):
         self._flushing, self._epoch = False, None
         if whole_epoch and not delivered:
             raise self._nothing_delivered(records, epoch)
+        self._log_epoch_end(epoch, delivered, records, whole_epoch)
 
     def state_dict(self) -> dict:
         """The source position plus the packing policy's state (plain Python containers)."""

@@ -3,8 +3,10 @@
 Owns: the key sources a loader reads (``MappingKeys``: index batches from the DP batch sampler; ``StreamKeys``:
 ``(position, record)`` batches read from a stream in this process), each with its own part of the resume contract
 (its position; checking its kind, keys and DP placement in a saved state; the key of each sample a loader
-buffers, and how buffered samples are written into a state and read back), and ``key_source_for``, the one place
-that asks what kind of dataset a loader reads (it asks the dataset: ``record_reading()``).
+buffers, and how buffered samples are written into a state and read back), what each source checks of a batch
+(ready samples: at least one loss token per micro-batch) and says of it (a stream's dropped last records), and
+``key_source_for``, the one place that asks what kind of dataset a loader reads (it asks the dataset:
+``record_reading()``).
 Not responsible for: which keys the caller has consumed (``read_tracking``), fetching or transforming records
 (the DataLoader and its workers), choosing the samples of a batch (the loaders and packing policies), or
 collating them (the collators; a source only names the default one for what its records give).
@@ -30,11 +32,14 @@ import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_indexed_collate_fn, build_online_text_collate_fn
 from hyper_parallel.data.batching.loader_options import LoaderOptions
-from hyper_parallel.data.errors import DataConfigError, ResumeStateError
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.parallel.batch_sampler import BatchLayout, DatasetBatchSampler
 from hyper_parallel.data.resume_checks import check_state_type, dataset_identity, state_field, transform_identity
 
 __all__ = ["KeyBatch", "MappingKeys", "StreamKeys", "key_source_for"]
+
+logger = get_logger(__name__)
 
 _DAMAGED = "the checkpoint is damaged: restore the state as saved, or start without it"
 
@@ -79,6 +84,26 @@ class _KeySource:
             return build_online_text_collate_fn()
         # Indexed datasets say which id ends their documents; other map-style datasets have one sequence per row.
         return build_indexed_collate_fn(eod_token_id=getattr(self._read, "eod_token_id", None))
+
+    def check_loss_tokens(self, keys: list, batch) -> None:
+        """Refuse a batch of ready samples (Indexed) in which no token carries a loss: its mean loss would be NaN.
+
+        The whole micro-batch is the unit, as the loss is averaged over its loss tokens: a sample without one
+        beside samples with some is trained on as it is. Online records are checked one at a time by their
+        transform instead (a record without a loss token is an error, or skipped with ``on_invalid_record``).
+        """
+        loss_mask = batch.get("loss_mask") if self.transform is None and isinstance(batch, Mapping) else None
+        if loss_mask is None or torch.as_tensor(loss_mask).any():
+            return
+        identity = self.identities[0]
+        source = identity["source"] if identity else type(self._read).__name__
+        shown = keys if len(keys) <= 8 else [*keys[:8], f"... {len(keys) - 8} more"]
+        raise DataFileError(
+            f"{source}: the micro-batch of samples {shown} has no token whose loss is taken (its loss_mask is 0 "
+            "everywhere: the samples hold only EOD tokens, masked by eod_mask_loss, or padding), so its loss would "
+            "be NaN; remove the empty documents from the data and rebuild the .bin/.idx files, or set "
+            "data_config.eod_mask_loss to false"
+        )
 
     def require_model_samples(self, loader: str) -> None:
         """Refuse a dataset whose records are not turned into ModelSamples by a transform (an Indexed dataset)."""
@@ -232,15 +257,33 @@ class StreamKeys(_KeySource):
         self.stream = stream
         self.records_per_batch = layout.micro_batch_size
         self.drop_last = drop_last
+        self._drop_reported = False  # a stream's length is known only at its end: the drop is said once, then
 
     def pull(self, batches_per_read: int) -> Iterator[KeyBatch]:
         size = self.records_per_batch * batches_per_read
         while keys := self.stream.read(size):
             if self.drop_last and len(keys) < size:  # the stream's last records: drop an incomplete batch
+                self._report_drop(len(keys) % self.records_per_batch)
                 keys = keys[: len(keys) - len(keys) % self.records_per_batch]
                 if not keys:
                     continue  # the next read ends the epoch
             yield KeyBatch(keys, self.stream.epoch)
+
+    def _report_drop(self, dropped: int) -> None:
+        if not dropped or self._drop_reported:
+            return
+        self._drop_reported = True
+        logger.warning(
+            "DP rank %d of %d left out the last %d records of %r in epoch %d: drop_last, the default, drops a "
+            "stream's incomplete last micro-batch of %d records (said once per loader). Set drop_last: false on "
+            "the dataloader to read every record",
+            self.layout.dp_rank,
+            self.layout.dp_world_size,
+            dropped,
+            self.stream,
+            self.stream.epoch,
+            self.records_per_batch,
+        )
 
     def position(self, unconsumed: list[KeyBatch]) -> tuple[dict, list[list]]:
         return self.stream.state_dict(), [pulled.keys for pulled in unconsumed]
