@@ -1,6 +1,6 @@
 """The quickstart: the bundled Jane Austen corpus from raw text to the batches of a DP x CP mesh, offline.
 
-Steps, in well under a minute on two cores:
+Steps (about a minute on two cores):
 
 1. prepare the example data (``tools.example_data``) that the configs under ``examples/`` read: the chapters as
    JSON lines (in passages of at most 4096 tokens), synthetic conversations, and Megatron-compatible
@@ -657,9 +657,15 @@ def _installed(name: str) -> str:
     return f"{_display(Path(sys.executable).parent)}/{name}"
 
 
+def _python() -> str:
+    """The interpreter running this, as ``python`` where its directory has one (every venv), as the docs write it."""
+    bin_dir = Path(sys.executable).parent
+    return _installed("python" if (bin_dir / "python").exists() else Path(sys.executable).name)
+
+
 def closing_hints(corpus_prefix: Path) -> str:
     """What to run next, after the quickstart wrote its example data with ``corpus_prefix`` as the corpus pair."""
-    hp_data, python = _installed("hp-data"), _installed(Path(sys.executable).name)
+    hp_data, python = _installed("hp-data"), _python()
     tokenizer_path = _display(BUNDLED_TOKENIZER_PATH)
     return (
         "next:\n"
