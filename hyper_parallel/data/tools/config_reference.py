@@ -60,8 +60,9 @@ REGENERATE_COMMAND = "hp-data config-reference --output docs/configuration.md"
 
 # -- what the pipeline gives each node -----------------------------------------------------------------------------
 
-# build_dataloaders' keyword arguments that are not runtime facts offered to the nodes.
-_NOT_OFFERED = ("allowed_prefixes", "parallel_context")
+# build_dataloaders' keyword arguments that are not runtime facts offered to the nodes; its worker options override
+# the dataloader node's keys instead.
+_NOT_OFFERED = ("allowed_prefixes", "parallel_context", *(option.name for option in dataclasses.fields(WorkerOptions)))
 # The rank layout: build_dataloaders' keywords, or its parallel_context when one is given.
 _FROM_PARALLEL_CONTEXT = ("dp_rank", "dp_world_size", "cp_size", "tp_size")
 # node -> {name: (the "given by the pipeline" column, what the pipeline passes)}: the values offered to one node
