@@ -57,6 +57,7 @@ from hyper_parallel.data.batching.dataloader import build_dataloaders  # noqa: E
 from hyper_parallel.data.batching.get_batch import ParallelBatch  # noqa: E402
 from hyper_parallel.data.constants import IGNORE_INDEX  # noqa: E402
 from hyper_parallel.data.dataset_logging import enable_dataset_logging  # noqa: E402
+from hyper_parallel.data.indexed.io import atomic_file  # noqa: E402
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH  # noqa: E402
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer  # noqa: E402
@@ -169,13 +170,13 @@ def _reduce_gradients(model: torch.nn.Module, group, loss_tokens: float) -> None
 
 
 def _save_atomically(state, path: Path) -> None:
-    """Write under a temporary name, then rename: a crash never leaves a half-written file under ``path``."""
-    partial = path.with_name(path.name + ".partial")
-    if path.suffix == ".json":
-        partial.write_text(json.dumps(state, indent=1), encoding="utf-8")
-    else:
-        torch.save(state, partial)
-    os.replace(partial, path)
+    """Write under a temporary name, then rename: a crash never leaves a half-written file under ``path``, and a
+    symbolic link planted at either name is refused, never written through."""
+    with atomic_file(path) as file:
+        if path.suffix == ".json":
+            file.write(json.dumps(state, indent=1).encode("utf-8"))
+        else:
+            torch.save(state, file)
 
 
 def save_checkpoint(save_dir: Path, step: int, rank: int, model, optimizer, loaders, settings: dict) -> None:

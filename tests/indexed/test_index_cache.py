@@ -329,7 +329,9 @@ def test_deferred_dataset_opens_its_indices_on_first_use(tmp_path, corpus, token
 
 def test_deferred_load_computes_each_key_at_first_access(tmp_path, corpus, tokenizer, monkeypatch):
     """With ``defer_npy_index_mmap`` and ``fast_cache_load`` a dataset's description is hashed only when its index
-    files are first read, so that start-up with thousands of sources hashes nothing; the key is the same."""
+    files are first read, so that start-up with thousands of sources hashes nothing; the key is the same. At that
+    first read the stored description is encoded too, to be compared with it, and so are the arrays' manifests,
+    for the manifest's checksum."""
     cache = tmp_path / "cache"
     reference = _build(corpus, tokenizer, cache)[0]
     encoder = index_cache._COMPACT_JSON
@@ -345,6 +347,8 @@ def test_deferred_load_computes_each_key_at_first_access(tmp_path, corpus, token
     assert hashed == []
 
     assert torch.equal(deferred[3]["tokens"], reference[3]["tokens"])
-    assert hashed == [deferred.unique_identifiers]
+    key, stored, arrays = hashed
+    assert key == stored == deferred.unique_identifiers
+    assert set(arrays) == {"document_index", "sample_index", "shuffle_index"}
     np.testing.assert_array_equal(deferred.shuffle_index, reference.shuffle_index)
-    assert len(hashed) == 1  # the key is kept
+    assert len(hashed) == 3  # the key and the checked manifest are kept

@@ -7,6 +7,7 @@ written. Rewriting the data files, even with the same counts, builds new indices
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from permissions import read_only
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed import index_cache
 from hyper_parallel.data.indexed.index_cache import IndexCache
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -152,6 +154,184 @@ def test_a_missing_entry_under_fast_cache_load_names_the_fix(tmp_path, corpus, t
     assert "prepare_cache" in message and "fast_cache_load: false" in message
 
 
+# -- entries bound to what was asked ------------------------------------------------------------------------------
+
+
+def _entry_files(cache: Path, kind_split: str) -> dict[str, Path]:
+    """The files of the one ``<kind>-<split>`` entry in ``cache``, by name (``description``, the arrays)."""
+    [description] = cache.glob(f"*-{kind_split}-description.txt")
+    stem = description.name.removesuffix("-description.txt")
+    return {path.name.removeprefix(f"{stem}-").rsplit(".", 1)[0]: path for path in cache.glob(f"{stem}-*")}
+
+
+def _copy_entry(source: dict[str, Path], target: dict[str, Path]) -> None:
+    """Copy every file of one entry, manifest included, over the names of another."""
+    assert source.keys() == target.keys()
+    for name, path in source.items():
+        target[name].write_bytes(path.read_bytes())
+
+
+FOREIGN = {
+    "seed": ({"random_seed": 4321}, "train", "random_seed: this entry has 1234, the files have 4321"),
+    "split": ({}, "valid", "index_split: this entry has 'train', the files have 'valid'"),
+    "sequence length": ({"seq_length": 24}, "train", "sequence_length: this entry has 32, the files have 24"),
+    "data set": ({"other_corpus": True}, "train", "dataset_path: this entry has "),
+}
+
+
+def _foreign_entry(tmp_path, tokenizer, lengths, case: str) -> tuple[dict[str, Path], str]:
+    """The files of an entry built for other settings, a split other than train, or another data set."""
+    settings, split, _ = FOREIGN[case]
+    settings = dict(settings)
+    data = tmp_path / "corpus_text_document"
+    if settings.pop("other_corpus", False):
+        data = _write_pair(tmp_path / "other_text_document", lengths[::-1].copy(), token_seed=5)
+    _build(data, tokenizer, tmp_path / "foreign", **settings)
+    return _entry_files(tmp_path / "foreign", f"GPTDataset-{split}"), FOREIGN[case][2]
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "fast"])
+@pytest.mark.parametrize("case", list(FOREIGN))
+def test_an_entry_copied_from_another_is_rebuilt_with_a_warning_naming_what_differs(
+    tmp_path, corpus, lengths, tokenizer, logs, case, mode
+):
+    """Every file of another entry (another seed, split, sequence length or data set), manifest included, copied
+    under this entry's names is never read: the entry is rebuilt once, with a warning naming the differing field,
+    and the samples are those of a fresh cache."""
+    cache = tmp_path / "cache"
+    _build(corpus, tokenizer, cache)
+    foreign, difference = _foreign_entry(tmp_path, tokenizer, lengths, case)
+    train = _entry_files(cache, "GPTDataset-train")
+    _copy_entry(foreign, train)
+    logs.clear()
+
+    loaded = _build(corpus, tokenizer, cache, **(FAST if mode == "fast" else {}))
+    first_samples = [dataset[0] for dataset in loaded]
+
+    [warning] = _warnings(logs)
+    assert (
+        warning.startswith(f"{train['description']}: its description is not this entry's (") and difference in warning
+    )
+    assert "copied or renamed from another entry" in warning and "rebuilding the" in warning
+    assert len(building_messages(logs)) == 1
+    reference = _build(corpus, tokenizer, tmp_path / "reference")
+    for got, want, sample in zip(loaded, reference, first_samples, strict=True):
+        assert_same_datasets(got, want)
+        assert all(np.array_equal(sample[key], want[0][key]) for key in sample)
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "fast"])
+@pytest.mark.parametrize("case", ["seed", "split"])
+def test_an_entry_copied_from_another_in_an_unwritable_directory_is_refused(
+    tmp_path, corpus, lengths, tokenizer, case, mode
+):
+    cache = tmp_path / "cache"
+    _build(corpus, tokenizer, cache)
+    foreign, difference = _foreign_entry(tmp_path, tokenizer, lengths, case)
+    train = _entry_files(cache, "GPTDataset-train")
+    _copy_entry(foreign, train)
+
+    with read_only(cache), pytest.raises(DataFileError) as raised:
+        datasets = _build(corpus, tokenizer, cache, **(FAST if mode == "fast" else {}))
+        datasets[0][0]
+
+    message = str(raised.value)
+    assert (
+        message.startswith(f"{train['description']}: its description is not this entry's (") and difference in message
+    )
+    assert f"its directory {cache} is not writable" in message and "data_cache_path" in message
+
+
+def _edit_manifest(path: Path, edit, rechecksum: bool = False) -> None:
+    """Change the manifest as a hand edit would; with ``rechecksum``, as a forger would, checksum recomputed."""
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    edit(manifest)
+    if rechecksum:
+        compact = index_cache._COMPACT_JSON.encode(manifest["description"])
+        manifest["manifest_xxh3_64"] = index_cache._manifest_checksum(compact, manifest["arrays"])
+    path.write_text(json.dumps(manifest, indent=4), encoding="utf-8")
+
+
+HAND_EDITS = {
+    "seed": lambda m: m["description"].update(random_seed=4321),
+    "shape": lambda m: m["arrays"]["shuffle_index"].update(shape=[m["arrays"]["shuffle_index"]["shape"][0] - 1]),
+    "file size": lambda m: m["arrays"]["sample_index"].update(file_bytes=m["arrays"]["sample_index"]["file_bytes"] + 8),
+    "checksum removed": lambda m: m.pop("manifest_xxh3_64"),
+}
+
+
+@pytest.mark.parametrize("case", list(HAND_EDITS))
+def test_a_manifest_edited_by_hand_is_found_by_its_checksum(tmp_path, corpus, tokenizer, logs, case):
+    cache = tmp_path / "cache"
+    _build(corpus, tokenizer, cache)
+    description = _entry_files(cache, "GPTDataset-train")["description"]
+    _edit_manifest(description, HAND_EDITS[case])
+    logs.clear()
+
+    _build(corpus, tokenizer, cache, cache_verification="sizes")
+
+    [warning] = _warnings(logs)
+    expected = "has no checksum" if case == "checksum removed" else "does not match its checksum: it was edited"
+    assert warning.startswith(f"{description}: the manifest ") and expected in warning
+    assert len(building_messages(logs)) == 1
+
+
+@pytest.mark.parametrize("mode", ["ordinary", "fast"])
+@pytest.mark.parametrize("name", ["shuffle_index", "sample_index"])
+def test_arrays_of_another_length_than_the_split_needs_are_never_read(tmp_path, corpus, tokenizer, logs, name, mode):
+    """A consistent manifest (checksum recomputed) whose array is shorter than the split needs, its file cut to
+    match, is another entry's: rebuilt, even when only sizes are checked."""
+    cache = tmp_path / "cache"
+    _build(corpus, tokenizer, cache)
+    files = _entry_files(cache, "GPTDataset-train")
+    array = np.load(files[name])
+    np.save(files[name], array[:-1])
+
+    def shorten(manifest: dict) -> None:
+        header = files[name].read_bytes()[: files[name].stat().st_size - array[:-1].nbytes]
+        manifest["arrays"][name] = {
+            **manifest["arrays"][name],
+            "shape": list(array[:-1].shape),
+            "npy_header": header.decode("latin-1"),
+            "file_bytes": files[name].stat().st_size,
+            "xxh3_64": index_cache._block_digests(header, array[:-1]),
+        }
+
+    _edit_manifest(files["description"], shorten, rechecksum=True)
+    logs.clear()
+
+    loaded = _build(corpus, tokenizer, cache, cache_verification="sizes", **(FAST if mode == "fast" else {}))
+    loaded[0][0]
+
+    [warning] = _warnings(logs)
+    needed = (len(array), 2) if name == "sample_index" else (len(array),)
+    assert warning.startswith(f"{files['description']}: the manifest describes {name} as ")
+    assert f"but this entry needs dtype kind i/u of shape {needed}" in warning
+    assert len(loaded[0]) == len(_build(corpus, tokenizer, tmp_path / "reference")[0])
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_an_array_file_of_the_same_size_but_another_dtype_or_shape_is_never_read(
+    tmp_path, corpus, tokenizer, logs, change
+):
+    """The array file is replaced by one of exactly the same size holding another dtype (or shape); its ``.npy``
+    header differs from the manifest's, which every mode checks."""
+    cache = tmp_path / "cache"
+    _build(corpus, tokenizer, cache)
+    path = _entry_files(cache, "GPTDataset-train")["sample_index"]
+    array, size = np.load(path), path.stat().st_size
+    other = array.view(np.uint32 if array.dtype == np.int32 else np.uint64) if change == "dtype" else array.reshape(-1)
+    np.save(path, other)
+    assert path.stat().st_size == size
+    logs.clear()
+
+    _build(corpus, tokenizer, cache, cache_verification="sizes")
+
+    [warning] = _warnings(logs)
+    assert warning.startswith(f"{path}: its .npy header does not match the dtype {array.dtype} and shape ")
+    assert len(building_messages(logs)) == 1
+
+
 # -- verification modes -------------------------------------------------------------------------------------------
 
 
@@ -172,12 +352,22 @@ def test_sizes_are_checked_in_every_mode(tmp_path):
 
 def test_sampled_checks_read_the_first_and_last_blocks(tmp_path):
     cache, path = _big_entry(tmp_path)
-    for offset in (9, path.stat().st_size - 1):  # in the header, in the last block
+    for offset in (path.stat().st_size - 1, 9000):  # in the last block, in the first block past the header
         _flip_byte(path, offset)
         assert not cache.is_complete(("big",), "sampled")
         assert cache.is_complete(("big",), "sizes")
         _flip_byte(path, offset)
         assert cache.is_complete(("big",), "sampled")
+
+
+@pytest.mark.parametrize("offset", [9, 22, 61], ids=["header-length", "dtype", "shape"])
+def test_the_npy_header_is_checked_in_every_mode(tmp_path, offset):
+    """The ``.npy`` header (its length, dtype and shape) is compared with the manifest even by ``"sizes"``."""
+    cache, path = _big_entry(tmp_path)
+    _flip_byte(path, offset)
+
+    assert [cache.is_complete(("big",), mode) for mode in ("sizes", "sampled", "full")] == [False] * 3
+    assert "its .npy header does not match the dtype int64 and shape (1000000,)" in cache._problem.damage
 
 
 def test_full_checks_read_every_block(tmp_path):

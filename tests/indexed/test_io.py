@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from file_limits import file_size_limit
 from megatron.core.datasets.indexed_dataset import DType as MegatronDType
 from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MegatronBuilder
@@ -523,14 +524,12 @@ def test_finalize_replaces_an_older_pair(tmp_path):
     assert_pair_holds(prefix, documents)
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_a_full_disk_is_a_data_file_error_naming_the_file(tmp_path):
-    """A write that fails (the temporary .bin is a link to /dev/full, which fails writes with ENOSPC as a full disk
-    does) is a DataFileError naming the final file and the fix; abort removes the temporary."""
+def test_a_failed_write_is_a_data_file_error_naming_the_file(tmp_path):
+    """A write that fails part-way (here past the process's file size limit, which fails it as a full disk does) is
+    a DataFileError naming the final file and the fix; abort removes the temporary."""
     prefix = tmp_path / "data"
-    temporary_path(bin_path(prefix)).symlink_to("/dev/full")
     builder = IndexedDatasetBuilder(bin_path(prefix), dtype=np.int32)
-    with pytest.raises(DataFileError, match=r"cannot write .*data\.bin: No space left on device; free space"):
+    with file_size_limit(4096), pytest.raises(DataFileError, match=r"cannot write .*data\.bin: File too large; "):
         builder.add_document(np.arange(1 << 16), [1 << 16])
         builder.finalize(idx_path(prefix))
     builder.abort()

@@ -112,7 +112,33 @@ def test_without_a_process_group_a_file_lock_lets_one_process_build(tmp_path, bl
 
 
 def test_a_failed_build_on_rank_0_raises_on_every_rank(tmp_path):
-    """Rank 0's build fails after earlier entries succeeded; every rank raises instead of waiting for ever."""
+    """Rank 0's build fails after earlier entries succeeded (a link planted at a file name of the valid entry,
+    which is never written through); every rank raises instead of waiting for ever."""
+    prefix = write_corpus(tmp_path / "corpus", num_documents=40, seed=3)
+    worker = functools.partial(build_and_digest, data_path=prefix, cache=str(tmp_path / "cache"))
+    build_and_digest(0, 1, prefix, str(tmp_path / "reference"))  # the same keys: the cache directory is not in them
+    [valid] = (tmp_path / "reference").glob("*-GPTDataset-valid-document_index.npy")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not an index")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / valid.name).symlink_to(outside)
+
+    reports = launch(worker, tmp_path, WORLD_SIZE)
+
+    assert [len(_building(r)) for r in reports] == [2, 0, 0, 0]  # train, then the failing valid split
+    assert reports[0]["error"]["type"] == "DataFileError"
+    assert reports[0]["error"]["message"].startswith(f"{tmp_path / 'cache' / valid.name} is a symbolic link to ")
+    for report in reports[1:]:
+        assert report["error"]["type"] == "DataFileError"
+        assert report["error"]["message"].startswith("rank 0 failed to build a shared cache (DataFileError: ")
+    assert not list((tmp_path / "cache").glob("*-GPTDataset-valid-description.txt"))
+    assert list((tmp_path / "cache").glob("*-GPTDataset-train-description.txt"))  # the train entry was published
+    assert outside.read_bytes() == b"not an index"
+
+
+def test_a_split_without_tokens_for_its_samples_is_refused_on_every_rank_before_any_build(tmp_path):
+    """A split that holds no tokens but is asked for samples is a DataConfigError every rank finds itself, from
+    the settings alone, before it builds (or waits for) that split's entry."""
     # 40 documents, the last 8 empty: the valid split ("80, 20, 0") holds no tokens but 5 samples are asked for
     prefix = write_corpus(tmp_path / "corpus", num_documents=32, seed=3, empty_tail=8)
     worker = functools.partial(
@@ -120,14 +146,11 @@ def test_a_failed_build_on_rank_0_raises_on_every_rank(tmp_path):
     )
     reports = launch(worker, tmp_path, WORLD_SIZE)
 
-    assert [len(_building(r)) for r in reports] == [2, 0, 0, 0]  # train, then the failing valid split
-    assert reports[0]["error"]["type"] == "DataConfigError"
-    assert "the split holds no tokens" in reports[0]["error"]["message"]
-    for report in reports[1:]:
-        assert report["error"]["type"] == "DataFileError"
-        assert report["error"]["message"].startswith("rank 0 failed to build a shared cache (DataConfigError: ")
+    assert [len(_building(r)) for r in reports] == [1, 0, 0, 0]  # train only
+    for report in reports:
+        assert report["error"]["type"] == "DataConfigError"
+        assert "(valid split, sequences [32, 40]): the split holds no tokens" in report["error"]["message"]
     assert not list((tmp_path / "cache").glob("*-GPTDataset-valid-description.txt"))
-    assert os.listdir(tmp_path / "cache")  # the train entry was published
 
 
 # -- failures cross ranks -----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from file_limits import file_size_limit
 
 from hyper_parallel.data import __version__
 from hyper_parallel.data.errors import DataConfigError, DataFileError
@@ -174,13 +175,11 @@ def test_full_disk_is_the_normal_error_and_leaves_nothing(tmp_path, capsys, corp
     assert list(full.iterdir()) == []
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_write_error_on_a_full_device_is_a_data_file_error(tmp_path, corpus_path):
-    """The same without mounting: the .bin's temporary name is made a link to /dev/full, which fails every write
-    with ENOSPC as a full disk does. The error names the file and the fix, and the link is removed."""
+def test_a_write_that_fails_part_way_is_a_data_file_error(tmp_path, corpus_path):
+    """The same without mounting: past the process's file size limit a write fails (EFBIG) as it does on a full
+    disk. The error names the file and the fix, and nothing is left."""
     prefix = tmp_path / "out"
-    temporary_path(f"{prefix}_text_document.bin").symlink_to("/dev/full")
-    with pytest.raises(DataFileError, match=r"cannot write .*out_text_document\.bin: No space left on device; free"):
+    with file_size_limit(64 << 10), pytest.raises(DataFileError, match=r"cannot write .*out_text_document\.bin: File"):
         prepare(corpus_path, prefix)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -217,15 +216,20 @@ def test_temporaries_of_dead_runs_are_swept_at_the_start(tmp_path, caplog):
 # -- partitions are published all at once --------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_partitions_are_not_published_when_the_merge_fails(tmp_path):
     """Partition pairs appear at their final names only with the merged pair: a merge that fails (the merged .bin
-    is a link to /dev/full, so the disk is full at that moment) leaves no partition pair, manifest or temporary."""
-    data = write_jsonl(tmp_path / "in.jsonl", make_records(9, seed=8))
-    temporary_path(tmp_path / "out_text_document.bin").symlink_to("/dev/full")
-    with pytest.raises(DataFileError, match="No space left on device"):
-        prepare(data, tmp_path / "out", partitions=3, keep_partition_files=True, chunk_size=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    is the one file past the process's file size limit, as if the disk filled at that moment) leaves no partition
+    pair, manifest or temporary."""
+    data = write_jsonl(tmp_path / "in.jsonl", make_records(300, seed=8))
+    options = {"partitions": 3, "keep_partition_files": True, "chunk_size": 20}
+    reference = prepare(data, tmp_path / "reference" / "out", **options).outputs["text"]
+    merged_bin = Path(f"{reference}.bin")
+    others = [p.stat().st_size for p in (tmp_path / "reference").iterdir() if p != merged_bin]
+    assert max(others) < merged_bin.stat().st_size  # the limit below fails the merge only
+
+    with file_size_limit(max(others)), pytest.raises(DataFileError, match="out_text_document.bin: File too large"):
+        prepare(data, tmp_path / "out", **options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "reference"]
 
 
 def test_kept_partitions_are_listed_by_a_manifest(tmp_path, tokenizer):

@@ -5,9 +5,14 @@ of a damaged entry. The key is the MD5 of a JSON description that lists every se
 and the identity of the data files behind them, unlike megatron-core's, whose key omits
 ``add_extra_token_to_sequence`` and others, so that it silently reuses stale indices. Arrays are written under
 temporary names and renamed; the description file, written last, marks the entry complete and holds the manifest:
-each array's dtype, shape, file size and the xxh3 checksums of its 64 KiB blocks. Loading compares every file's
-size with the manifest and the checksums of some or all blocks (``cache_verification``); a damaged entry is
-rebuilt with a warning naming the file, or refused with a ``DataFileError`` where the directory is read-only.
+the full description, each array's dtype, shape, ``.npy`` header, file size and the xxh3 checksums of its 64 KiB
+blocks, and the manifest's own checksum. Loading checks that checksum, compares the stored description field by
+field with the one asked for (an entry copied or renamed from another split, seed or data set is never read), each
+array's dtype and shape with what the caller expects (the length the split must have), every file's size and
+header with the manifest and the checksums of some or all blocks (``cache_verification``); an entry that fails is
+rebuilt with a warning naming the file and what differs, or refused with a ``DataFileError`` where the directory
+is read-only. No file of an entry is read or written through a symbolic link: a link at one of its names (or at
+its lock) is refused with a ``DataFileError`` naming it.
 One process builds while the others wait (``parallel.build_barrier``); everyone then memory-maps the files.
 Not responsible for: computing the arrays (``indexed_helpers``) or deciding what they mean (the datasets).
 """
@@ -16,17 +21,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import json
 import math
 import mmap
 import os
 import random
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -34,10 +42,10 @@ from xxhash import xxh3_64_intdigest
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.indexed.io import atomic_output
-from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once
+from hyper_parallel.data.indexed.io import NO_FOLLOW, atomic_file, link_refusal
+from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once, description_differences
 
-__all__ = ["CacheOptions", "IndexCache", "LazyArrays", "array_property", "writable_directory"]
+__all__ = ["CacheOptions", "ExpectedArray", "IndexCache", "LazyArrays", "array_property", "writable_directory"]
 
 logger = get_logger("hyper_parallel.data.indexed.index_cache")
 
@@ -48,6 +56,8 @@ _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 _BLOCK_BYTES = 1 << 16  # one checksum per block of the .npy file, header included
 _RANDOM_BLOCKS = 2  # blocks a "sampled" check reads besides the first and the last
 _RANDOM = random.Random()  # seeded per process, so that ranks and jobs check different blocks
+_READ = os.O_RDONLY | NO_FOLLOW
+_CHECKSUM_KEY = "manifest_xxh3_64"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +102,22 @@ class _Unusable(Exception):
         self.damage = damage
 
 
+class ExpectedArray(NamedTuple):
+    """What an array of an entry must be, known before the entry is read: an array of another shape or dtype kind
+    comes from another entry (or a forged one) and is never read.
+
+    Attributes:
+        shape: the array's shape; the split fixes its length.
+        kinds: the numpy dtype kinds it may have: index arrays hold integers.
+    """
+
+    shape: tuple[int, ...]
+    kinds: str = "iu"
+
+
+_NOTHING_EXPECTED: Mapping[str, ExpectedArray] = MappingProxyType({})
+
+
 class _Request(NamedTuple):  # a NamedTuple: made once per source at start-up, and cheaper than a dataclass
     """What a caller asked of one entry: its arrays, how to build them and how to read them."""
 
@@ -100,6 +126,23 @@ class _Request(NamedTuple):  # a NamedTuple: made once per source at start-up, a
     verification: str
     lock_timeout: float
     assume_complete: bool
+    expected: Mapping[str, ExpectedArray]
+
+
+class _ArrayRecord(NamedTuple):
+    """One array's manifest, parsed and checked for consistency."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    file_bytes: int
+    block_bytes: int
+    digests: np.ndarray
+    header: bytes  # the .npy header: everything before the data
+
+
+def _manifest_checksum(compact_description: str, arrays: dict) -> str:
+    """The manifest's own checksum: xxh3-64 (hex) of the compact JSON of the description, then of the arrays."""
+    return f"{xxh3_64_intdigest((compact_description + _COMPACT_JSON.encode(arrays)).encode()):016x}"
 
 
 def _block_digests(header: bytes, array: np.ndarray) -> str:
@@ -141,12 +184,12 @@ class LazyArrays(Mapping):
     def __init__(self, cache: IndexCache, request: _Request) -> None:
         self._cache = cache
         self._request = request
-        self._records: dict[str, dict] | None = None
+        self._records: dict[str, _ArrayRecord] | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
     def _map(self, name: str) -> np.ndarray:
         if self._records is None:
-            self._records = self._cache._read_manifest(self._request.names)
+            self._records = self._cache._read_manifest(self._request)
         return self._cache._map(name, self._records[name], self._request.verification)
 
     def map_all(self) -> LazyArrays:
@@ -158,7 +201,7 @@ class LazyArrays(Mapping):
 
     def check_sizes(self) -> LazyArrays:
         """Check the manifest and every file's size now, and leave the mapping for first access."""
-        self._records = self._cache._read_manifest(self._request.names)
+        self._records = self._cache._read_manifest(self._request)
         for name in self._request.names:
             self._cache._check_size(name, self._records[name])
         return self
@@ -212,9 +255,10 @@ def writable_directory(directory: Path) -> bool:
 class IndexCache:
     """One cache entry: ``<dir>/<md5>-<kind>-<split>-{description.txt,<name>.npy}``.
 
-    The description file holds ``{"description": ..., "arrays": {name: manifest}}``, indented; each manifest
-    records the array's ``dtype``, ``shape``, ``file_bytes``, ``block_bytes`` and ``xxh3_64`` (base64 of the
-    blocks' little-endian checksums).
+    The description file holds ``{"description": ..., "arrays": {name: manifest}, "manifest_xxh3_64": ...}``,
+    indented; each manifest records the array's ``dtype``, ``shape``, ``npy_header`` (latin-1), ``file_bytes``,
+    ``block_bytes`` and ``xxh3_64`` (base64 of the blocks' little-endian checksums); ``manifest_xxh3_64`` is the
+    checksum of the description and the arrays' manifests (``_manifest_checksum``).
 
     Args:
         directory: the cache directory, or None to keep arrays in memory only.
@@ -231,11 +275,15 @@ class IndexCache:
         self._mapped: LazyArrays | None = None  # the arrays the last soundness check mapped
 
     @cached_property
+    def _compact_description(self) -> str:
+        """The hashed form of the description; the indented, readable form is written at build time."""
+        return _COMPACT_JSON.encode(self.description)
+
+    @cached_property
     def key(self) -> str:
         """The MD5 of the compact description, computed when first needed: a deferred load needs it only when an
         array is first read, which keeps start-up with thousands of sources cheap."""
-        compact = _COMPACT_JSON.encode(self.description)  # the indented, readable form is written at build time
-        return hashlib.md5(compact.encode("utf-8"), usedforsecurity=False).hexdigest()
+        return hashlib.md5(self._compact_description.encode("utf-8"), usedforsecurity=False).hexdigest()
 
     @cached_property
     def _stem(self) -> str:
@@ -256,75 +304,122 @@ class IndexCache:
 
     # -- reading --------------------------------------------------------------------------------------------
 
-    def _read_manifest(self, names: tuple[str, ...]) -> dict[str, dict]:
-        """The manifests of ``names``; ``_Unusable`` if the entry is not built (no description) or damaged."""
+    def _read_manifest(self, request: _Request) -> dict[str, _ArrayRecord]:
+        """The parsed manifests of the requested arrays, once the description file is found to be this entry's:
+        its checksum holds, its description equals the one asked for and every array is what ``request`` expects.
+        ``_Unusable`` if the entry is not built (no description) or fails a check."""
         path = self._file("description")
         try:
-            with open(path, "rb") as f:
-                text = f.read()
+            descriptor = os.open(path, _READ)
         except (FileNotFoundError, NotADirectoryError):  # not built, or no cache directory at all
             raise _Unusable(path) from None
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise link_refusal(path) from None
             raise _Unusable(path, f"the description cannot be read ({error.strerror})") from None
+        with open(descriptor, "rb") as f:
+            text = f.read()
         try:
-            arrays = json.loads(text)["arrays"]
-            return {name: arrays[name] for name in names}
-        except (ValueError, KeyError, TypeError) as error:
+            manifest = json.loads(text)
+            stored_description, arrays = _COMPACT_JSON.encode(manifest["description"]), manifest["arrays"]
+            checksum = manifest.get(_CHECKSUM_KEY)
+            if checksum is None:
+                raise _Unusable(
+                    path, "the manifest has no checksum (it was written by an older version of the library)"
+                )
+            if checksum != _manifest_checksum(stored_description, arrays):
+                raise _Unusable(
+                    path, "the manifest does not match its checksum: it was edited or damaged after it was written"
+                )
+            if stored_description != self._compact_description:
+                raise _Unusable(path, self._foreign_entry(manifest["description"]))
+            records = {name: self._record(name, arrays[name]) for name in request.names}
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise _Unusable(
                 path, f"the description does not parse as an index cache manifest ({type(error).__name__}: {error})"
             ) from None
+        for name, wanted in request.expected.items():
+            record = records[name]
+            if record.shape != tuple(wanted.shape) or record.dtype.kind not in wanted.kinds:
+                raise _Unusable(
+                    path,
+                    f"the manifest describes {name} as {record.dtype} of shape {record.shape}, but this entry needs "
+                    f"dtype kind {'/'.join(wanted.kinds)} of shape {tuple(wanted.shape)}: its files come from "
+                    "another entry",
+                )
+        return records
 
-    def _record(self, name: str, record: dict) -> tuple[np.dtype, tuple[int, ...], int, int, np.ndarray]:
-        """``(dtype, shape, file_bytes, block_bytes, digests)`` of a manifest, or ``_Unusable`` naming it."""
+    def _foreign_entry(self, stored: object) -> str:
+        """What differs between the description stored in an entry's files and the one this entry is for."""
+        fields = "; ".join(
+            f"{where}: this entry has {ours}, the files have {theirs}"
+            for where, ours, theirs in description_differences(self.description, stored)
+        )
+        return (
+            f"its description is not this entry's ({fields or 'they differ'}): its files were copied or renamed "
+            "from another entry (another split, seed or data set), so they are not read"
+        )
+
+    def _record(self, name: str, record: dict) -> _ArrayRecord:
+        """One array's manifest, parsed, or ``_Unusable`` naming it when it is malformed or inconsistent."""
         try:
             dtype = np.dtype(record["dtype"])
             shape = tuple(int(n) for n in record["shape"])
             file_bytes, block_bytes = int(record["file_bytes"]), int(record["block_bytes"])
             digests = np.frombuffer(base64.b64decode(record["xxh3_64"], validate=True), dtype="<u8")
+            header = record["npy_header"].encode("latin-1")
             usable = dtype.kind in "biuf" and block_bytes > 0 and min(shape, default=0) >= 0
-            if usable and len(digests) == -(-file_bytes // block_bytes):
-                return dtype, shape, file_bytes, block_bytes, digests
-        except (KeyError, TypeError, ValueError, binascii.Error):
+            sized = len(header) + math.prod(shape) * dtype.itemsize == file_bytes
+            if usable and sized and len(digests) == -(-file_bytes // block_bytes):
+                return _ArrayRecord(dtype, shape, file_bytes, block_bytes, digests, header)
+        except (KeyError, TypeError, ValueError, AttributeError, binascii.Error):
             pass
         raise _Unusable(self._file("description"), f"the manifest of {name} is malformed: {record!r:.200}")
 
-    def _check_size(self, name: str, record: dict) -> None:
-        file_bytes = self._record(name, record)[2]
+    def _check_size(self, name: str, record: _ArrayRecord) -> None:
         path = self._file(name)
         try:
-            size = os.stat(path).st_size
+            status = os.lstat(path)
         except FileNotFoundError:
             raise _Unusable(path, "the array file is missing") from None
-        if size != file_bytes:
-            raise _Unusable(path, _size_damage(size, file_bytes))
+        if stat.S_ISLNK(status.st_mode):
+            raise link_refusal(path)
+        if status.st_size != record.file_bytes:
+            raise _Unusable(path, _size_damage(status.st_size, record.file_bytes))
 
-    def _map(self, name: str, record: dict, verification: str) -> np.ndarray:
-        """Map array ``name`` after checking its size and, unless ``verification`` is ``"sizes"``, checksums."""
-        dtype, shape, file_bytes, block_bytes, digests = self._record(name, record)
+    def _map(self, name: str, record: _ArrayRecord, verification: str) -> np.ndarray:
+        """Map array ``name`` after checking its size and header and, unless ``verification`` is ``"sizes"``, its
+        checksums."""
         path = self._file(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _READ)
         except FileNotFoundError:
             raise _Unusable(path, "the array file is missing") from None
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise link_refusal(path) from None
             raise _Unusable(path, f"the array file cannot be opened ({error.strerror})") from None
         try:
             size = os.fstat(fd).st_size
-            if size != file_bytes:
-                raise _Unusable(path, _size_damage(size, file_bytes))
+            if size != record.file_bytes:
+                raise _Unusable(path, _size_damage(size, record.file_bytes))
             buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as error:  # a directory, or an empty file
             raise _Unusable(path, f"the array file cannot be mapped ({error})") from None
         finally:
             os.close(fd)
+        header_bytes = len(record.header)
+        if buffer[:header_bytes] != record.header:
+            raise _Unusable(
+                path,
+                f"its .npy header does not match the dtype {record.dtype} and shape {record.shape} of its manifest: "
+                "the file was replaced after it was written",
+            )
         if verification != "sizes":
-            _check_blocks(path, buffer, digests, block_bytes, full=verification == "full")
-        count = math.prod(shape)
-        nbytes = count * dtype.itemsize
-        if nbytes > file_bytes:
-            raise _Unusable(self._file("description"), f"the manifest of {name} promises more bytes than its file")
+            _check_blocks(path, buffer, record.digests, record.block_bytes, full=verification == "full")
         # A plain ndarray view: indexing a np.memmap subclass costs microseconds per call.
-        return np.frombuffer(buffer, dtype=dtype, count=count, offset=file_bytes - nbytes).reshape(shape)
+        count = math.prod(record.shape)
+        return np.frombuffer(buffer, dtype=record.dtype, count=count, offset=header_bytes).reshape(record.shape)
 
     def _present(self, request: _Request, defer: bool) -> LazyArrays:
         """The entry's arrays, checked now (or, deferred, the manifest and sizes now and the rest on first access)."""
@@ -343,16 +438,21 @@ class IndexCache:
         self._problem = None
         return True
 
-    def is_complete(self, names: tuple[str, ...], verification: str = "sampled") -> bool:
-        """Whether the entry is published and every file matches its manifest."""
-        return self._sound(_Request(tuple(names), None, verification, DEFAULT_LOCK_TIMEOUT_S, False))
+    def is_complete(
+        self,
+        names: tuple[str, ...],
+        verification: str = "sampled",
+        expected: Mapping[str, ExpectedArray] = _NOTHING_EXPECTED,
+    ) -> bool:
+        """Whether the entry is published, is this entry's and every file matches its manifest."""
+        return self._sound(_Request(tuple(names), None, verification, DEFAULT_LOCK_TIMEOUT_S, False, expected))
 
     # -- writing --------------------------------------------------------------------------------------------
 
     def _write_array(self, name: str, array: np.ndarray) -> dict:
         """Write one array under a temporary name, rename it, and return its manifest."""
         array = np.ascontiguousarray(array)
-        with self._temporary(name) as temporary, open(temporary, "w+b") as f:
+        with atomic_file(self.path(name), "w+b") as f:
             np.save(f, array, allow_pickle=False)
             file_bytes = f.seek(0, os.SEEK_END)
             f.seek(0)
@@ -360,6 +460,7 @@ class IndexCache:
         return {
             "dtype": array.dtype.str,
             "shape": list(array.shape),
+            "npy_header": header.decode("latin-1"),
             "file_bytes": file_bytes,
             "block_bytes": _BLOCK_BYTES,
             "xxh3_64": _block_digests(header, array),
@@ -367,14 +468,10 @@ class IndexCache:
 
     def _publish(self, arrays: dict[str, np.ndarray]) -> None:
         records = {name: self._write_array(name, array) for name, array in arrays.items()}
-        with self._temporary("description") as temporary:
-            # last: marks the entry complete
-            text = json.dumps({"description": self.description, "arrays": records}, indent=4)
-            temporary.write_text(text, encoding="utf-8")
-
-    def _temporary(self, name: str):
-        """A temporary name for ``name``'s file, renamed into place on success and removed on failure."""
-        return atomic_output(self.path(name))
+        checksum = _manifest_checksum(self._compact_description, records)
+        manifest = {"description": self.description, "arrays": records, _CHECKSUM_KEY: checksum}
+        with atomic_file(self.path("description")) as f:  # last: marks the entry complete
+            f.write(json.dumps(manifest, indent=4).encode("utf-8"))
 
     def _build_and_publish(self, request: _Request) -> None:
         problem = self._problem
@@ -431,6 +528,7 @@ class IndexCache:
         names: tuple[str, ...],
         build: Callable[[], dict[str, np.ndarray]],
         options: CacheOptions = CacheOptions(),  # noqa: B008 - frozen, so one shared default is safe
+        expected: Mapping[str, ExpectedArray] = _NOTHING_EXPECTED,
     ) -> Mapping[str, np.ndarray]:
         """Load the entry, building it first if needed (once, whoever else asks at the same time).
 
@@ -438,12 +536,14 @@ class IndexCache:
             names: the arrays of the entry.
             build: computes them.
             options: how to read and build it (the ``directory`` is this entry's, given when it was made).
+            expected: what some arrays must be (their shape and dtype kinds), known before they are read; an
+                entry whose arrays differ is rebuilt, or refused where it cannot be.
         """
         if self._directory_text is None:
             logger.debug("%s indices built in memory (no cache directory)", self._kind_split)
             return build()
         defer, together = options.defer, options.synchronize
-        request = _Request(names, build, options.verification, options.lock_timeout, options.assume_complete)
+        request = _Request(names, build, options.verification, options.lock_timeout, options.assume_complete, expected)
         if options.assume_complete:
             # Not the key: fast_cache_load with deferred mapping computes it only when an array is first read.
             logger.debug(

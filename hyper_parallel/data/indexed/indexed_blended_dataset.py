@@ -14,7 +14,7 @@ import torch
 
 from hyper_parallel.data.dataset_logging import brief_list, get_logger
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
+from hyper_parallel.data.indexed.index_cache import CacheOptions, ExpectedArray, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_helpers import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -71,11 +71,14 @@ class BlendedDataset(torch.utils.data.Dataset):
             "size": size,
         }
         cache = IndexCache(cache_options.directory, self.kind, split, self.unique_identifiers)
-        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(_INDEX_NAMES, self._build_indices, cache_options)
-        if cache_options.defer:
-            self._length = size if size is not None else sum(self.weights)
-        else:
-            self._length = len(self._arrays["dataset_index"])
+        self._length = size if size is not None else sum(self.weights)
+        # A cached entry of other lengths is another entry's, never read.
+        expected = {name: ExpectedArray((self._length,)) for name in ("dataset_index", "dataset_sample_index")}
+        expected["samples_per_dataset"] = ExpectedArray((len(self.datasets),))
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
+            _INDEX_NAMES, self._build_indices, cache_options, expected
+        )
+        if not cache_options.defer:
             self._check_sources()
         if size is None:  # the weights are the sources' sizes, each taken once
             logger.info(

@@ -23,7 +23,7 @@ import torch
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache, array_property
+from hyper_parallel.data.indexed.index_cache import CacheOptions, ExpectedArray, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
@@ -269,8 +269,12 @@ class GPTDataset(_MidLevelDataset):
             "data_files": _file_identity(low_level),
         }
         cache = IndexCache(cache_options.directory_for(dataset_path), self.kind, split, self.unique_identifiers)
-        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(_INDEX_NAMES, self._build_indices, cache_options)
-        self._length = self._expected_length() if cache_options.defer else len(self._arrays["shuffle_index"])
+        samples = self._expected_length()  # a cached entry of another length is another entry's, never read
+        expected = {"sample_index": ExpectedArray((samples + 1, 2)), "shuffle_index": ExpectedArray((samples,))}
+        self._arrays: Mapping[str, np.ndarray] = cache.get_or_build(
+            _INDEX_NAMES, self._build_indices, cache_options, expected
+        )
+        self._length = samples
         logger.debug(
             "%s %s: %s samples of %d tokens from %s tokens",
             self.kind,

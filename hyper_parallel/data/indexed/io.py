@@ -8,6 +8,10 @@ so an interrupted run leaves no file that looks finished. The ``.bin`` is opened
 to it, so that many builders can be open at once within the open-file limit. Write errors (a full disk, a
 read-only directory) are ``DataFileError``s naming the file. Temporaries of a process that died are
 recognised by their name and removed by ``remove_stale_temporaries``.
+Every file is created without following a symbolic link (``O_CREAT | O_EXCL | O_NOFOLLOW``) and reopened with
+``O_NOFOLLOW``; a link found at a temporary or at a final name is never written through, replaced or removed: it
+is refused with a ``DataFileError`` naming it (``link_refusal``). A regular file at a temporary name of this host
+and process id is a leftover of a dead process that had the same id, and is replaced.
 Not responsible for: tokenization or record parsing (``tools.offline_preparation``), what the companion files
 written beside a pair contain (``indexed.pair_metadata``).
 """
@@ -22,6 +26,7 @@ import shutil
 import socket
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -31,8 +36,12 @@ from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, d
 
 __all__ = [
     "IndexedDatasetBuilder",
+    "atomic_file",
     "atomic_output",
+    "create_temporary",
+    "link_refusal",
     "output_error",
+    "refuse_links",
     "remove_stale_temporaries",
     "temporary_path",
     "write_atomically",
@@ -41,6 +50,9 @@ __all__ = [
 # The host is part of temporary names: on a shared file system a process id says nothing about other machines.
 _HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname())[:40] or "host"
 _TEMPORARY_MARK = ".tmp-"
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # 0 where the system has no such flag (Windows has no symlink attacks)
+_CLOSE_ON_EXEC = getattr(os, "O_CLOEXEC", 0)
+_NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | NO_FOLLOW | _CLOSE_ON_EXEC
 
 _FIXES = {
     errno.ENOSPC: "free space on that file system or write the output elsewhere",
@@ -50,6 +62,8 @@ _FIXES = {
     errno.EROFS: "the file system is read-only: write the output elsewhere",
     errno.EMFILE: "raise the open-file limit (ulimit -n)",
     errno.ENOTDIR: "a parent of the path is a file: choose another output location",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f): raise the limit or write less",
+    errno.ELOOP: "a symbolic link was put at the name being written: remove it and run again",
 }
 
 
@@ -65,24 +79,88 @@ def output_error(path: str | os.PathLike, error: OSError) -> DataFileError:
     return DataFileError(f"cannot write {path}: {error.strerror or error}; {fix}")
 
 
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield the temporary name to write ``path`` under; rename it into place when the block ends, remove it if the
-    block fails. A failed write or rename is ``output_error``'s ``DataFileError``."""
-    temporary = temporary_path(path)
+def link_refusal(path: str | os.PathLike) -> DataFileError:
+    """The ``DataFileError`` for a symbolic link found at a name the library writes: it names the link, its target
+    and the fix."""
     try:
-        yield temporary
+        target = os.readlink(path)
+    except OSError:
+        target = "an unknown target"
+    return DataFileError(
+        f"{path} is a symbolic link to {target}: files are never written through a link, and one at the name of a "
+        f"file this library writes was put there by something else; remove the link (rm '{path}') and run again, "
+        "or write the output elsewhere"
+    )
+
+
+def refuse_links(*paths: str | os.PathLike) -> None:
+    """Raise ``link_refusal`` for the first of ``paths`` that is a symbolic link (dangling ones included)."""
+    for path in paths:
+        if os.path.islink(path):
+            raise link_refusal(path)
+
+
+def create_temporary(temporary: str | os.PathLike) -> int:
+    """Create the temporary name ``temporary`` as a new, empty file and return a descriptor open for reading and
+    writing. A link there is refused (``link_refusal``), never followed or removed; a regular file there carries
+    this host and process id, so it was left by a dead process that had the same id: it is replaced.
+
+    Raises:
+        DataFileError: a symbolic link is at ``temporary``.
+        OSError: the file cannot be created (the callers turn it into ``output_error``).
+    """
+    replaced = False
+    while True:
+        try:
+            return os.open(temporary, _NEW_FILE, 0o666)
+        except FileExistsError:
+            if os.path.islink(temporary):
+                raise link_refusal(temporary) from None
+            if replaced:
+                raise
+        os.unlink(temporary)
+        replaced = True
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[bytes]]:
+    """Yield a new file (``mode`` ``"wb"`` or ``"w+b"``) under ``path``'s temporary name; rename it into place when
+    the block ends, remove it if the block fails.
+
+    Raises:
+        DataFileError: a symbolic link is at ``path`` or at its temporary name (nothing is written), or a write or
+            the rename failed (``output_error``).
+    """
+    path = Path(path)
+    temporary = temporary_path(path)
+    created = False
+    try:
+        refuse_links(path)
+        with os.fdopen(create_temporary(temporary), mode) as file:
+            created = True
+            yield file
+        refuse_links(path)  # again just before the rename: a link planted while the file was written
         os.replace(temporary, path)
     except OSError as error:
         raise output_error(path, error) from None
     finally:
-        temporary.unlink(missing_ok=True)
+        if created:  # never a link at the temporary name: create_temporary refused it
+            temporary.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """``atomic_file`` for writers that take a file name (a plot's ``savefig``): yields the temporary name, created
+    empty (without following a link) before the block, so that a link planted there beforehand is refused."""
+    with atomic_file(path) as file:
+        file.close()
+        yield temporary_path(path)
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` under its temporary name, then rename it into place."""
-    with atomic_output(path) as temporary:
-        temporary.write_bytes(data)
+    with atomic_file(path) as file:
+        file.write(data)
 
 
 def _process_is_alive(pid: int) -> bool:
@@ -101,7 +179,8 @@ def remove_stale_temporaries(final_paths: Iterable[str | os.PathLike]) -> list[P
     """Remove the temporaries of ``final_paths`` left by dead processes of this host; returns what was removed.
 
     A temporary is stale when its name is ``<final name>.tmp-<this host>-<pid>`` and no process ``pid`` runs.
-    Temporaries of live processes (a concurrent run) and of other hosts are left alone.
+    Temporaries of live processes (a concurrent run) and of other hosts are left alone, and so are symbolic links
+    (never written by this library, so never its temporaries).
     """
     wanted: dict[Path, set[str]] = {}
     for path in map(Path, final_paths):
@@ -115,7 +194,9 @@ def remove_stale_temporaries(final_paths: Iterable[str | os.PathLike]) -> list[P
         for entry in entries:
             final, mark, owner = entry.name.rpartition(_TEMPORARY_MARK)
             host, _, pid = owner.rpartition("-")
-            if not mark or final not in names or host != _HOST or not pid.isdigit() or _process_is_alive(int(pid)):
+            if not mark or final not in names or host != _HOST or not pid.isdigit() or entry.is_symlink():
+                continue
+            if _process_is_alive(int(pid)):
                 continue
             Path(entry.path).unlink(missing_ok=True)
             removed.append(Path(entry.path))
@@ -186,7 +267,9 @@ class IndexedDatasetBuilder:
         self.multimodal = multimodal
         self._bin_tmp = temporary_path(self.bin_path)
         self._bin_file = None  # open only while writing: see release_file
-        self._open_bin("wb")
+        self._created: list[Path] = []  # the temporaries this builder created, the only files abort removes
+        refuse_links(self.bin_path)
+        self._open_bin(create=True)
         self._lengths = _GrowableArray(np.int32)
         self._document_indices = _GrowableArray(np.int64, (0,))
         self._modes = _GrowableArray(np.int8) if multimodal else None
@@ -225,10 +308,15 @@ class IndexedDatasetBuilder:
                 )
         return array.astype(self.dtype)
 
-    def _open_bin(self, mode: str = "ab"):
+    def _open_bin(self, create: bool = False):
         if self._bin_file is None:
             try:
-                self._bin_file = open(self._bin_tmp, mode)  # noqa: SIM115 - closed by release_file, seal or abort
+                if create:
+                    descriptor = create_temporary(self._bin_tmp)
+                    self._created.append(self._bin_tmp)
+                else:  # reopened after release_file: still never through a link
+                    descriptor = os.open(self._bin_tmp, os.O_WRONLY | os.O_APPEND | NO_FOLLOW | _CLOSE_ON_EXEC)
+                self._bin_file = os.fdopen(descriptor, "ab")  # closed by release_file, seal or abort
             except OSError as error:
                 raise output_error(self.bin_path, error) from None
         return self._bin_file
@@ -380,8 +468,9 @@ class IndexedDatasetBuilder:
         """
         idx_path = Path(idx_path)
         companions = {Path(path): data for path, data in (companions or {}).items()}
+        refuse_links(idx_path, *companions)  # before anything more is written
         self.release_file()
-        # Publication order, and what abort removes from now on: companions, the .bin, the .idx last.
+        # Publication order: companions, the .bin, the .idx last.
         self._sealed = {temporary_path(path): path for path in companions}
         self._sealed[self._bin_tmp] = self.bin_path
         self._sealed[temporary_path(idx_path)] = idx_path
@@ -399,10 +488,11 @@ class IndexedDatasetBuilder:
         if self._modes is not None:
             yield self._modes.view()
 
-    @staticmethod
-    def _write_temporary(path: Path, parts: Iterable) -> None:
+    def _write_temporary(self, path: Path, parts: Iterable) -> None:
+        temporary = temporary_path(path)
         try:
-            with open(temporary_path(path), "wb") as f:
+            with os.fdopen(create_temporary(temporary), "wb") as f:
+                self._created.append(temporary)
                 for part in parts:
                     f.write(part)
         except OSError as error:
@@ -412,6 +502,7 @@ class IndexedDatasetBuilder:
         """Rename the sealed files into place: companions, then the ``.bin``, then the ``.idx``."""
         assert self._sealed, "publish() needs seal() first"
         idx_path = next(reversed(self._sealed.values()))
+        refuse_links(*self._sealed.values())  # a link planted at a final name since seal: nothing is published
         try:
             # Remove a stale index first: at no moment can a new .bin or companion pair with an old .idx.
             idx_path.unlink(missing_ok=True)
@@ -425,7 +516,7 @@ class IndexedDatasetBuilder:
         """Discard everything written so far."""
         with contextlib.suppress(DataFileError):  # a full disk fails the last flush too; the file is closed anyway
             self.release_file()
-        for temporary in [self._bin_tmp, *self._sealed]:
+        for temporary in self._created:
             temporary.unlink(missing_ok=True)
         self._done = True
 

@@ -8,18 +8,22 @@ differing fields, instead of a misleading "cannot see the cache". A rank that fa
 block (a whole dataset build) writes its error to the process group's store; ranks waiting in a collective poll
 the store and raise that error within about a second instead of waiting for the process-group timeout. Without a
 process group, an exclusive ``flock`` on a lock file serialises concurrent processes; a process that has to wait
-says once what for, and gives up after a timeout. Inside ``without_rank_collectives`` (what runs on some ranks
-only, such as the data ranks' dataset builds) the builders behave as without a process group: file locks only.
+says once what for, and gives up after a timeout. A lock file is opened without following a symbolic link: a link
+planted at its name is refused with a ``DataFileError`` naming it. Inside ``without_rank_collectives`` (what runs
+on some ranks only, such as the data ranks' dataset builds) the builders behave as without a process group: file
+locks only.
 Not responsible for: what is built, or where (``indexed.index_cache``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,12 +32,14 @@ from typing import TypeVar
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.io import NO_FOLLOW, link_refusal, output_error
 
 T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT_S",
     "build_once",
+    "description_differences",
     "exclusive_file_lock",
     "failures_shared",
     "process_group_ready",
@@ -42,6 +48,9 @@ __all__ = [
 ]
 
 logger = get_logger("hyper_parallel.data.parallel.build_barrier")
+
+# Never through a link; non-blocking so that a FIFO planted at the name cannot hang the open.
+_LOCK_FILE = os.O_RDWR | os.O_CREAT | NO_FOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 DEFAULT_LOCK_TIMEOUT_S = 1800.0  # torch's default process-group timeout: longer waits would fail the job anyway
 
@@ -128,6 +137,21 @@ def _acquire(handle, path: Path, timeout: float, what: str) -> None:
     )
 
 
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file without following a link, and only if it is a regular file: a link planted
+    at its name is refused, so that writing who holds the lock never truncates another file."""
+    try:
+        descriptor = os.open(path, _LOCK_FILE, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise link_refusal(path) from None
+        raise output_error(path, error) from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise DataFileError(f"the lock file {path} is not a regular file; remove it (rm '{path}') and run again")
+    return descriptor
+
+
 @contextmanager
 def exclusive_file_lock(path: Path, timeout: float = DEFAULT_LOCK_TIMEOUT_S, what: str = "a cache") -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if needed) for the duration of the block.
@@ -143,11 +167,12 @@ def exclusive_file_lock(path: Path, timeout: float = DEFAULT_LOCK_TIMEOUT_S, wha
         DataFileError: the lock was still held after ``timeout`` seconds; names the lock, its holder and the fix.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
+    with os.fdopen(_open_lock_file(path), "r+b") as handle:
         _acquire(handle, path, timeout, what)
         try:
             # For the messages of processes that wait: who holds the lock.
             handle.truncate(0)
+            handle.seek(0)
             handle.write(f"pid {os.getpid()} on {socket.gethostname()}".encode())
             handle.flush()
             yield
@@ -185,7 +210,7 @@ def _short(value) -> str:
 _ABSENT = object()
 
 
-def _differences(reference, other, path: str = "") -> list[tuple[str, str, str]]:
+def description_differences(reference, other, path: str = "") -> list[tuple[str, str, str]]:
     """Up to ``_SHOWN_DIFFERENCES`` ``(field path, reference value, other value)`` where two descriptions differ."""
     if isinstance(reference, dict) and isinstance(other, dict):
         keys = [*reference, *(key for key in other if key not in reference)]
@@ -196,7 +221,7 @@ def _differences(reference, other, path: str = "") -> list[tuple[str, str, str]]
         return [] if reference == other else [(path or "the description", _short(reference), _short(other))]
     found: list[tuple[str, str, str]] = []
     for where, a, b in pairs:
-        found += _differences(a, b, where)
+        found += description_differences(a, b, where)
         if len(found) >= _SHOWN_DIFFERENCES:
             break
     return found[:_SHOWN_DIFFERENCES]
@@ -335,7 +360,7 @@ class _Session:
         mine = None
         if differs:
             comparable = description is not None and reference_description is not None
-            mine = (expected, _differences(reference_description, description) if comparable else [])
+            mine = (expected, description_differences(reference_description, description) if comparable else [])
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         return DataConfigError(_disagreement_message(reference_expected, everyone))

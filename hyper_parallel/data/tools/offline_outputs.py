@@ -6,6 +6,9 @@ manifest ``<prefix>_<key>_document.partitions.json``. Before anything is tokeniz
 directory is refused), the directory is checked for writing, temporaries left by dead runs of the same names
 are removed, and existing outputs are refused unless ``overwrite`` is set.
 
+No output is written through a symbolic link: a link at any name a run writes (an output, a partition pair, a
+manifest, or one of their temporary names) is refused before anything is tokenized, naming the link.
+
 Publication is all or nothing: every file of every key is first complete under its temporary name (partitions
 merged, indices and metadata written); only then are they renamed, per pair the ``.idx`` last, the manifest
 after the partition pairs it lists, the merged pair of each key last.
@@ -30,7 +33,9 @@ from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_reader import data_file_paths
 from hyper_parallel.data.indexed.io import (
     IndexedDatasetBuilder,
+    create_temporary,
     output_error,
+    refuse_links,
     remove_stale_temporaries,
     temporary_path,
     write_atomically,
@@ -110,7 +115,7 @@ def _prepare_directory(first_output: Path) -> None:
     probe = temporary_path(first_output)  # a name that the next run sweeps if this process dies right now
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe.touch()
+        os.close(create_temporary(probe))
         probe.unlink()
     except OSError as error:
         raise output_error(directory, error) from None
@@ -122,7 +127,7 @@ def plan_outputs(config: OfflinePreparationConfig) -> OutputPlan:
     Raises:
         DataConfigError: a directory as prefix, existing outputs without ``overwrite``, or an open-file limit too
             low for the workers.
-        DataFileError: the directory cannot be written.
+        DataFileError: the directory cannot be written, or a symbolic link is at a name the run writes.
     """
     _check_prefix(config.output_prefix)
     published: list[Path] = []
@@ -138,6 +143,7 @@ def plan_outputs(config: OfflinePreparationConfig) -> OutputPlan:
             if config.keep_partition_files:
                 published += parts
     open_files = _open_file_budget(config.workers)
+    refuse_links(*published, *written, *map(temporary_path, published + written))
     _prepare_directory(published[0])
     removed = remove_stale_temporaries(published + written)
     if removed:
