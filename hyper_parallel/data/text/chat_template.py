@@ -2,9 +2,10 @@
 
 Owns: normalizing raw messages (role aliases, ``role_map``, field checks; other fields are kept for the
 template), the ``ChatTemplate`` interface, the named templates (``tokenizer``, ``gpt_oss``, ``chatml``,
-``llama2``, ``default``) and their registry. Labels returned here are **unshifted**: ``labels[i]`` is
-``input_ids[i]`` where the token is supervised and ``IGNORE_INDEX`` elsewhere; shifting into next-token targets
-is the transform's job (``build_data_transform``).
+``llama2``, ``default``) and their registry, and the bounded sandbox Jinja templates render in (the one
+``transformers`` uses, where nothing a template builds may pass ``TEMPLATE_SIZE_LIMIT``). Labels returned here
+are **unshifted**: ``labels[i]`` is ``input_ids[i]`` where the token is supervised and ``IGNORE_INDEX``
+elsewhere; shifting into next-token targets is the transform's job (``build_data_transform``).
 Not responsible for: picking the conversation out of a record, shifting, truncation or batching.
 
 Supervision: a message with a truthy ``loss_mask`` is supervised, one with a falsy ``loss_mask`` is not, and
@@ -15,11 +16,22 @@ without ``loss_mask`` only ``assistant`` messages are. Within a supervised messa
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
 from numbers import Integral
+from pathlib import Path
 
 import numpy as np
+from jinja2 import Environment, TemplateError, nodes
+from jinja2.compiler import CodeGenerator
+from jinja2.ext import Extension, loopcontrols
+from jinja2.nodes import EvalContext
+from jinja2.runtime import Context
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
@@ -36,6 +48,7 @@ __all__ = [
     "DefaultChatTemplate",
     "GptOssChatTemplate",
     "Llama2ChatTemplate",
+    "TEMPLATE_SIZE_LIMIT",
     "TERMINAL_REWRITES",
     "TokenizerChatTemplate",
     "build_chat_template",
@@ -424,14 +437,233 @@ _NOT_INCREMENTAL_FIX = (
 TERMINAL_REWRITES: dict[str, str] = {"<|return|>": "<|end|>"}
 
 
+# -- bounded rendering of Jinja chat templates --------------------------------------------------------------------
+
+# The most characters a render, or any string built while rendering, may hold (and the most items of a list): far
+# above any conversation a sample holds, far below what would exhaust a host's memory.
+TEMPLATE_SIZE_LIMIT = 16 * 2**20
+
+# Widths and precisions in %-style and {}-style format strings.
+_FORMAT_WIDTHS = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d+))?|\{[^{}]*?:[^{}\d]*(\d*)(?:\.(\d+))?[^{}]*\}")
+
+
+class _TemplateLimitError(Exception):
+    """A render went past ``TEMPLATE_SIZE_LIMIT``; the chat template turns it into a ``DataConfigError``."""
+
+
+def _refuse_size(size: int, what: str) -> None:
+    if size > TEMPLATE_SIZE_LIMIT:
+        raise _TemplateLimitError(f"{what} would hold {size:,} characters or items")
+
+
+def _size(value) -> int:
+    return len(value) if isinstance(value, str | list | tuple) else 0
+
+
+def _refuse_wide_format(text) -> None:
+    if isinstance(text, str) and ("%" in text or "{" in text):
+        for match in _FORMAT_WIDTHS.finditer(text):
+            _refuse_size(max((int(number) for number in match.groups() if number), default=0), "a format width")
+
+
+def _refuse_large_arguments(name: str, receiver, args, kwargs) -> None:
+    """Refuse a call that would build a string past the limit, before it is made: a width or count argument past
+    it (``center``, ``ljust``, ``zfill``, ``indent``, ``wordwrap``...), or a join, replace, indent or format whose
+    result would be."""
+    values = (*args, *kwargs.values())
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool):
+            _refuse_size(value, f"'{name}' with the argument {value}")
+    if name == "join":
+        separator, items = (receiver, args[0]) if isinstance(receiver, str) else (args[0] if args else "", receiver)
+        if isinstance(items, list | tuple) and isinstance(separator, str):
+            total = sum(_size(item) for item in items) + len(separator) * len(items)
+            _refuse_size(total, "'join'")
+    elif name == "replace" and isinstance(receiver, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        _refuse_size(len(receiver) + (receiver.count(old) if old else len(receiver) + 1) * len(new), "'replace'")
+    elif name == "indent" and isinstance(receiver, str) and args:
+        width = args[0] if isinstance(args[0], int) else _size(args[0])
+        _refuse_size(len(receiver) + (receiver.count("\n") + 1) * width, "'indent'")
+    elif name in ("format", "format_map"):
+        _refuse_wide_format(receiver)
+
+
+def _bounded_filter(name: str, function):
+    @functools.wraps(function)
+    def bounded(*args, **kwargs):
+        # filters that take the environment or context get it first; the value filtered comes next
+        offset = 1 if args and isinstance(args[0], Environment | Context | EvalContext) else 0
+        value, rest = (args[offset], args[offset + 1 :]) if len(args) > offset else (None, ())
+        _refuse_large_arguments(name, value, rest, kwargs)
+        result = function(*args, **kwargs)
+        _refuse_size(_size(result), f"the '{name}' filter")
+        return result
+
+    return bounded
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """``tojson`` as ``transformers`` renders it (no HTML escaping; its options), built piece by piece up to the
+    limit."""
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    pieces, total = [], 0
+    for piece in encoder.iterencode(value):
+        total += len(piece)
+        _refuse_size(total, "the 'tojson' filter")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _raise_exception(message):
+    raise TemplateError(message)
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)
+
+
+def _bounded_range(*args) -> range:
+    numbers = range(*args)
+    if len(numbers) > MAX_RANGE:
+        raise _TemplateLimitError(f"range{args} has {len(numbers):,} items, past the sandbox's {MAX_RANGE:,}")
+    return numbers
+
+
+class _BoundedBuffer(list):
+    """The buffer of a captured block (``{% set x %}``, a macro, a filter block): refuses to grow past the limit."""
+
+    characters = 0
+
+    def append(self, piece) -> None:
+        self.characters += len(piece) if isinstance(piece, str) else 0
+        _refuse_size(self.characters, "a captured block")
+        super().append(piece)
+
+    def extend(self, pieces) -> None:
+        for piece in pieces:
+            self.append(piece)
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """Compiles ``~`` and captured blocks to calls that check their size."""
+
+    def buffer(self, frame) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.bounded_buffer()")
+
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.bounded_concat((")
+        for argument in node.nodes:
+            self.visit(argument, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` (``transformers``' marker of assistant text) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox ``transformers`` renders chat templates in (immutable builtins, ``trim_blocks``,
+    ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and ``strftime_now``), where nothing a
+    template builds may pass ``TEMPLATE_SIZE_LIMIT``: operators, ``~``, filters, method calls, ``range``,
+    captured blocks and the render itself are checked before they allocate. The checked operators are also never
+    folded when the template is compiled."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
+        self.filters["tojson"] = _tojson
+        self.filters = {name: _bounded_filter(name, function) for name, function in self.filters.items()}
+        self.globals.update(range=_bounded_range, raise_exception=_raise_exception, strftime_now=_strftime_now)
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            count, sequence = (right, left) if isinstance(right, int) else (left, right)
+            if isinstance(count, int) and isinstance(sequence, str | list | tuple):
+                _refuse_size(len(sequence) * max(count, 0), "a repetition with '*'")
+            elif isinstance(left, int) and isinstance(right, int):
+                _refuse_size((left.bit_length() + right.bit_length()) // 8, "a product of integers")
+        elif operator == "+":
+            if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+                _refuse_size(len(left) + len(right), "a sum with '+'")
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                _refuse_size(right * left.bit_length() // 8, "a power with '**'")
+        elif operator == "%":
+            _refuse_wide_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's own signature
+        bound = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        _refuse_large_arguments(getattr(bound, "__name__", ""), getattr(bound, "__self__", None), args, kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        _refuse_size(_size(result), f"the call of '{getattr(bound, '__name__', 'a function')}'")
+        return result
+
+    @staticmethod
+    def bounded_buffer() -> _BoundedBuffer:
+        return _BoundedBuffer()
+
+    @staticmethod
+    def bounded_concat(values) -> str:
+        pieces = [value if isinstance(value, str) else str(value) for value in values]
+        _refuse_size(sum(map(len, pieces)), "a concatenation with '~'")
+        return "".join(pieces)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_template(source: str):
+    """The template compiled once per process, as ``transformers`` caches its own."""
+    return _BoundedSandbox().from_string(source)
+
+
+def _template_messages(messages: Sequence[Mapping]) -> list[dict]:
+    """The messages as ``transformers`` hands them to a template: fields that are None dropped, and a message's
+    reasoning offered under ``reasoning_content`` and ``thinking`` whichever name it came under."""
+    shown = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next(
+            (message[key] for key in ("reasoning_content", "thinking", "reasoning") if key in message), None
+        )
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        shown.append(message)
+    return shown
+
+
+def _render_bounded(source: str, messages: Sequence[Mapping], context: Mapping) -> str:
+    """Render ``source`` for ``messages`` in the bounded sandbox, counting the output as it is produced."""
+    pieces, total = [], 0
+    variables = {**context, "messages": _template_messages(messages)}
+    for piece in _compiled_template(source).generate(tools=None, documents=None, **variables):
+        total += len(piece)
+        _refuse_size(total, "the render")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
 class TokenizerChatTemplate(ChatTemplate):
     """The tokenizer's own Jinja chat template, rendered incrementally to find each message's tokens.
 
-    Messages ``[:1]``, ``[:2]``, ... are rendered with ``apply_chat_template(..., tokenize=False)``; the text
-    of message ``k`` is what the render of ``[:k+1]`` adds to the render of ``[:k]``. Every field of a message
-    reaches the template (``tool_calls``, ``metadata``...). Every render must extend the previous one, as text
-    and as tokens (each render is tokenized in full), otherwise the template rewrites earlier messages and a
-    ``DataConfigError`` says so. One rewrite is tolerated (``TERMINAL_REWRITES``, when the tokenizer has both
+    Messages ``[:1]``, ``[:2]``, ... are rendered as ``apply_chat_template(..., tokenize=False)`` renders them,
+    in a sandbox where nothing the template builds may pass ``TEMPLATE_SIZE_LIMIT`` characters (a template that
+    would is a ``DataConfigError`` naming it, before the memory is taken); the text of message ``k`` is what
+    the render of ``[:k+1]`` adds to the render of ``[:k]``. Every field of a message reaches the template
+    (``tool_calls``, ``metadata``...). Every render must extend the previous one, as text and as tokens (each
+    render is tokenized in full), otherwise the template rewrites earlier messages and a ``DataConfigError``
+    says so. One rewrite is tolerated (``TERMINAL_REWRITES``, when the tokenizer has both
     tokens): a previous render that ends with gpt-oss's ``<|return|>`` may continue with ``<|end|>`` in its place;
     that token then belongs to the earlier message, with the ``<|end|>`` id as its label when it is supervised.
 
@@ -442,7 +674,7 @@ class TokenizerChatTemplate(ChatTemplate):
     message is supervised. With ``supervise_role_header`` no header is searched: every token a supervised
     message adds is supervised, as upstream hyper_parallel does.
 
-    The compiled Jinja template is cached by ``transformers``; this class keeps the template text, so a
+    The compiled Jinja template is cached per process; this class keeps the template text, so a
     pickled copy renders the same way after the tokenizer is reloaded in a worker. The template is checked
     once on a short conversation when built, so a template that rewrites earlier messages fails at start-up.
     Cost: all prefixes are rendered in one batched call and tokenized in one batch, so the work grows with the
@@ -456,8 +688,8 @@ class TokenizerChatTemplate(ChatTemplate):
     def __init__(self, tokenizer, template: str | None = None, *, supervise_role_header: bool = False):
         """
         Args:
-            tokenizer: anything ``build_tokenizer`` takes; its ``hf`` tokenizer renders the template (for a
-                ``transformers`` tokenizer object: one built with the object's own special tokens).
+            tokenizer: anything ``build_tokenizer`` takes; its ``hf`` tokenizer's special tokens reach the template
+                by name (for a ``transformers`` tokenizer object: the object's own).
             template: a Jinja template to use instead of the tokenizer's own (``tokenizer.chat_template``).
             supervise_role_header: also supervise each supervised message's role header (see ``ChatTemplate``).
 
@@ -465,6 +697,7 @@ class TokenizerChatTemplate(ChatTemplate):
             DataConfigError: the tokenizer has no chat template, or the template rewrites earlier messages.
         """
         super().__init__(tokenizer, supervise_role_header=supervise_role_header)
+        explicit = template is not None
         if template is None:
             template = getattr(self.tokenizer.hf, "chat_template", None)
             if isinstance(template, dict):
@@ -476,6 +709,9 @@ class TokenizerChatTemplate(ChatTemplate):
                 "a named template: chat_template='chatml', 'llama2' or 'default'"
             )
         self.template = template
+        self.template_source = self._describe_source(explicit)
+        # what transformers offers a template besides the messages: the special tokens by name
+        self._template_context = dict(self.tokenizer.hf.special_tokens_map)
         token_id = self.tokenizer.backend.token_to_id
         # (text ending a render, text replacing it, the id it had, the id it gets) for the tokens this tokenizer has
         self.terminal_rewrites = tuple(
@@ -493,14 +729,32 @@ class TokenizerChatTemplate(ChatTemplate):
         except Exception as error:  # noqa: BLE001 - a template may reject the probe; real records decide then
             logger.debug("chat template check skipped: %s: %s", type(error).__name__, error)
 
+    def _describe_source(self, explicit: bool) -> str:
+        """Where the template comes from, for messages: the file of the tokenizer directory, or the argument."""
+        name = read_tokenizer(self.tokenizer).name
+        if explicit:
+            return f"the chat template passed as template= (tokenizer {name})"
+        for file_name in ("chat_template.jinja", "tokenizer_config.json"):
+            if (Path(name) / file_name).is_file():
+                return f"the chat template in {Path(name) / file_name}"
+        return f"the chat template of tokenizer {name}"
+
     def _render(self, conversations: list[list[Mapping]], add_generation_prompt: bool = False) -> list[str]:
-        return self.tokenizer.hf.apply_chat_template(
-            conversations, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        context = {**self._template_context, "add_generation_prompt": add_generation_prompt}
+        try:
+            return [_render_bounded(self.template, messages, context) for messages in conversations]
+        except _TemplateLimitError as error:
+            raise DataConfigError(
+                f"{self.template_source}: {error}, past the limit of {TEMPLATE_SIZE_LIMIT:,} a chat template may "
+                "build (TEMPLATE_SIZE_LIMIT); fix the template, or use a named template such as "
+                "chat_template='chatml'"
+            ) from None
 
     def _render_prefixes(self, messages: list[Mapping], where: str) -> list[str]:
         try:
             return self._render([messages[: k + 1] for k in range(len(messages))])
+        except DataConfigError:
+            raise
         except Exception as error:  # noqa: BLE001 - Jinja templates raise anything; find the message
             failure, k = error, len(messages) - 1
             for position in range(len(messages)):
@@ -520,6 +774,8 @@ class TokenizerChatTemplate(ChatTemplate):
             return []
         try:
             return self._render(conversations, add_generation_prompt)
+        except DataConfigError:
+            raise
         except Exception:  # noqa: BLE001 - a failed header search only means the header is supervised
             return None
 
