@@ -26,7 +26,7 @@ from hyper_parallel.data.indexed.io import (
 )
 from hyper_parallel.data.parallel.build_barrier import exclusive_file_lock
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
-from hyper_parallel.data.tools.build_sequences_per_dataset import main as sequences_main
+from hyper_parallel.data.tools.cli import main as hp_data
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_preparation import run_offline_preparation
 
@@ -237,20 +237,32 @@ def test_a_link_at_a_single_output_file_is_refused(tmp_path, outside, temporary)
     assert target.read_bytes() == b"{}" and not temporary_path(target).exists()
 
 
+COMMANDS = {
+    "sequences-per-dataset": ("sequences.json", ["--data-path", "{prefix}", "--per-dataset-sequences-path", "{out}"]),
+    "config-reference": ("reference.md", ["--output", "{out}"]),
+    "inspect": ("lengths.png", ["{prefix}", "--histogram", "{out}"]),
+}
+
+
+@pytest.mark.usefixtures("restore_package_logger")  # a command's main gives the package logger its own handler
 @pytest.mark.parametrize("temporary", [False, True], ids=["final", "temporary"])
-def test_a_link_at_the_sequences_per_dataset_file_is_the_normal_error(tmp_path, outside, capsys, temporary):
-    with IndexedDatasetBuilder(tmp_path / "a_text_document.bin") as builder:
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_link_at_a_command_output_file_is_the_normal_error(tmp_path, outside, capsys, command, temporary):
+    """``hp-data`` commands that write one file: rc 2 and one ``error:`` line naming the link."""
+    prefix = tmp_path / "a_text_document"
+    with IndexedDatasetBuilder(f"{prefix}.bin") as builder:
         builder.add_document(np.arange(4), [4])
-        builder.finalize(tmp_path / "a_text_document.idx")
-    output = tmp_path / "sequences.json"
+        builder.finalize(f"{prefix}.idx")
+    name, arguments = COMMANDS[command]
+    output = tmp_path / name
     link = plant(temporary_path(output) if temporary else output, outside)
 
-    code = sequences_main(
-        ["--data-path", str(tmp_path / "a_text_document"), "--per-dataset-sequences-path", str(output)]
-    )
+    code = hp_data([command, *(a.format(prefix=prefix, out=output) for a in arguments)])
 
-    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert code == 2 and line.startswith(f"error: {link} is a symbolic link to {outside}")
+    err = capsys.readouterr().err
+    [line] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err
+    assert line.startswith(f"error: {link} is a symbolic link to {outside}")
     assert outside.read_bytes() == OUTSIDE_BYTES and link.is_symlink()
 
 

@@ -41,7 +41,7 @@ from hyper_parallel.data.batching import (
     build_online_text_collate_fn,
 )
 from hyper_parallel.data.batching.dataloader import NODES, build_dataloaders
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.io import write_atomically
 from hyper_parallel.data.instantiate import LIBRARY_TARGET_MODULES, TARGET_KEY, check_config
@@ -731,7 +731,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        write_atomically(output, reference.encode("utf-8"))
+        try:
+            write_atomically(output, reference.encode("utf-8"))
+        except DataFileError as error:  # a failed write, or a link at the output's name
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         print(f"wrote {args.output}")
         return 0
     sys.stdout.write(reference)
