@@ -1,7 +1,8 @@
-"""The Megatron ``.idx`` file format: dtype codes, header layout and the token-dtype rule.
+"""The Megatron ``.idx`` file format: dtype codes, header layout and the token-dtype rules.
 
-Owns the byte layout shared by the reader (``indexed_data_reader``) and the writer (``io``); it reads and
-writes no files itself. Layout, all little-endian, no padding::
+Owns the byte layout shared by the reader (``indexed_data_reader``) and the writer (``io``), Megatron's choice of
+token dtype, and which header dtypes can hold token ids; it reads and writes no files itself. Layout, all
+little-endian, no padding::
 
     offset 0   9 bytes   magic b"MMIDIDX\\x00\\x00"
     offset 9   <Q        version, always 1
@@ -30,6 +31,7 @@ __all__ = [
     "IDX_MAGIC",
     "IDX_VERSION",
     "IdxHeader",
+    "check_token_dtype",
     "code_for_dtype",
     "optimal_token_dtype",
 ]
@@ -70,6 +72,22 @@ def optimal_token_dtype(vocab_size: int | None) -> np.dtype:
     if vocab_size is not None and vocab_size < _UINT16_VOCAB_LIMIT:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
+
+
+def check_token_dtype(dtype: np.dtype | type, idx_path: Path | str) -> None:
+    """Refuse a header dtype that cannot hold token ids (megatron's float codes 6 and 7), naming the file.
+
+    A float code in a token pair is a corrupt header (one flipped byte turns int32 into float32): reading the
+    tokens through it would give ids that are no tokens at all.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        integers = ", ".join(f"{code} ({d})" for code, d in DTYPE_BY_CODE.items() if d.kind in "iu")
+        raise DataFileError(
+            f"{idx_path}: the header's dtype code {_CODE_BY_DTYPE.get(dtype, '?')} (byte 17) says the tokens are "
+            f"{dtype}, which cannot hold token ids; token pairs use an integer code: {integers}. The header is "
+            "corrupt or the pair holds no token ids; rebuild it with offline_preparation."
+        )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Low-level reader of Megatron ``.idx``/``.bin`` pairs.
 
-Owns: parsing and checking the index, and reading token ranges of one prefix without copying the ``.bin``
-into memory. Not responsible for: documents-to-samples assembly, splits or blends (mid-level datasets), or
+Owns: parsing and checking the index, reading token ranges of one prefix without copying the ``.bin`` into
+memory, and, for the datasets that deliver token ids, checking those ids (the dtype, the ``.meta.json`` and the
+vocabulary). Not responsible for: documents-to-samples assembly, splits or blends (mid-level datasets), or
 writing files (``io.IndexedDatasetBuilder``). The byte layout is documented in ``idx_format``.
 
 Checks come in two steps. Opening checks what costs nothing per prefix: both paths are regular files, the header,
@@ -9,6 +10,12 @@ the ``.idx`` size against the header's counts, and the last sequence against the
 of tokens (``[i]``, ``get``, a slice or ``gather``) checks the whole index against the ``.bin`` once
 (``_index_problems``, the check ``verify`` runs), so that no sample is ever cut from a corrupt index while
 start-up over thousands of prefixes stays a header read each.
+
+Token ids are checked the same way once ``check_token_ids`` is called (the mid-level datasets call it): at once,
+that the header's dtype is an integer one; on the first read, that a ``.meta.json`` beside the pair names the same
+dtype; and on every read, with one vectorised pass over what the read returns, that each id lies in
+``[0, vocab_size)`` (the tokenizer's, or the ``.meta.json``'s, whichever is smaller; without either, that no id
+is negative). ``check_all_token_ids`` scans the whole ``.bin`` instead (``hp-data inspect --verify``).
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
+from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader, check_token_dtype
+from hyper_parallel.data.indexed.pair_metadata import PairMetadata, metadata_path, read_pair_metadata
 
 __all__ = ["IndexedDataReader", "data_file_paths", "pair_prefix", "read_sequence_counts"]
 
@@ -31,6 +39,9 @@ _READ_INDEX_AT_MOST = mmap.PAGESIZE
 
 # Entries per vectorised pass of the full index check: its temporaries stay near 10 MB whatever the index size.
 _CHECK_CHUNK = 1 << 20
+
+# Tokens per pass of the full token-id scan (check_all_token_ids): its temporaries stay near 10 MB as well.
+_SCAN_CHUNK = 1 << 21
 
 _REBUILD = "Rebuild the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
 
@@ -158,6 +169,18 @@ def _scan_sequences(
     return found, total
 
 
+def _id_bound(dtype: np.dtype, vocab_size: int | None) -> int | None:
+    """The bound that the ids of ``dtype``, viewed as unsigned integers of the same size, must stay below: seen so,
+    a negative id is at least ``2**(bits - 1)``, so one comparison refuses ids below 0 and ids from ``vocab_size`` on.
+    None when no id of ``dtype`` can be out of range (unsigned ids and no smaller vocabulary)."""
+    if dtype.kind == "i":
+        half = 1 << (8 * dtype.itemsize - 1)
+        return half if vocab_size is None else min(vocab_size, half)
+    if vocab_size is None or vocab_size > np.iinfo(dtype).max:
+        return None
+    return vocab_size
+
+
 def _scan_documents(documents: np.ndarray, count: int) -> dict[str, tuple[int, int]]:
     """``(count, first)`` of the document indices failing each check, chunk by chunk.
 
@@ -196,6 +219,8 @@ class IndexedDataReader:
         self.path_prefix = pair_prefix(os.fspath(path_prefix))
         self.mmap = mmap
         self.multimodal = multimodal
+        self._checks_token_ids = False  # set by check_token_ids
+        self._vocab_size: int | None = None  # the tokenizer's, given to check_token_ids
         self._open()
 
     # -- opening and checking -------------------------------------------------------------------------------
@@ -253,6 +278,9 @@ class IndexedDataReader:
         self._dtype = header.dtype
         self._itemsize = header.dtype.itemsize
         self._tokens: np.ndarray | None = None  # the whole .bin as one token array, made on first gather
+        self._unsigned = np.dtype(f"u{self._itemsize}")  # the view the id check compares (see _id_bound)
+        self._id_bound: int | None = None  # set on the first read once check_token_ids is called
+        self._id_rule = ""  # the bound in words, for the error
 
     def _index_problems(self) -> list[str]:
         """Every way the index disagrees with itself or with the ``.bin`` size, each with its first offending entry.
@@ -318,6 +346,98 @@ class IndexedDataReader:
         The same check runs by itself before the first read returns any token; ``verify`` runs it now.
         """
         self._check_index()
+
+    def pair_metadata(self) -> PairMetadata | None:
+        """The pair's ``.meta.json``, or None when it has none; one naming another token dtype than the header's
+        is a DataFileError naming both files and both dtypes."""
+        metadata = read_pair_metadata(self.path_prefix)
+        if metadata is not None and metadata.token_dtype != str(self._dtype):
+            raise DataFileError(
+                f"{metadata_path(self.path_prefix)} says the tokens are {metadata.token_dtype}, but the header of "
+                f"{self.path_prefix}.idx says {self._dtype} (its dtype code, byte 17): one of the two files is "
+                f"corrupt or belongs to another pair, and ids read as {self._dtype} would be wrong. {_REBUILD}"
+            )
+        return metadata
+
+    def token_vocabulary(self, vocab_size: int | None) -> tuple[int | None, str]:
+        """The vocabulary size the ids must fit, the smaller of ``vocab_size`` (a tokenizer's) and the
+        ``.meta.json``'s, and where it comes from; ``(None, "")`` when neither is known."""
+        metadata = self.pair_metadata()
+        known = [] if vocab_size is None else [(int(vocab_size), "the tokenizer's vocabulary")]
+        if metadata is not None:
+            known.append((metadata.vocab_size, f"the vocabulary of {metadata_path(self.path_prefix).name}"))
+        return min(known, default=(None, ""))
+
+    def check_token_ids(self, vocab_size: int | None) -> None:
+        """Deliver only token ids from now on: refuse a header dtype that cannot hold them now, a ``.meta.json``
+        that names another dtype on the first read, and any read holding an id outside ``[0, vocab_size)``
+        (bounded by the ``.meta.json``'s ``vocab_size`` too; without either, a negative id), naming the document.
+
+        Raises:
+            DataFileError: the header's dtype is not an integer dtype.
+        """
+        check_token_dtype(self._dtype, self.path_prefix + ".idx")
+        self._checks_token_ids, self._vocab_size = True, vocab_size
+        if self._bin_opened:
+            self._id_bound = self._bound_ids(vocab_size)
+
+    def _bound_ids(self, vocab_size: int | None) -> int | None:
+        """The ``_id_bound`` of ``token_vocabulary(vocab_size)``, keeping its rule in words for the error."""
+        vocab_size, source = self.token_vocabulary(vocab_size)
+        self._id_rule = "negative" if vocab_size is None else f"outside [0, {vocab_size}) ({source})"
+        return _id_bound(self._dtype, vocab_size)
+
+    def _id_error(self, token: int, value: int, count: int = 1) -> DataFileError:
+        """The error for ``count`` ids out of range, the first being ``value`` at index ``token`` of the ``.bin``."""
+        byte = token * self._itemsize
+        sequence = int(np.searchsorted(self._pointers, byte, side="right")) - 1
+        document = int(np.searchsorted(self._document_indices, sequence, side="right")) - 1
+        position = (byte - int(self._pointers[sequence])) // self._itemsize
+        where = f"{value} in document {document} (sequence {sequence}, token {position})"
+        found = (
+            f"{count:,} token ids are {self._id_rule}; the first is {where}"
+            if count > 1
+            else f"the token id {where} is {self._id_rule}"
+        )
+        return DataFileError(
+            f"{self.path_prefix}.bin: {found}. The pair is corrupt (a wrong dtype code in its .idx header reads "
+            f"wrong ids) or was prepared with another tokenizer: `hp-data inspect {self.path_prefix} --verify` "
+            "counts every such id; prepare the pair again with the tokenizer of the config."
+        )
+
+    def _first_bad_id(self, ids: np.ndarray) -> int | None:
+        """The position of the first id of ``ids`` (one read) out of range, or None: one pass when all are fine."""
+        unsigned = ids.view(self._unsigned)
+        if not ids.size or unsigned.max() < self._id_bound:
+            return None
+        return int(np.argmax(unsigned >= self._id_bound))
+
+    def check_all_token_ids(self, vocab_size: int | None) -> int:
+        """Scan every id of the ``.bin``, chunk by chunk, against ``token_vocabulary(vocab_size)`` (without one,
+        for negative ids); return how many ids were checked.
+
+        Raises:
+            DataFileError: the header's dtype cannot hold ids, the ``.meta.json`` names another dtype, or ids are
+                out of range (how many, and the first with its document).
+        """
+        check_token_dtype(self._dtype, self.path_prefix + ".idx")
+        if not self._bin_opened:
+            self._open_bin()
+        bound = self._bound_ids(vocab_size)
+        total = self._bin_size // self._itemsize
+        if bound is None:
+            return total
+        count, first = 0, None
+        for begin in range(0, total, _SCAN_CHUNK):
+            ids = self._raw(begin * self._itemsize, min(_SCAN_CHUNK, total - begin))
+            bad = np.flatnonzero(ids.view(self._unsigned) >= bound)
+            if bad.size:
+                count += int(bad.size)
+                if first is None:
+                    first = (begin + int(bad[0]), int(ids[bad[0]]))
+        if first is not None:
+            raise self._id_error(*first, count)
+        return total
 
     # -- metadata ---------------------------------------------------------------------------------------------
 
@@ -387,6 +507,8 @@ class IndexedDataReader:
         self._bin_size = status.st_size
         try:
             self._check_index()
+            if self._checks_token_ids:
+                self._id_bound = self._bound_ids(self._vocab_size)
             if self.mmap:
                 # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
                 self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
@@ -398,11 +520,18 @@ class IndexedDataReader:
         self._bin_opened = True
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        """``count`` tokens from ``byte_offset``, their ids checked once ``check_token_ids`` was called."""
+        array = self._raw(byte_offset, count)
+        if self._id_bound is not None and (bad := self._first_bad_id(array)) is not None:
+            raise self._id_error(byte_offset // self._itemsize + bad, int(array[bad]))
+        return array
+
+    def _raw(self, byte_offset: int, count: int) -> np.ndarray:
         if self._bin_view is not None:
             return np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
         if not self._bin_opened:
             self._open_bin()
-            return self._read(byte_offset, count)
+            return self._raw(byte_offset, count)
         wanted = count * self._itemsize
         raw = _pread_full(self._fd, wanted, byte_offset)
         if len(raw) < wanted:
@@ -475,7 +604,12 @@ class IndexedDataReader:
         tokens = self._tokens
         # Slices joined by one concatenate: about 10x faster than a fancy-index gather for runs of tokens.
         pieces = [tokens[s:e] for s, e in zip(starts.tolist(), (starts + lengths).tolist(), strict=True)]
-        return np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
+        flat = np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
+        if self._id_bound is not None and (bad := self._first_bad_id(flat)) is not None:
+            ends = np.cumsum(lengths)
+            piece = int(np.searchsorted(ends, bad, side="right"))
+            raise self._id_error(int(starts[piece] + bad - (ends[piece] - lengths[piece])), int(flat[bad]))
+        return flat
 
     def _get_slice(self, key: slice):
         if not self.mmap:
@@ -507,8 +641,14 @@ class IndexedDataReader:
             self.close()
 
     def __getstate__(self) -> dict:
-        # Workers re-open the files rather than receiving pickled maps.
-        return {"path_prefix": self.path_prefix, "mmap": self.mmap, "multimodal": self.multimodal}
+        # Workers re-open the files rather than receiving pickled maps, and check the token ids as here.
+        return {
+            "path_prefix": self.path_prefix,
+            "mmap": self.mmap,
+            "multimodal": self.multimodal,
+            "_checks_token_ids": self._checks_token_ids,
+            "_vocab_size": self._vocab_size,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -9,8 +9,12 @@ Every sample is ``{"tokens", "labels", "loss_mask"}`` (int64, int64, float32; ``
 ``tokens[i]``), plus ``position_ids`` and ``attention_mask`` with ``create_ltor_fields_in_dataloader``. The loss
 mask is always there because it is the only record of padding (pad ids are replaced by 0, as upstream).
 
+Every sample holds token ids only: a dataset over an ``IndexedDataReader`` has it check the ids it reads
+(``IndexedDataReader.check_token_ids``: an integer dtype, the ``.meta.json``'s dtype, ids in the tokenizer's
+vocabulary).
+
 Owns: assembling samples and their index caches. Not responsible for: splits and blends
-(``indexed_split_builder``), reading files (``indexed_data_reader``), batching.
+(``indexed_split_builder``), reading files or checking token ids (``indexed_data_reader``), batching.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.index_cache import CacheOptions, ExpectedArray, IndexCache, array_property
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -197,7 +202,10 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         self.split = split
         self.config = config
-        eod, pad = resolve_special_tokens(tokenizer, config.allow_ambiguous_pad_tokens)
+        tokens = read_tokenizer(tokenizer)
+        if isinstance(low_level, IndexedDataReader):
+            low_level.check_token_ids(tokens.vocab_size)
+        eod, pad = resolve_special_tokens(tokens, config.allow_ambiguous_pad_tokens)
         self._make_sample = _SampleMaker(config, eod, pad)
         self._length = 0
 

@@ -8,7 +8,8 @@ megatron-core or by ``IndexedDatasetBuilder`` directly) still load, with a warni
 ``<prefix>.partitions.json`` (the manifest) lists the partition pairs kept beside a merged pair. It is written
 after every partition pair is in place, so a reader that lists partitions through it never sees a half set.
 
-Owns: the contents of both files, reading them, and the blend check.
+Owns: the contents of both files, reading them (a ``vocab_size`` and ``token_dtype`` the reader can use), and the
+blend check.
 Not responsible for: writing them atomically (``indexed.io``), deciding when they are written
 (``tools.offline_outputs``).
 """
@@ -124,6 +125,14 @@ def read_pair_metadata(prefix: str | os.PathLike) -> PairMetadata | None:
         return None
     if not isinstance(data, dict) or not data.keys() >= _COMPARED:
         raise DataFileError(f"{path}: expected a JSON object with the fields {list(COMPARED_FIELDS)}; {_REWRITE}")
+    # The reader bounds token ids by vocab_size and compares token_dtype with the .idx header: both must be usable.
+    vocab_size, token_dtype = data["vocab_size"], data["token_dtype"]
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise DataFileError(f"{path}: vocab_size must be a positive integer, got {vocab_size!r}; {_REWRITE}")
+    if not isinstance(token_dtype, str):
+        raise DataFileError(
+            f"{path}: token_dtype must be a dtype name such as 'uint16', got {token_dtype!r}; {_REWRITE}"
+        )
     return PairMetadata(**{key: value for key, value in data.items() if key in _FIELD_NAMES})
 
 
