@@ -10,9 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hyper_parallel.data.indexed import indexed_data_reader
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.indexed.pair_metadata import PairMetadata, metadata_path
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.read_indexed_dataset import build_parser, main, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -236,6 +239,97 @@ def test_corrupt_document_indices_exit_2(dataset, capsys):
 
     code, out, _ = _run(capsys, prefix, "--verify")
     assert code == 1 and "document_indices" in out
+
+
+def _write_metadata(prefix: Path, vocab_size: int, token_dtype: str) -> None:
+    metadata = PairMetadata(tokenizer_fingerprint="test", vocab_size=vocab_size, eod_id=0, token_dtype=token_dtype)
+    metadata_path(prefix).write_bytes(metadata.to_json())
+
+
+def _verify_checks(capsys, *argv) -> tuple[int, dict]:
+    code, out, _ = _run(capsys, *argv, "--verify", "--json")
+    return code, json.loads(out)["verify"]["checks"]
+
+
+def test_verify_prints_one_line_per_token_check(dataset, capsys):
+    """Without a .meta.json or --tokenizer, the dtype is checked and the rest is a note saying what is missing;
+    --tokenizer checks every id against its vocabulary."""
+    prefix, sequence_lengths, _ = dataset
+    code, out, _ = _run(capsys, prefix, "--verify")
+    assert code == 0
+    assert "OK: the header's token dtype uint16 holds token ids" in out
+    assert "note: no corpus_text_document.meta.json beside the pair: its token dtype is not cross-checked" in out
+    assert "no vocabulary size is known (no corpus_text_document.meta.json, no --tokenizer)" in out
+
+    code, out, _ = _run(capsys, prefix, "--verify", "--tokenizer", BUNDLED_TOKENIZER_PATH)
+    assert code == 0
+    assert f"OK: all {sequence_lengths.sum():,} token ids lie in [0, 8192) (the tokenizer's vocabulary)" in out
+
+    _write_metadata(prefix, 8192, "uint16")
+    code, checks = _verify_checks(capsys, prefix)
+    assert code == 0
+    assert [check["ok"] for check in checks.values()] == [True, True, True, True]
+    assert "corpus_text_document.meta.json names the header's token dtype, uint16" in checks["metadata"]["message"]
+
+
+@pytest.mark.parametrize(("written", "code_byte"), [(np.int32, 7), (np.int64, 6)])
+def test_verify_fails_on_a_float_dtype_code(tmp_path, capsys, written, code_byte):
+    prefix = tmp_path / "pair"
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=written) as builder:
+        builder.add_documents(np.arange(2, 40), [10, 28])
+        builder.finalize(f"{prefix}.idx")
+    with open(f"{prefix}.idx", "r+b") as index:
+        index.seek(17)
+        index.write(bytes([code_byte]))
+
+    code, out, _ = _run(capsys, prefix, "--verify")
+    assert code == 1
+    assert f"FAILED: {prefix}.idx: the header's dtype code {code_byte} (byte 17)" in out
+    code, checks = _verify_checks(capsys, prefix)
+    assert code == 1 and checks["index"]["ok"] is True and checks["token_dtype"]["ok"] is False
+
+
+def test_verify_fails_on_a_meta_json_naming_another_dtype(dataset, capsys):
+    prefix, _, _ = dataset
+    _write_metadata(prefix, 8192, "int16")
+    code, out, _ = _run(capsys, prefix, "--verify")
+    assert code == 1
+    assert f"FAILED: {prefix}.meta.json says the tokens are int16, but the header of {prefix}.idx says uint16" in out
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 21], ids=["small-chunks", "one-chunk"])
+def test_verify_counts_every_id_outside_the_meta_json_vocabulary(dataset, capsys, monkeypatch, chunk):
+    """The scan goes chunk by chunk; the count and the first id are those of the whole .bin."""
+    monkeypatch.setattr(indexed_data_reader, "_SCAN_CHUNK", chunk)
+    prefix, sequence_lengths, _ = dataset
+    _write_metadata(prefix, 4000, "uint16")
+    tokens = np.fromfile(f"{prefix}.bin", dtype=np.uint16)
+    bad = np.flatnonzero(tokens >= 4000)
+
+    code, out, _ = _run(capsys, prefix, "--verify")
+    assert code == 1
+    assert (
+        f"FAILED: {prefix}.bin: {bad.size:,} token ids are outside [0, 4000) (the vocabulary of "
+        f"corpus_text_document.meta.json); the first is {tokens[bad[0]]} in document"
+    ) in out
+
+
+@pytest.mark.parametrize(
+    ("ids", "tokenizer", "found"),
+    [
+        ([5, 8191, 8192, 7], True, "the token id 8192 in document 1 (sequence 1, token 2) is outside [0, 8192)"),
+        ([5, 8191, -1, 7], False, "the token id -1 in document 1 (sequence 1, token 2) is negative"),
+    ],
+)
+def test_verify_names_the_first_id_outside_the_tokenizer_vocabulary(tmp_path, capsys, ids, tokenizer, found):
+    prefix = tmp_path / "wide"
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32) as builder:
+        builder.add_documents(np.array([3, 4, *ids]), [2, 4])
+        builder.finalize(f"{prefix}.idx")
+    argv = ["--tokenizer", BUNDLED_TOKENIZER_PATH] if tokenizer else []
+    code, out, _ = _run(capsys, prefix, "--verify", *argv)
+    assert code == 1
+    assert f"FAILED: {prefix}.bin: {found}" in out
 
 
 def _truncate_idx(prefix: Path) -> None:

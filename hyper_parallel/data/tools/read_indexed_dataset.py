@@ -2,7 +2,8 @@
 
 Owns: the ``python -m hyper_parallel.data.tools.read_indexed_dataset PREFIX`` command, which prints a summary
 of a pair (counts, sizes, length statistics), decodes chosen sequences through a tokenizer, checks the pair's
-consistency and draws its sequence length histogram, and names the pairs nearby when a prefix has none.
+consistency and its token ids (``--verify``: one line per check) and draws its sequence length histogram, and names
+the pairs nearby when a prefix has none.
 Not responsible for: parsing or checking the files (``indexed.IndexedDataReader``), writing them
 (``indexed.io``) or loading tokenizers (``text.build_tokenizer``).
 
@@ -23,9 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.idx_format import check_token_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths, pair_prefix
 from hyper_parallel.data.indexed.io import atomic_output
-from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
+from hyper_parallel.data.indexed.pair_metadata import metadata_path
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, TextTokenizer, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "format_summary", "main", "summarize"]
@@ -41,12 +44,15 @@ examples:
   {_PROG} data/corpus_text_document
   {_PROG} data/corpus_text_document.idx --json
   {_PROG} data/corpus_text_document --verify
+  {_PROG} data/corpus_text_document --verify --tokenizer path/to/tokenizer_dir
   {_PROG} data/corpus_text_document --decode 0,5 --decode -1 --show-ids --max-chars 500
   {_PROG} data/corpus_text_document --decode 3 --tokenizer path/to/tokenizer_dir
   {_PROG} data/corpus_text_document --histogram lengths.png
   {_PROG} data/vision_document --multimodal
 
 every mode checks the pair first: nothing is summarised, decoded or plotted from a corrupt one.
+--verify checks the index, that the header's token dtype is an integer one, that a .meta.json beside the pair names
+the same dtype, and every token id against the vocabulary (of the .meta.json, and of --tokenizer when given).
 exit status: 0 on success, 1 when --verify finds problems, 2 on a usage error, a pair that cannot be read, or
 (without --verify) an inconsistent one.
 """
@@ -115,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer",
         metavar="PATH",
-        default=str(BUNDLED_TOKENIZER_PATH),
-        help="Hugging Face tokenizer directory or tokenizer.json used by --decode; use the one the dataset was "
-        "built with, e.g. --tokenizer models/llama3 (default: the bundled tokenizer)",
+        help="Hugging Face tokenizer directory or tokenizer.json used by --decode, and by --verify to check every "
+        "token id against its vocabulary; use the one the dataset was built with, e.g. --tokenizer models/llama3 "
+        "(default: the bundled tokenizer for --decode; --verify then checks against the .meta.json's vocabulary only)",
     )
     parser.add_argument(
         "--max-chars",
@@ -134,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="check that lengths, pointers, document indices and the .bin size agree; exits 1 listing every "
-        "problem when they do not, e.g. --verify",
+        help="check that lengths, pointers, document indices and the .bin size agree, that the token dtype is an "
+        "integer one and the one the .meta.json names, and that every token id fits the vocabulary; prints one "
+        "line per check and exits 1 when one fails, e.g. --verify",
     )
     parser.add_argument(
         "--histogram",
@@ -288,11 +295,15 @@ def _check_indices(reader: IndexedDataReader, indices: list[int]) -> list[int]:
     return [i + n if i < 0 else i for i in indices]
 
 
-def _decode_sequences(reader: IndexedDataReader, indices: list[int], args: argparse.Namespace) -> list[dict]:
+def _load_tokenizer(path: str) -> TextTokenizer:
     try:
-        tokenizer = build_tokenizer(args.tokenizer)
+        return build_tokenizer(path)
     except DataConfigError as error:
         raise _UsageError(str(error)) from None
+
+
+def _decode_sequences(reader: IndexedDataReader, indices: list[int], args: argparse.Namespace) -> list[dict]:
+    tokenizer = _load_tokenizer(args.tokenizer or str(BUNDLED_TOKENIZER_PATH))
     documents = reader.document_indices
     results = []
     for i in indices:
@@ -389,21 +400,88 @@ def _write_histogram(reader: IndexedDataReader, summary: dict, out: str) -> Path
 # -- entry point -------------------------------------------------------------------------------------------------
 
 
+def _verify(reader: IndexedDataReader, vocab_size: int | None) -> list[tuple[str, bool | None, str]]:
+    """The checks of ``--verify`` in order, each ``(name, passed, message)``; ``passed`` is None where a check
+    could not be made (the message says why). A failed check ends the list: the later ones build on it."""
+    try:
+        reader.verify()
+    except DataFileError as error:
+        return [("index", False, str(error))]
+    bin_bytes = data_file_paths(reader.path_prefix)[1].stat().st_size
+    checks: list[tuple[str, bool | None, str]] = [
+        (
+            "index",
+            True,
+            f"{len(reader):,} sequences, {reader.num_documents:,} documents and {bin_bytes:,} bytes of .bin are "
+            "consistent",
+        )
+    ]
+    meta_name = metadata_path(reader.path_prefix).name
+    name = "token_dtype"  # the check being made, named if it fails
+    try:
+        check_token_dtype(reader.dtype, f"{reader.path_prefix}.idx")
+        checks.append((name, True, f"the header's token dtype {reader.dtype} holds token ids"))
+        name = "metadata"
+        metadata = reader.pair_metadata()
+        if metadata is None:
+            checks.append((name, None, f"no {meta_name} beside the pair: its token dtype is not cross-checked"))
+        else:
+            checks.append((name, True, f"{meta_name} names the header's token dtype, {reader.dtype}"))
+        name = "token_ids"
+        vocabulary, source = reader.token_vocabulary(vocab_size)
+        count = reader.check_all_token_ids(vocab_size)
+    except DataFileError as error:
+        return [*checks, (name, False, str(error))]
+    if vocabulary is not None:
+        checks.append(("token_ids", True, f"all {count:,} token ids lie in [0, {vocabulary}) ({source})"))
+    else:
+        negative = "none is negative, but " if reader.dtype.kind == "i" else ""
+        checks.append(
+            (
+                "token_ids",
+                None,
+                f"{count:,} token ids: {negative}no vocabulary size is known (no {meta_name}, no --tokenizer), so "
+                "they are not checked against one; pass --tokenizer",
+            )
+        )
+    return checks
+
+
+_VERIFY_MARKS = {True: "OK", False: "FAILED", None: "note"}
+
+
+def _print_checks(checks: list[tuple[str, bool | None, str]]) -> None:
+    for _, passed, message in checks:
+        print(f"{_VERIFY_MARKS[passed]}: {message}")
+
+
 def _run(reader: IndexedDataReader, args: argparse.Namespace) -> int:
     report: dict = {}
     if args.verify:
-        try:
-            reader.verify()
-        except DataFileError as error:
-            if args.json:
-                print(json.dumps({"prefix": reader.path_prefix, "verify": {"ok": False, "problems": str(error)}}))
-            else:
-                print(f"FAILED: {error}")
-            return 1
+        vocab_size = _load_tokenizer(args.tokenizer).vocab_size if args.tokenizer else None
+        checks = _verify(reader, vocab_size)
+        failed = [message for _, passed, message in checks if passed is False]
+        report["verify"] = {
+            "ok": not failed,
+            "checks": {name: {"ok": passed, "message": message} for name, passed, message in checks},
+        }
+        if failed:
+            report["verify"]["problems"] = "\n".join(failed)
+            if checks[0][1] is False:  # nothing is summarised from an inconsistent index
+                if args.json:
+                    print(json.dumps({"prefix": reader.path_prefix, **report}))
+                else:
+                    _print_checks(checks)
+                return 1
     summary = summarize(reader)
+    if args.verify and not report["verify"]["ok"]:
+        if args.json:
+            print(json.dumps({**summary, **report}))
+        else:
+            print(format_summary(summary) + "\n")
+            _print_checks(checks)
+        return 1
     indices = _check_indices(reader, [i for group in args.decode for i in group])
-    if args.verify:
-        report["verify"] = {"ok": True}
     if indices:
         report["decoded"] = _decode_sequences(reader, indices, args)
     if args.histogram:
@@ -414,10 +492,8 @@ def _run(reader: IndexedDataReader, args: argparse.Namespace) -> int:
         return 0
     print(format_summary(summary))
     if args.verify:
-        print(
-            f"\nOK: {summary['sequences']:,} sequences, {summary['documents']:,} documents and "
-            f"{summary['bin_bytes']:,} bytes of .bin are consistent"
-        )
+        print()
+        _print_checks(checks)
     for entry in report.get("decoded", []):
         print()
         print(_format_decoded(entry, args.max_chars))
