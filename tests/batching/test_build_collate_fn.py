@@ -320,6 +320,37 @@ def test_online_builder_alignment_and_pad_ids(tokenizer):
         build_online_text_collate_fn(cp_size=0)
 
 
+class _MegatronTokenizer:
+    """A tokenizer with Megatron's naming whose own pad id may lie past its vocabulary."""
+
+    def __init__(self, pad: int, vocab_size: int):
+        self.pad, self.vocab_size = pad, vocab_size
+
+
+@pytest.mark.parametrize("pad_token_id", [8192, 8193, 10**6])
+def test_online_builder_refuses_a_pad_id_past_the_tokenizer_vocabulary(tokenizer, pad_token_id):
+    """The padding goes through the embedding: an id at or past the vocabulary size is refused when the collator is
+    built, naming the id, the vocabulary and the setting; the last id of the vocabulary is accepted."""
+    assert build_online_text_collate_fn(tokenizer, pad_token_id=8191).pad_token_id == 8191
+    with pytest.raises(DataConfigError) as error:
+        build_online_text_collate_fn(tokenizer, pad_token_id=pad_token_id)
+    message = str(error.value)
+    assert (
+        f"pad_token_id {pad_token_id} is outside the vocabulary [0, 8192) of tokenizer {tokenizer.name_or_path}"
+        in message
+    )
+    assert "Set pad_token_id on the collate_fn node to an id below 8192" in message
+
+
+@pytest.mark.parametrize(("pad", "vocab_size", "refused"), [(99, 100, False), (100, 100, True), (5000, 100, True)])
+def test_online_builder_refuses_the_tokenizer_s_own_pad_id_past_its_vocabulary(pad, vocab_size, refused):
+    if refused:
+        with pytest.raises(DataConfigError, match=rf"pad_token_id {pad} is outside the vocabulary \[0, {vocab_size}\)"):
+            build_online_text_collate_fn(_MegatronTokenizer(pad, vocab_size))
+    else:
+        assert build_online_text_collate_fn(_MegatronTokenizer(pad, vocab_size)).pad_token_id == pad
+
+
 def test_online_builder_with_real_tokenizer(tokenizer):
     texts = ["It is a truth universally acknowledged.", "Emma Woodhouse, handsome, clever, and rich."]
     samples = []

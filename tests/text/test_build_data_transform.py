@@ -13,6 +13,7 @@ import pickle
 
 import numpy as np
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
@@ -23,6 +24,7 @@ from hyper_parallel.data.text.build_data_transform import (
     TextConversationTransform,
     build_llm_data_transform,
 )
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.text.chat_template import ChatMLTemplate
 
 IM_END, EOS = "<|im_end|>", "<|endoftext|>"
@@ -120,6 +122,29 @@ def test_plaintext_without_eos(tokenizer):
     assert sample["input_ids"].tolist() == document[:-1]
     assert sample["labels"].tolist() == document[1:]
     assert tokenizer.eos_token_id not in sample["labels"].tolist()
+
+
+@pytest.fixture
+def tokenizer_without_eos() -> PreTrainedTokenizerFast:
+    """The bundled vocabulary as a bare transformers tokenizer object: it names no EOS token."""
+    return PreTrainedTokenizerFast(tokenizer_file=str(BUNDLED_TOKENIZER_PATH / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("build", ["class", "builder"])
+def test_plaintext_with_append_eos_refuses_a_tokenizer_without_eos(tokenizer_without_eos, build):
+    """As ``hp-data prepare`` refuses it: documents without an end token would run into each other. The error names
+    the tokenizer, how to name its EOS and the setting that trains without one."""
+    with pytest.raises(DataConfigError) as error:
+        if build == "class":
+            PlaintextTransform(tokenizer_without_eos, max_seq_len=64)
+        else:
+            build_llm_data_transform("plaintext", tokenizer_without_eos, max_seq_len=64, append_eos=True)
+    message = str(error.value)
+    assert "has no EOS token to append" in message
+    assert "tokenizer.eos_token = '<|endoftext|>'" in message and "or set append_eos: false" in message
+
+    (sample,) = PlaintextTransform(tokenizer_without_eos, max_seq_len=4096, append_eos=False)({"text": TEXT})
+    assert sample["labels"][-1] != 0  # no EOS appended
 
 
 def test_plaintext_text_template_renders_alpaca_records(tokenizer):
@@ -528,6 +553,32 @@ def test_builder_makes_each_data_type(tokenizer, tokenizer_path):
     identity = build_llm_data_transform("identity", max_seq_len=16)
     assert isinstance(identity, IdentityDataTransform) and identity.max_seq_len == 16
     assert isinstance(build_llm_data_transform("identity", tokenizer), IdentityDataTransform)
+
+
+@pytest.mark.parametrize("labels_are_shifted", [False, True])
+@pytest.mark.parametrize("field", ["input_ids", "labels"])
+def test_identity_refuses_ids_past_the_tokenizer_vocabulary(tokenizer, labels_are_shifted, field):
+    """With the pipeline's tokenizer, an id or label of ``vocab_size`` or more is an error naming the record, the
+    field, the id and its position; ``vocab_size - 1`` is a token."""
+    transform = build_llm_data_transform("identity", tokenizer, labels_are_shifted=labels_are_shifted)
+    record = {"input_ids": [5, 8191, 7, 9], "labels": [8191, 7, 9, IGNORE_INDEX]}
+    (sample,) = transform(record, WHERE)
+    assert 8191 in sample["input_ids"].tolist() + sample["labels"].tolist()
+
+    for bad in (8192, 10**6):
+        record[field] = [5, 6, bad, IGNORE_INDEX if field == "labels" else 9]
+        with pytest.raises(DataFileError) as error:
+            transform(record, WHERE)
+        assert str(error.value).startswith(
+            f"{WHERE}: field '{field}' holds the id {bad} at position 2, outside the vocabulary [0, 8192) of "
+            f"tokenizer {tokenizer.name_or_path}"
+        )
+
+
+def test_identity_with_a_tokenizer_still_refuses_negative_ids_and_skips_when_asked(tokenizer):
+    transform = build_llm_data_transform("identity", tokenizer, on_invalid_record="skip")
+    assert transform({"input_ids": [5, 9000, 7]}, WHERE) == []
+    assert IdentityDataTransform(tokenizer).vocab_size == 8192
 
 
 def test_builder_errors(tokenizer):

@@ -295,14 +295,15 @@ def build_online_text_collate_fn(
             ``2 * cp_size`` (``pad_each_sequence_to``). ``build_dataloaders`` passes the sizes and the
             ``get_batch`` node's layout.
         pad_token_id: explicit padding id; otherwise the tokenizer's, otherwise 0 (the padding carries no loss
-            and is its own sequence in ``cu_seq_lens``, so any valid id works).
+            and is its own sequence in ``cu_seq_lens``, so any valid id works). With a tokenizer, it must lie in its
+            vocabulary: the padding goes through the embedding.
         position_ids: also return ``position_ids`` that restart at every sequence of the packed row.
 
     Returns:
         A picklable ``TextPackingCollator``.
 
     Raises:
-        DataConfigError: a size or the padding id is invalid.
+        DataConfigError: a size or the padding id is invalid, or the padding id is past the tokenizer's vocabulary.
     """
     alignment = sequence_alignment(
         cp_size=cp_size,
@@ -311,16 +312,26 @@ def build_online_text_collate_fn(
         sequence_multiple=sequence_multiple,
         cp_layout=cp_layout,
     )
-    if pad_token_id is None and tokenizer is not None:
-        pad_token_id = read_tokenizer(tokenizer).pad
+    tokens = None if tokenizer is None else read_tokenizer(tokenizer)
+    if pad_token_id is None and tokens is not None:
+        pad_token_id = tokens.pad
     if pad_token_id is None:
         pad_token_id = 0
-    return TextPackingCollator(
+    collator = TextPackingCollator(
         alignment=alignment,
         pad_token_id=pad_token_id,
         position_ids=position_ids,
         pad_each_sequence_to=2 * cp_size if cp_layout == "zigzag_thd" and cp_size > 1 else 1,
     )
+    vocab_size = None if tokens is None else tokens.vocab_size
+    if vocab_size is not None and collator.pad_token_id >= vocab_size:
+        raise DataConfigError(
+            f"pad_token_id {collator.pad_token_id} is outside the vocabulary [0, {vocab_size}) of tokenizer "
+            f"{tokens.name}: the padding goes through the embedding, which has no row for it. Set pad_token_id on "
+            f"the collate_fn node to an id below {vocab_size} (0 works: the padding carries no loss), or leave it "
+            "unset to use the tokenizer's"
+        )
+    return collator
 
 
 def _shape(value: Any) -> tuple[int, ...]:

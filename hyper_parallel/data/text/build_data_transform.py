@@ -36,7 +36,6 @@ from hyper_parallel.data.text.chat_template import (
     normalize_messages,
 )
 from hyper_parallel.data.text.text_template import TextTemplate
-from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
     "DATA_TRANSFORM_REGISTRY",
@@ -196,8 +195,12 @@ class PlaintextTransform(_RecordTransform):
             text_keys: the field with the text, or fields tried in order (the first non-null one is used).
             text_template: a ``str.format_map`` template over the record that replaces ``text_keys``, e.g.
                 ``"### Instruction:\\n{instruction}\\n\\n### Response:\\n{output}"``.
-            append_eos: end every document with the EOS token (when the tokenizer has one).
+            append_eos: end every document with the EOS token; a tokenizer without one is refused (set
+                ``append_eos: false`` to train on documents without an end token).
             on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+
+        Raises:
+            DataConfigError: an invalid option, or ``append_eos`` with a tokenizer that has no EOS token.
         """
         super().__init__(max_seq_len, on_invalid_record, max_seq_len_required=True)
         self.tokenizer = _as_tokenizer(tokenizer, "plaintext")
@@ -206,9 +209,10 @@ class PlaintextTransform(_RecordTransform):
         self.append_eos = _flag(append_eos, "append_eos")
         self.eos_token_id = self.tokenizer.eos_token_id if self.append_eos else None
         if self.append_eos and self.eos_token_id is None:
-            logger.warning(
-                "append_eos is set but tokenizer %s has no EOS token; documents are not terminated",
-                read_tokenizer(self.tokenizer).name,
+            # Refused as offline preparation refuses it: documents without an end would run into each other.
+            raise DataConfigError(
+                f"tokenizer {self.tokenizer.name_or_path} has no EOS token to append; {self.tokenizer.eos_help()}; "
+                "or set append_eos: false"
             )
 
     def _text(self, record: Mapping, where: str) -> str:
@@ -394,11 +398,12 @@ class IdentityDataTransform(_RecordTransform):
     """Pre-tokenized records: ``input_ids`` and optional ``labels`` (default: the ``input_ids``).
 
     Unless ``labels_are_shifted``, labels are shifted like a tokenized document: ``input_ids = ids[:-1]``,
-    ``labels = labels[1:]``. No truncation.
+    ``labels = labels[1:]``. No truncation. Ids are integers >= 0 and, with a tokenizer, below its vocabulary size.
     """
 
     def __init__(
         self,
+        tokenizer=None,
         *,
         max_seq_len: int | None = None,
         input_ids_key: str = "input_ids",
@@ -408,6 +413,9 @@ class IdentityDataTransform(_RecordTransform):
     ):
         """
         Args:
+            tokenizer: optional; anything ``build_tokenizer`` takes. Given, every id and label must lie in its
+                vocabulary (ids made by another tokenizer would be wrong tokens); ``build_dataloaders`` passes the
+                pipeline's.
             max_seq_len: the model's context length, for the loader; records are not truncated.
             input_ids_key, labels_key: the record fields with the token ids and the labels.
             labels_are_shifted: the labels are already next-token targets, as long as the ``input_ids``.
@@ -417,6 +425,21 @@ class IdentityDataTransform(_RecordTransform):
         self.input_ids_key = _field_name(input_ids_key, "input_ids_key")
         self.labels_key = _field_name(labels_key, "labels_key")
         self.labels_are_shifted = _flag(labels_are_shifted, "labels_are_shifted")
+        # Only the size and name are kept: the transform is pickled to every loader worker.
+        self.vocab_size, self._vocabulary_of = None, None
+        if tokenizer is not None:
+            tokenizer = build_tokenizer(tokenizer)
+            self.vocab_size, self._vocabulary_of = tokenizer.vocab_size, tokenizer.name_or_path
+
+    def _check_vocabulary(self, ids: np.ndarray, where: str, key: str) -> None:
+        """Refuse an id of ``ids`` (field ``key``) at or past the tokenizer's vocabulary size."""
+        if self.vocab_size is not None and ids.size and ids.max() >= self.vocab_size:
+            position = int(np.argmax(ids >= self.vocab_size))
+            raise DataFileError(
+                f"{where}: field '{key}' holds the id {int(ids[position])} at position {position}, outside the "
+                f"vocabulary [0, {self.vocab_size}) of tokenizer {self._vocabulary_of}; re-tokenize the record with "
+                "this tokenizer, or configure the tokenizer its ids were made with"
+            )
 
     def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
         if record.get(self.input_ids_key) is None:
@@ -429,6 +452,7 @@ class IdentityDataTransform(_RecordTransform):
             raise DataFileError(
                 f"{where}: field '{self.input_ids_key}' holds the negative id {int(ids.min())}; token ids are >= 0"
             )
+        self._check_vocabulary(ids, where, self.input_ids_key)
         raw_labels = record.get(self.labels_key)
         labels = ids if raw_labels is None else _token_array(raw_labels, where, self.labels_key)
         if len(labels) != len(ids):
@@ -442,6 +466,8 @@ class IdentityDataTransform(_RecordTransform):
                 f"{where}: field '{self.labels_key}' holds {int(bad[0])}; labels are token ids or {IGNORE_INDEX} "
                 "(no loss)"
             )
+        if raw_labels is not None:
+            self._check_vocabulary(labels, where, self.labels_key)
         if not self.labels_are_shifted:
             ids, labels = ids[:-1], labels[1:]
         if len(ids) == 0:
@@ -469,8 +495,6 @@ DATA_TRANSFORM_REGISTRY: dict[str, type[_RecordTransform]] = {
     "identity": IdentityDataTransform,
 }
 
-_NEEDS_TOKENIZER = ("plaintext", "conversation")
-
 
 def _did_you_mean(value, names) -> str:
     close = difflib.get_close_matches(value, list(names), n=1) if isinstance(value, str) else []
@@ -482,7 +506,7 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
 
     Args:
         data_type: ``plaintext`` (``PlaintextTransform``), ``conversation`` (``TextConversationTransform``) or
-            ``identity`` (``IdentityDataTransform``; the tokenizer is not used).
+            ``identity`` (``IdentityDataTransform``; the tokenizer, when given, bounds the ids).
         tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object, or
             the path of a tokenizer directory, ``tokenizer.json`` or tiktoken file. Not needed for ``conversation``
             when ``chat_template`` is a ``ChatTemplate``, which carries its tokenizer.
@@ -508,6 +532,5 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
     missing = [name for name in options if name not in kwargs and parameters[name].default is inspect.Parameter.empty]
     if missing:
         raise DataConfigError(f"data_type '{data_type}' requires the option(s) {missing}, e.g. max_seq_len: 4096")
-    if data_type in _NEEDS_TOKENIZER:  # the transform normalizes it (a conversation's may come with its template)
-        return transform_class(tokenizer, **kwargs)
-    return transform_class(**kwargs)
+    # Each transform normalizes the tokenizer (a conversation's may come with its template; identity's is optional).
+    return transform_class(tokenizer, **kwargs)
