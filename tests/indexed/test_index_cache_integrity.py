@@ -144,6 +144,15 @@ def test_a_damaged_entry_in_an_unwritable_directory_is_refused(tmp_path, corpus,
     assert "Delete the entry's files" in message and "data_cache_path" in message
 
 
+def test_a_directory_at_the_description_name_is_a_data_file_error(tmp_path):
+    """The description cannot be read, and the rebuilt one cannot replace a directory: one error naming it."""
+    cache = IndexCache(tmp_path, "GPTDataset", "train", {"case": "a directory in the way"})
+    cache.path("description").mkdir()
+
+    with pytest.raises(DataFileError, match=f"cannot write {cache.path('description')}: Is a directory"):
+        cache.get_or_build(("values",), lambda: {"values": np.arange(3)})
+
+
 def test_a_missing_entry_under_fast_cache_load_names_the_fix(tmp_path, corpus, tokenizer):
     """``fast_cache_load`` builds nothing: an entry that was never prepared is a DataFileError, not a traceback."""
     with pytest.raises(DataFileError) as raised:

@@ -310,15 +310,14 @@ class IndexCache:
         ``_Unusable`` if the entry is not built (no description) or fails a check."""
         path = self._file("description")
         try:
-            descriptor = os.open(path, _READ)
+            with open(os.open(path, _READ), "rb") as f:
+                text = f.read()
         except (FileNotFoundError, NotADirectoryError):  # not built, or no cache directory at all
             raise _Unusable(path) from None
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise link_refusal(path) from None
             raise _Unusable(path, f"the description cannot be read ({error.strerror})") from None
-        with open(descriptor, "rb") as f:
-            text = f.read()
         try:
             manifest = json.loads(text)
             stored_description, arrays = _COMPACT_JSON.encode(manifest["description"]), manifest["arrays"]
