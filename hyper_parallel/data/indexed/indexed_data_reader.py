@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -547,8 +548,9 @@ class IndexedDataReader:
             raise IndexError(f"sequence {i} is out of range for '{self.path_prefix}' with {n} sequences")
         return int(i) + n if i < 0 else int(i)
 
-    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Return ``length`` tokens of sequence ``i`` starting ``offset`` tokens in (default: to its end)."""
+    def _span(self, i, offset: int, length: int | None) -> tuple[int, int, int]:
+        """``(byte offset, token count, sequence)`` of tokens ``[offset, offset + length)`` of sequence ``i``
+        (``length`` None: to its end); a range outside the sequence is an IndexError."""
         if not self._bin_opened:
             self._open_bin()  # the index is checked before its lengths bound the range
         i = self._sequence_id(i)
@@ -560,8 +562,27 @@ class IndexedDataReader:
                 f"tokens [{offset}, {offset + length}) are outside sequence {i} of '{self.path_prefix}', "
                 f"which has {sequence_length} tokens"
             )
-        array = self._read(self._pointers.item(i) + offset * self._itemsize, length)
+        return self._pointers.item(i) + offset * self._itemsize, length, i
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Return ``length`` tokens of sequence ``i`` starting ``offset`` tokens in (default: to its end)."""
+        byte_offset, length, i = self._span(i, offset, length)
+        array = self._read(byte_offset, length)
         return (array, self._modes.item(i)) if self._modes is not None else array
+
+    def join(self, pieces: Sequence[tuple[int, int, int | None]]) -> np.ndarray:
+        """The token ranges ``(sequence, offset, length)`` (``length`` None: to the sequence's end) concatenated,
+        their ids checked once over the result: the cheap path for the few pieces of one sample (``gather`` is
+        the vectorised one for many samples)."""
+        spans = [self._span(i, offset, length) for i, offset, length in pieces]
+        flat = np.concatenate([self._raw(byte_offset, length) for byte_offset, length, _ in spans])
+        if self._id_bound is not None and (bad := self._first_bad_id(flat)) is not None:
+            value = int(flat[bad])
+            for byte_offset, length, _ in spans:
+                if bad < length:
+                    raise self._id_error(byte_offset // self._itemsize + bad, value)
+                bad -= length
+        return flat
 
     def __getitem__(self, key: int | slice):
         """``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only).

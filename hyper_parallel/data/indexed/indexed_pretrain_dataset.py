@@ -338,10 +338,10 @@ class GPTDataset(_MidLevelDataset):
         documents = self.document_index
         if d0 == d1:
             return self.dataset.get(documents.item(d0), offset=o0, length=o1 - o0 + x)
-        pieces = [self.dataset.get(documents.item(d0), offset=o0)]
-        pieces += [self.dataset.get(d) for d in documents[d0 + 1 : d1].tolist()]
-        pieces.append(self.dataset.get(documents.item(d1), offset=0, length=o1 + x))
-        return np.concatenate(pieces)
+        pieces = [(documents.item(d0), o0, None)]
+        pieces += [(d, 0, None) for d in documents[d0 + 1 : d1].tolist()]
+        pieces.append((documents.item(d1), 0, o1 + x))
+        return self.dataset.join(pieces)
 
     def texts(self, indices: Sequence[int]) -> np.ndarray:
         """``[B, seq_length + x]`` int64 token ids of many samples, padded with the pad id, in few numpy calls.
@@ -470,6 +470,9 @@ class MockGPTLowLevelDataset:
     def gather(self, sequence_ids, offsets, lengths) -> np.ndarray:
         pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
         return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
+    def join(self, pieces: Sequence[tuple[int, int, int | None]]) -> np.ndarray:
+        return np.concatenate([self.get(i, offset, length) for i, offset, length in pieces])
 
 
 class MockGPTDataset(GPTDataset):
