@@ -557,7 +557,9 @@ def _load_tiktoken(file: Path, directory: Path | None, options: dict) -> TextTok
     if special_tokens is None and not config.get("added_tokens_decoder") and preset is not None:
         special_tokens = preset.special_tokens
     added = _tiktoken_added_tokens(special_tokens, config, str(config_path))
-    pattern = options["pattern"] if "pattern" in options else preset.pattern
+    pattern = options.get("pattern")
+    if pattern is None:  # _tiktoken_preset refused a file without pattern= that no preset knows
+        pattern = preset.pattern
     if preset is not None:
         logger.info("tiktoken file %s is %s: its published pattern is used unless pattern= is given", file, preset.name)
     backend = _tiktoken_backend(ranks, added, pattern, str(file))
