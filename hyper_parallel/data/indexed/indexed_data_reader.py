@@ -522,7 +522,10 @@ class IndexedDataReader:
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         """``count`` tokens from ``byte_offset``, their ids checked once ``check_token_ids`` was called."""
-        array = self._raw(byte_offset, count)
+        if self._bin_view is not None:  # the memory-mapped case inline: this is every get(i) of a random read
+            array = np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
+        else:
+            array = self._raw(byte_offset, count)
         if self._id_bound is not None and (bad := self._first_bad_id(array)) is not None:
             raise self._id_error(byte_offset // self._itemsize + bad, int(array[bad]))
         return array

@@ -1,6 +1,6 @@
 """The quickstart: the bundled Jane Austen corpus from raw text to the batches of a DP x CP mesh, offline.
 
-Steps (about a minute on two cores):
+Steps (about 20 s on two cores):
 
 1. prepare the example data (``tools.example_data``) that the configs under ``examples/`` read: the chapters as
    JSON lines (in passages of at most 4096 tokens), synthetic conversations, and Megatron-compatible
