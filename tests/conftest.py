@@ -42,3 +42,15 @@ def restore_package_logger():
     logger.setLevel(saved[0])
     logger.propagate = saved[1]
     logger.handlers[:] = saved[2]
+
+
+@pytest.fixture
+def logs(caplog):
+    """Every record of the package at DEBUG and above, whatever an earlier test did to the package logger."""
+    logger = logging.getLogger("hyper_parallel.data")
+    saved = logger.propagate, list(logger.handlers)
+    logger.propagate = True
+    logger.handlers[:] = [h for h in logger.handlers if not getattr(h, "_hyper_parallel_data", False)]
+    caplog.set_level(logging.DEBUG, logger="hyper_parallel.data")
+    yield caplog
+    logger.propagate, logger.handlers[:] = saved[0], saved[1]

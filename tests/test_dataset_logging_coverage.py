@@ -35,18 +35,6 @@ _HASH = re.compile(r"[0-9a-f]{16,}")
 PLAINTEXT = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 64}
 
 
-@pytest.fixture
-def logs(caplog):
-    """Every record of the package at DEBUG and above, whatever an earlier test did to the package logger."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.propagate, list(logger.handlers)
-    logger.propagate = True
-    logger.handlers[:] = [h for h in logger.handlers if not getattr(h, "_hyper_parallel_data", False)]
-    caplog.set_level(logging.DEBUG, logger="hyper_parallel.data")
-    yield caplog
-    logger.propagate, logger.handlers[:] = saved[0], saved[1]
-
-
 def messages(caplog, level: int, start: str = "") -> list[str]:
     """The messages logged at exactly ``level`` that start with ``start``."""
     return [r.getMessage() for r in caplog.records if r.levelno == level and r.getMessage().startswith(start)]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 
 BUNDLED_CORPUS_PATH = Path(BUNDLED_TOKENIZER_PATH).parent / "corpus" / "austen_chapters.jsonl.gz"
@@ -62,3 +65,30 @@ def conversation_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
+
+
+INDEXED = {
+    "dataset": {
+        "_target_": "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
+        "data_config": {"seq_length": 32, "split": "80, 10, 10"},
+    },
+    "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
+    "collate_fn": {"_target_": "hyper_parallel.data.batching.build_indexed_collate_fn"},
+}
+
+
+@pytest.fixture(scope="module")
+def indexed_config(tmp_path_factory) -> dict:
+    """A pipeline config of the Indexed path (fixed batches of GPTDataset samples) over 300 random documents."""
+    directory = tmp_path_factory.mktemp("indexed")
+    prefix = directory / "corpus_text_document"
+    rng = np.random.default_rng(3)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(300):
+        length = int(rng.integers(5, 90))
+        builder.add_document(rng.integers(2, 8000, size=length), [length])
+    builder.finalize(f"{prefix}.idx")
+    config = copy.deepcopy(INDEXED)
+    config["dataset"]["data_path"] = str(prefix)
+    config["dataset"]["data_config"]["data_cache_path"] = str(directory / "cache")
+    return config

@@ -12,16 +12,8 @@ import yaml
 
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 
-INDEXED = {
-    "dataset": {
-        "_target_": "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
-        "data_config": {"seq_length": 32, "split": "80, 10, 10"},
-    },
-    "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
-    "collate_fn": {"_target_": "hyper_parallel.data.batching.build_indexed_collate_fn"},
-}
+from .conftest import INDEXED
 
 ONLINE_DYNAMIC = {
     "dataset": {
@@ -37,22 +29,6 @@ ONLINE_DYNAMIC = {
     "dataloader": {"_target_": "hyper_parallel.data.batching.DynamicBatchDataLoader", "min_buffered_samples": 8},
     "collate_fn": {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn"},
 }
-
-
-@pytest.fixture(scope="module")
-def indexed_config(tmp_path_factory) -> dict:
-    directory = tmp_path_factory.mktemp("indexed")
-    prefix = directory / "corpus_text_document"
-    rng = np.random.default_rng(7)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(200):
-        length = int(rng.integers(5, 90))
-        builder.add_document(rng.integers(2, 8000, size=length), [length])
-    builder.finalize(f"{prefix}.idx")
-    config = copy.deepcopy(INDEXED)
-    config["dataset"]["data_path"] = str(prefix)
-    config["dataset"]["data_config"]["data_cache_path"] = str(directory / "cache")
-    return config
 
 
 @pytest.fixture

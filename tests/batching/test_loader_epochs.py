@@ -19,18 +19,6 @@ from .test_build_dataloader import plaintext_dataset
 RECORDS = 60  # the plaintext_path fixture's
 
 
-@pytest.fixture
-def logs(caplog):
-    """Every record of the package at DEBUG and above, whatever an earlier test did to the package logger."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.propagate, list(logger.handlers)
-    logger.propagate = True
-    logger.handlers[:] = [h for h in logger.handlers if not getattr(h, "_hyper_parallel_data", False)]
-    caplog.set_level(logging.DEBUG, logger="hyper_parallel.data")
-    yield caplog
-    logger.propagate, logger.handlers[:] = saved[0], saved[1]
-
-
 def messages(caplog, level: int, contains: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == level and contains in r.getMessage()]
 

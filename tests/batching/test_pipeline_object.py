@@ -10,35 +10,9 @@ import pytest
 
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_data_transform import TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import TextTokenizer
 from hyper_parallel.data.text.chat_template import ChatMLTemplate
-
-INDEXED = {
-    "dataset": {
-        "_target_": "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
-        "data_config": {"seq_length": 32, "split": "80, 10, 10"},
-    },
-    "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
-    "collate_fn": {"_target_": "hyper_parallel.data.batching.build_indexed_collate_fn"},
-}
-
-
-@pytest.fixture(scope="module")
-def indexed_config(tmp_path_factory) -> dict:
-    directory = tmp_path_factory.mktemp("indexed")
-    prefix = directory / "corpus_text_document"
-    rng = np.random.default_rng(3)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(300):
-        length = int(rng.integers(5, 90))
-        builder.add_document(rng.integers(2, 8000, size=length), [length])
-    builder.finalize(f"{prefix}.idx")
-    config = copy.deepcopy(INDEXED)
-    config["dataset"]["data_path"] = str(prefix)
-    config["dataset"]["data_config"]["data_cache_path"] = str(directory / "cache")
-    return config
 
 
 def tokens(batch) -> list:
