@@ -486,3 +486,19 @@ def test_a_collator_that_pads_is_refused_under_a_packing_scheduler(
     config["collate_fn"]["sequence_multiple"] = 8
     with pytest.raises(DataConfigError, match=r"^collate_fn: with a packing_scheduler the collator must not pad "):
         build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+@pytest.mark.parametrize(("pad_token_id", "refused"), [(8191, False), (8192, True), (10**6, True)])
+def test_the_packing_schedulers_pad_token_id_must_lie_in_the_vocabulary(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, pad_token_id, refused
+):
+    """The scheduler writes its padding id into the rows it sends: past the bundled tokenizer's 8,192 ids the
+    embedding has no row for it, so the pipeline is refused when built, naming the node."""
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir, pad_token_id=pad_token_id)
+    if not refused:
+        assert build_dataloaders(config, tokenizer=tokenizer_path).packing_scheduler.pad_token_id == pad_token_id
+        return
+    with pytest.raises(DataConfigError, match=rf"pad_token_id {pad_token_id} is outside the vocabulary \[0, 8192\)"):
+        build_dataloaders(config, tokenizer=tokenizer_path)
+    with pytest.raises(DataConfigError, match="Set pad_token_id on the packing_scheduler node"):
+        build_dataloaders(config, tokenizer=tokenizer_path)

@@ -323,15 +323,25 @@ def build_online_text_collate_fn(
         position_ids=position_ids,
         pad_each_sequence_to=2 * cp_size if cp_layout == "zigzag_thd" and cp_size > 1 else 1,
     )
-    vocab_size = None if tokens is None else tokens.vocab_size
-    if vocab_size is not None and collator.pad_token_id >= vocab_size:
-        raise DataConfigError(
-            f"pad_token_id {collator.pad_token_id} is outside the vocabulary [0, {vocab_size}) of tokenizer "
-            f"{tokens.name}: the padding goes through the embedding, which has no row for it. Set pad_token_id on "
-            f"the collate_fn node to an id below {vocab_size} (0 works: the padding carries no loss), or leave it "
-            "unset to use the tokenizer's"
-        )
+    check_pad_token_id(collator.pad_token_id, tokens, "collate_fn")
     return collator
+
+
+def check_pad_token_id(pad_token_id: int, tokens, node: str) -> None:
+    """Refuse a padding id at or past the vocabulary of ``tokens`` (a ``read_tokenizer`` result, or None when no
+    tokenizer is known): the padding goes through the embedding, which has no row for it.
+
+    Raises:
+        DataConfigError: naming ``node``, the node whose ``pad_token_id`` it is, and the vocabulary.
+    """
+    vocab_size = None if tokens is None else tokens.vocab_size
+    if vocab_size is not None and pad_token_id >= vocab_size:
+        raise DataConfigError(
+            f"pad_token_id {pad_token_id} is outside the vocabulary [0, {vocab_size}) of tokenizer {tokens.name}: "
+            f"the padding goes through the embedding, which has no row for it. Set pad_token_id on the {node} node "
+            f"to an id below {vocab_size} (0 works: the padding carries no loss), or leave it unset to use the "
+            "tokenizer's"
+        )
 
 
 def _shape(value: Any) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from hyper_parallel.data.batching.build_collate_fn import sequence_alignment
+from hyper_parallel.data.batching.build_collate_fn import check_pad_token_id, sequence_alignment
 from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader
 from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import LoaderOptions, WorkerOptions
@@ -629,6 +629,8 @@ def _build_scheduler(node, context: dict, allowed_prefixes):
             f"packing_scheduler: the node built a {type(built).__name__}, but it must build the scheduler's settings; "
             f"set its _target_ to {_SCHEDULER_TARGET}"
         )
+    tokens = None if context["tokenizer"] is None else read_tokenizer(context["tokenizer"])
+    check_pad_token_id(built.pad_token_id, tokens, "packing_scheduler")
     return built
 
 
