@@ -40,6 +40,8 @@ def online_batches(cp: int, layout: str, count: int = 3, seed: int = 0) -> list:
             ids = rng.integers(3, 50, size=length)
             labels = np.append(ids[1:], IGNORE_INDEX)
             labels[rng.random(length) < 0.2] = IGNORE_INDEX
+            if (labels == IGNORE_INDEX).all():  # the transforms refuse a record without a loss token
+                labels[0] = ids[0]
             samples.append({"input_ids": ids, "labels": labels})
         batches.append(collator(samples))
     return batches
@@ -221,6 +223,31 @@ def test_a_megatron_style_dict_gives_what_the_indexed_collator_gives():
         assert all(torch.equal(got[name], wanted[name]) for name in got if isinstance(got[name], torch.Tensor))
     assert torch.equal(stacked["labels"], before)  # the caller's dict is not changed
     assert (from_dict[1]["labels"][stacked["loss_mask"] == 0] == IGNORE_INDEX).all()
+
+
+def _all_eod_samples(rows: int, columns: int) -> dict:
+    """A megatron-style batch whose inputs are all EOD, its labels the next EOD, the loss taken everywhere."""
+    tokens = torch.full((rows, columns), EOD, dtype=torch.long)
+    return {"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(rows, columns)}
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_micro_batch_without_a_loss_token_is_refused_before_it_is_cut(rows):
+    """With eod_mask_loss, a micro-batch of EOD inputs only would have no token to take the loss from (a NaN mean
+    loss): get_batch refuses it on the reading rank, naming the fix, whatever the CP rank; one token with a loss
+    beside such rows is enough, and without eod_mask_loss every EOD label is trained on."""
+    for cp_rank in range(2):
+        get_batch = at_rank(2, cp_rank, source_type="indexed", eod_token_id=EOD, eod_mask_loss=True)
+        with pytest.raises(DataFileError, match=r"no token of the micro-batch of \d row\(s\) carries a loss"):
+            get_batch(iter([_all_eod_samples(rows, 16)]))
+    with pytest.raises(DataFileError, match="or set eod_mask_loss to false"):
+        at_rank(2, 0, source_type="indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([_all_eod_samples(rows, 16)]))
+    mixed = _all_eod_samples(rows, 16)
+    mixed["tokens"][-1, 5] = 7
+    _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([mixed]))
+    assert loss_inputs["loss_mask"].sum() == 1
+    _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD)(iter([_all_eod_samples(rows, 16)]))
+    assert loss_inputs["loss_mask"].all()
 
 
 def test_a_batch_of_another_kind_is_refused_with_the_fix():

@@ -252,6 +252,18 @@ class ParallelBatch:
             raise StopIteration
         return self._build(received)
 
+    def _check_loss_tokens(self, batch: Batch) -> None:
+        """Under ``eod_mask_loss``, which masks the EOD inputs here, refuse a micro-batch left without a token that
+        carries a loss (its mean loss would be NaN on every CP rank): the mask is taken over the whole batch before
+        it is cut. Without it the loader's rule stands (a transform refuses a record without a loss token)."""
+        if not self.eod_mask_loss or bool(((batch.labels >= 0) & (batch.input_ids != self.eod_token_id)).any()):
+            return
+        raise DataFileError(
+            f"get_batch: no token of the micro-batch of {batch.input_ids.shape[0]} row(s) carries a loss (each has an "
+            "IGNORE_INDEX label or an EOD input, masked by eod_mask_loss), so its loss would be NaN; remove the "
+            "documents that hold only EOD tokens from the data, or set eod_mask_loss to false"
+        )
+
     def _read(self, data_iterator: Iterator | None) -> dict[str, torch.Tensor] | None:
         """On the data rank: the CP-local fields and the global boundaries of the next batch; None at the end."""
         if data_iterator is None or not isinstance(data_iterator, Iterator):
@@ -264,6 +276,7 @@ class ParallelBatch:
         except StopIteration:
             return None
         batch = self._as_batch(batch)
+        self._check_loss_tokens(batch)
         cu_seq_lens = self._resolve(batch)
         local, _ = self._sharder.shard({"input_ids": batch.input_ids, "labels": batch.labels}, cu_seq_lens)
         return {**local, "cu_seq_lens": cu_seq_lens}
