@@ -57,7 +57,7 @@ from hyper_parallel.data.batching.dataloader import build_dataloaders  # noqa: E
 from hyper_parallel.data.batching.get_batch import ParallelBatch  # noqa: E402
 from hyper_parallel.data.constants import IGNORE_INDEX  # noqa: E402
 from hyper_parallel.data.dataset_logging import enable_dataset_logging  # noqa: E402
-from hyper_parallel.data.indexed.io import atomic_file  # noqa: E402
+from hyper_parallel.data.file_writes import atomic_file  # noqa: E402
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH  # noqa: E402
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer  # noqa: E402

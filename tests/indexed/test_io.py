@@ -18,9 +18,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDat
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MegatronBuilder
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.file_writes import temporary_path
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder, temporary_path
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 
 ALL_DTYPES = [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64, np.float32, np.uint16]
 MIXES = ["items", "documents", "mixed", "merge"]

@@ -16,14 +16,9 @@ import numpy as np
 import pytest
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.file_writes import atomic_output, remove_stale_temporaries, temporary_path, write_atomically
 from hyper_parallel.data.indexed.index_cache import CacheOptions, IndexCache
-from hyper_parallel.data.indexed.io import (
-    IndexedDatasetBuilder,
-    atomic_output,
-    remove_stale_temporaries,
-    temporary_path,
-    write_atomically,
-)
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.parallel.build_barrier import exclusive_file_lock
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.cli import main as hp_data

@@ -14,7 +14,7 @@ from file_limits import file_size_limit
 
 from hyper_parallel.data import __version__
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.io import temporary_path
+from hyper_parallel.data.file_writes import temporary_path
 from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.offline_preparation import main

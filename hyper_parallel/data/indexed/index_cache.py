@@ -42,7 +42,7 @@ from xxhash import xxh3_64_intdigest
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.indexed.io import NO_FOLLOW, atomic_file, link_refusal
+from hyper_parallel.data.file_writes import NO_FOLLOW, atomic_file, link_refusal
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once, description_differences
 
 __all__ = ["CacheOptions", "ExpectedArray", "IndexCache", "LazyArrays", "array_property", "writable_directory"]

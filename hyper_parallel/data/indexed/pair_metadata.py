@@ -10,7 +10,7 @@ after every partition pair is in place, so a reader that lists partitions throug
 
 Owns: the contents of both files, reading them (a ``vocab_size`` and ``token_dtype`` the reader can use), and the
 blend check.
-Not responsible for: writing them atomically (``indexed.io``), deciding when they are written
+Not responsible for: writing them atomically (``file_writes``), deciding when they are written
 (``tools.offline_outputs``).
 """
 

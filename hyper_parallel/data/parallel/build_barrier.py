@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.indexed.io import NO_FOLLOW, link_refusal, output_error
+from hyper_parallel.data.file_writes import NO_FOLLOW, link_refusal, output_error
 
 T = TypeVar("T")
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_data_config import DataPath, parse_blend
 from hyper_parallel.data.indexed.indexed_data_reader import read_sequence_counts
-from hyper_parallel.data.indexed.io import write_atomically
 from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "collect_prefixes", "main", "write_sequences_per_dataset"]

@@ -42,8 +42,8 @@ from hyper_parallel.data.batching import (
 )
 from hyper_parallel.data.batching.dataloader import NODES, build_dataloaders
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
-from hyper_parallel.data.indexed.io import write_atomically
 from hyper_parallel.data.instantiate import LIBRARY_TARGET_MODULES, TARGET_KEY, check_config
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.text.build_data_transform import DATA_TRANSFORM_REGISTRY, build_llm_data_transform

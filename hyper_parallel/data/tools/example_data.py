@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.errors import require_int
-from hyper_parallel.data.indexed.io import write_atomically
+from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.text.records import RecordChunk
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig

@@ -30,9 +30,7 @@ import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.indexed_data_reader import data_file_paths
-from hyper_parallel.data.indexed.io import (
-    IndexedDatasetBuilder,
+from hyper_parallel.data.file_writes import (
     create_temporary,
     output_error,
     refuse_links,
@@ -40,6 +38,8 @@ from hyper_parallel.data.indexed.io import (
     temporary_path,
     write_atomically,
 )
+from hyper_parallel.data.indexed.indexed_data_reader import data_file_paths
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata, manifest_json, manifest_path, metadata_path
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_encoding import EncodedChunk, EncodedDocuments

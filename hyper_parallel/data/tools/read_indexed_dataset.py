@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.file_writes import atomic_output
 from hyper_parallel.data.indexed.idx_format import check_token_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths, pair_prefix
-from hyper_parallel.data.indexed.io import atomic_output
 from hyper_parallel.data.indexed.pair_metadata import metadata_path
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, TextTokenizer, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
