@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.text.text_template import TextTemplate
+from hyper_parallel.data.text.text_template import FORMAT_WIDTH_LIMIT, TextTemplate
 
 
 @pytest.mark.parametrize(
@@ -87,3 +87,46 @@ def test_a_template_pickles_for_worker_processes():
     copy = pickle.loads(pickle.dumps(template))
     assert copy == template and copy.fields == ("title", "text")
     assert copy.render({"title": "a", "text": "b"}) == "a: b"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{text:>3000000000}",
+        "{text:<1048577}",
+        "{text:_^2000000}",
+        "{number:03000000000d}",
+        "{number:.3000000000f}",
+        "{text:.2000000}",
+        "### {title}\n{text:>99999999999999999999}",
+    ],
+)
+def test_a_width_or_precision_past_the_limit_is_refused_when_the_template_is_checked(template):
+    """A field that wide would be built in memory before anything could stop it (3 GB for the first)."""
+    with pytest.raises(
+        DataConfigError, match=r"text_template asks for a field [\d,]+ characters wide .*past the limit"
+    ):
+        TextTemplate(template)
+
+
+def test_a_width_at_the_limit_renders():
+    assert len(TextTemplate(f"{{text:>{FORMAT_WIDTH_LIMIT}}}").render({"text": "a"})) == FORMAT_WIDTH_LIMIT
+
+
+@pytest.mark.parametrize("width", [FORMAT_WIDTH_LIMIT + 1, 3_000_000_000])
+def test_a_width_taken_from_the_record_is_checked_before_the_text_is_built(width):
+    template = TextTemplate("{text:>{width}}", "--text-template")
+    assert template.render({"text": "ab", "width": 5}) == "   ab"
+    with pytest.raises(DataFileError, match=r"^--text-template asks for a field [\d,]+ characters wide"):
+        template.render({"text": "ab", "width": width})
+    assert pickle.loads(pickle.dumps(template)).render({"text": "ab", "width": 3}) == " ab"
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{text.__class__}", "{text.__class__.__mro__}", "{meta[title].__init__.__globals__}", "{body._private}"],
+)
+def test_a_private_attribute_is_refused(template):
+    """Attribute paths through dunder names reach the program's internals (classes, globals), not the record."""
+    with pytest.raises(DataConfigError, match=r"reads the private attribute .*read record fields and their items"):
+        TextTemplate(template)

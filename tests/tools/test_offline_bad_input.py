@@ -267,3 +267,24 @@ def test_bare_tokenizer_with_an_unusual_eos_says_how_to_name_it(tmp_path, capsys
     code, _, err = prepare(capsys, data, tmp_path / "out", tokenizer=config.parent)
     assert code == 0, err
     assert documents(tmp_path / "out_text_document") == [tokenizer.encode(GOOD[0]) + [0]]
+
+
+# -- a text template that would build a huge string --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("template", "record", "fragment"),
+    [
+        ("{text:>3000000000}", {"text": "a"}, "error: text_template asks for a field 3,000,000,000 characters wide"),
+        ("{text:>{width}}", {"text": "a", "width": 3_000_000_000}, ":line 1: --text-template asks for a field"),
+        ("{text.__class__}", {"text": "a"}, "error: text_template '{text.__class__}' reads the private attribute"),
+    ],
+)
+def test_a_text_template_past_the_width_limit_stops_with_one_error_line(tmp_path, capsys, template, record, fragment):
+    """A width from the template is refused before any file is read; one from the record stops at that record."""
+    data = tmp_path / "in.jsonl"
+    data.write_bytes(jsonl([json.dumps(record)]))
+    code, _, err = prepare(capsys, data, tmp_path / "out", "--text-template", template)
+    assert code == 2
+    error_line(err, fragment)
+    assert outputs(tmp_path) == []
