@@ -1,7 +1,8 @@
 """A tiktoken file's pre-tokenization pattern: a well-known vocabulary brings its published one (recognised by the
 file's sha256), any other file is refused without ``pattern=``, and an explicit ``pattern`` always wins.
 
-The published files (cl100k_base.tiktoken, Qwen's qwen.tiktoken, ...) cannot be downloaded here, so the presets are
+Qwen's real qwen.tiktoken ships inside the ``dashscope`` wheel (a test dependency): it is recognised by its hash and
+gives tiktoken's own ids for the bundled corpus. The OpenAI files cannot be downloaded here, so their presets are
 checked against what the ``tiktoken`` package publishes for them (each file's ``expected_hash``, its ``pat_str`` and
 special tokens), and the recognition by hash is tested with a synthetic file registered as a preset for the test.
 """
@@ -9,8 +10,10 @@ special tokens), and the recognition by hash is tested with a synthetic file reg
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -155,3 +158,30 @@ def test_every_preset_pattern_splits_as_tiktoken_does(tmp_path, name):
     expected = reference(ranks, preset.pattern, specials)
     for text in [*TEXTS, *SPLIT_SENSITIVE, *corpus_texts(2)]:
         assert tokenizer.encode(text) == expected.encode(text, allowed_special="all")
+
+
+def qwen_tiktoken() -> Path:
+    """Qwen's published vocabulary file, as the dashscope wheel ships it (found without importing the package)."""
+    spec = importlib.util.find_spec("dashscope")
+    return Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+
+
+def test_the_real_qwen_file_is_recognised_and_gives_tiktokens_ids(caplog):
+    """Loaded bare, qwen.tiktoken is recognised by its sha256 and split by Qwen's pattern: every paragraph of the
+    bundled corpus gets the ids of tiktoken's own encoder over the same ranks, pattern and special tokens. A
+    guessed pattern (GPT-2's, what a bare file was once split by) gives other ids for some paragraphs."""
+    path = qwen_tiktoken()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == QWEN_SHA256
+    with caplog.at_level("INFO", logger="hyper_parallel.data"):
+        tokenizer = build_tokenizer(path)
+    assert any("is qwen.tiktoken" in record.getMessage() for record in caplog.records)
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+    specials = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+    specials.update({f"<|extra_{i}|>": 151646 + i for i in range(205)})
+    expected = reference(ranks, QWEN_PATTERN, specials)
+    texts = [*TEXTS, *SPLIT_SENSITIVE, *corpus_texts(200)]
+    wanted = [expected.encode(text, allowed_special="all") for text in texts]
+    assert [tokenizer.encode(text) for text in texts] == wanted
+    assert (tokenizer.eos_token_id, tokenizer.vocab_size) == (151643, 151851)
+    guessed = reference(ranks, GPT2_PATTERN, specials)
+    assert any(guessed.encode(text, allowed_special="all") != ids for text, ids in zip(texts, wanted, strict=True))
