@@ -274,7 +274,10 @@ class _Session:
         self.settled = True
         if self._store is None:
             return
-        record = json.dumps({"rank": self.rank, "what": what, "error": f"{type(error).__name__}: {error}"})
+        # the steps it joined: a rank waiting in one of those collectives will see it complete, and goes on to
+        # find its own error or the next step's failure (see raise_if_failed)
+        error_text = f"{type(error).__name__}: {error}"
+        record = json.dumps({"rank": self.rank, "what": what, "error": error_text, "steps": self.steps})
         try:
             self._store.compare_set(self._key, "", record)
             self.wrote = True
@@ -291,8 +294,13 @@ class _Session:
             time.sleep(0.02)
             seen = self._store.add(f"{self._key}/seen", 0)
 
-    def raise_if_failed(self, now: bool = False) -> None:
-        """Raise the failure another rank wrote, asking the store at most every ``_STORE_POLL_S`` unless ``now``."""
+    def raise_if_failed(self, now: bool = False, before_step: int | None = None) -> None:
+        """Raise the failure another rank wrote, asking the store at most every ``_STORE_POLL_S`` unless ``now``.
+
+        With ``before_step``, only a failure of a rank that never joined that step's collective is raised: one
+        that joined it lets the collective complete, so this rank goes on to the same error of its own (every rank
+        checks the same settings) instead of a second-hand one that depends on which rank was faster.
+        """
         if self._store is None or (not now and time.monotonic() < self._next_poll):
             return
         self._next_poll = time.monotonic() + _STORE_POLL_S
@@ -300,6 +308,8 @@ class _Session:
             if not self._store.check([self._key]):
                 return
             record = json.loads(self._store.get(self._key))
+            if before_step is not None and record["steps"] >= before_step:
+                return
             self._known()
         except RuntimeError as error:  # the store went away with its host
             self.settled = True
@@ -317,7 +327,7 @@ class _Session:
         pause = 1e-4
         while not work.is_completed():
             if time.monotonic() - started > _STORE_FIRST_POLL_S:
-                self.raise_if_failed()
+                self.raise_if_failed(before_step=self.steps)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         try:
@@ -444,7 +454,7 @@ def build_once(
     with failures_shared("build a shared cache"):
         session = _current
         if session.rank == 0:
-            session.raise_if_failed()  # a rank that already failed makes this build useless
+            session.raise_if_failed(before_step=session.steps + 1)  # a failed rank makes this build useless
             try:
                 build_under_lock()
             except Exception as error:
