@@ -18,12 +18,12 @@ from hyper_parallel.data.batching.sequence_boundaries import (
     IndexedBoundaryResolver,
     OnlineBoundaryResolver,
     row_boundaries,
-    validate_cu_seq_lens,
 )
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
+from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 
 # -- the golden example and worked examples -------------------------------------------------------------------------
@@ -179,17 +179,17 @@ def test_online_batches_without_boundaries_are_refused():
 
 
 def test_validation_checks_row_ends_types_and_int32():
-    assert validate_cu_seq_lens(np.array([0, 4, 8]), 8, "x", row_length=4).tolist() == [0, 4, 8]
+    assert check_cu_seq_lens(np.array([0, 4, 8]), 8, "x", row_length=4).tolist() == [0, 4, 8]
     same = torch.tensor([0, 8], dtype=torch.int32)
-    assert validate_cu_seq_lens(same, 8, "x") is same
+    assert check_cu_seq_lens(same, 8, "x") is same
     with pytest.raises(DataFileError, match=r"x \[0, 3, 8\] .*every row end must be a boundary .*4 is not"):
-        validate_cu_seq_lens([0, 3, 8], 8, "x", row_length=4)
+        check_cu_seq_lens([0, 3, 8], 8, "x", row_length=4)
     with pytest.raises(DataFileError, match="x: cu_seq_lens must be a 1-D sequence of integers, got Tensor"):
-        validate_cu_seq_lens(torch.tensor([0.0, 8.0]), 8, "x")
+        check_cu_seq_lens(torch.tensor([0.0, 8.0]), 8, "x")
     with pytest.raises(DataFileError, match=r"shape \[1, 2\]"):
-        validate_cu_seq_lens(np.array([[0, 8]]), 8, "x")
+        check_cu_seq_lens(np.array([[0, 8]]), 8, "x")
     with pytest.raises(DataFileError, match="more than int32"):
-        validate_cu_seq_lens([0, 2**31], 2**31, "x")
+        check_cu_seq_lens([0, 2**31], 2**31, "x")
 
 
 # -- the Indexed resolver ---------------------------------------------------------------------------------------------

@@ -42,8 +42,9 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from hyper_parallel.data.batching.sequence_boundaries import row_boundaries, validate_cu_seq_lens
+from hyper_parallel.data.batching.sequence_boundaries import row_boundaries
 from hyper_parallel.data.errors import DataConfigError, require_int
+from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 
 __all__ = [
     "THD_FIELDS",
@@ -301,7 +302,7 @@ def packed_seq_params(
         cu_seq_lens = cu_seq_lens.detach().cpu()
     values = np.asarray(cu_seq_lens)
     total = int(values[-1]) if values.ndim == 1 and values.size else 1  # the boundaries' own end; checked below
-    bounds = validate_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
+    bounds = check_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
     lengths = np.diff(bounds.numpy())
     if cp_size > 1 and (bad := np.flatnonzero(lengths % (2 * cp_size))).size:
         raise DataConfigError(

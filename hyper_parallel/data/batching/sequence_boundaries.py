@@ -3,7 +3,7 @@
 Owns: the validated int32 ``cu_seq_lens`` that the parallel delivery step (``batching.get_batch``) shards, broadcasts
 and builds attention metadata from; the Indexed path's rule for where a sequence ends (``eod_sequence_ends``, the
 one rule the Indexed collator uses too, so a batch's ``cu_seq_lens`` and ``IndexedBoundaryResolver`` agree); the
-checks every boundary list passes (``validate_cu_seq_lens``) and each position's sequence span within its row
+checks every boundary list passes (``check_cu_seq_lens``) and each position's sequence span within its row
 (``row_boundaries``). Not responsible for: turning "ends here" marks into boundaries (``indexed.ltor_fields.
 cu_seq_lens_from_ends``), cutting rows across context-parallel ranks (``parallel.batch_parallel``), or the masks
 built from the boundaries (``batching.attention_runtime``).
@@ -50,6 +50,7 @@ import torch
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import cu_seq_lens_from_ends
+from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens, shown_boundaries
 
 __all__ = [
     "IndexedBoundaryResolver",
@@ -57,7 +58,6 @@ __all__ = [
     "eod_sequence_ends",
     "indexed_cu_seq_lens",
     "row_boundaries",
-    "validate_cu_seq_lens",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -65,84 +65,6 @@ _FIX = (
     "build batches with the library's collators (TextPackingCollator, build_indexed_collate_fn), whose boundaries "
     "follow the batch contract"
 )
-
-
-def _shown(values: np.ndarray) -> list:
-    return values.tolist() if len(values) <= 12 else [*values[:6].tolist(), "...", *values[-5:].tolist()]
-
-
-def _boundary_problem(values: np.ndarray, total: int, row_length: int | None) -> str:
-    """Which rule ``values`` breaks, with the entry that breaks it; empty when none."""
-    if len(values) < 2:
-        return f"it must hold at least [0, {total}] (one sequence), but has {len(values)} entries"
-    if values[0] != 0:
-        return f"the leading entry must be 0, but it is {values[0]}"
-    if (steps := np.diff(values) <= 0).any():
-        at = int(np.argmax(steps)) + 1
-        return f"it must strictly increase (no empty sequence), but entry {at} is {values[at]} after {values[at - 1]}"
-    if values[-1] != total:
-        return f"the last entry must be the token count {total}, but it is {values[-1]}"
-    if row_length is not None and total > row_length:
-        wanted = np.arange(row_length, total, row_length)
-        found = values[np.minimum(np.searchsorted(values, wanted), len(values) - 1)]
-        if (missing := wanted[found != wanted]).size:
-            return (
-                f"every row end must be a boundary (no sequence crosses rows of {row_length}), but {missing[0]} is not"
-            )
-    return ""
-
-
-def validate_cu_seq_lens(
-    cu_seq_lens: Any, total_tokens: int, where: str, *, row_length: int | None = None
-) -> torch.Tensor:
-    """``cu_seq_lens`` as an int32 tensor, once checked to be the boundaries of ``total_tokens`` tokens.
-
-    Args:
-        cu_seq_lens: 1-D integers (tensor, array or list).
-        total_tokens: the token count they must end at (``R * T`` for ``R`` rows of ``T``).
-        where: what they are, for the message (e.g. ``"the Online collator's cu_seq_lens"``).
-        row_length: when given, every multiple of it below ``total_tokens`` must be a boundary (row ends).
-
-    Returns:
-        The same values, int32; the input tensor itself when it already is a 1-D int32 tensor.
-
-    Raises:
-        DataFileError: naming the rule broken and the entry that breaks it: a leading 0, strictly increasing,
-            ending at the token count, every row end a boundary, fitting int32, 1-D integers.
-
-    Example: ``validate_cu_seq_lens([0, 3, 3, 8], 8, "x")`` raises "it must strictly increase (no empty sequence),
-    but entry 2 is 3 after 3".
-    """
-    total = require_int("total_tokens", total_tokens, 1)
-    if not _integer_1d(cu_seq_lens):
-        shape = list(getattr(cu_seq_lens, "shape", np.shape(cu_seq_lens)))
-        raise DataFileError(
-            f"{where}: cu_seq_lens must be a 1-D sequence of integers, got {type(cu_seq_lens).__name__} of shape "
-            f"{shape}; {_FIX}"
-        )
-    tensor = cu_seq_lens if isinstance(cu_seq_lens, torch.Tensor) else None
-    values = tensor.detach().cpu().numpy() if tensor is not None else np.asarray(cu_seq_lens)
-    values = values.astype(np.int64, copy=False)
-    if total > _INT32_MAX:
-        raise DataFileError(
-            f"{where}: the batch holds {total} tokens, more than int32 cu_seq_lens can address; use smaller batches"
-        )
-    if problem := _boundary_problem(values, total, row_length):
-        raise DataFileError(
-            f"{where} {_shown(values)} are not sequence boundaries of {total} tokens: {problem}; {_FIX}"
-        )
-    if tensor is not None and tensor.dtype == torch.int32:
-        return tensor
-    return tensor.to(torch.int32) if tensor is not None else torch.from_numpy(values.astype(np.int32))
-
-
-def _integer_1d(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return (
-            value.ndim == 1 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
-        )
-    array = np.asarray(value)
-    return array.ndim == 1 and (np.issubdtype(array.dtype, np.integer) or array.size == 0)
 
 
 def row_boundaries(cu_seq_lens: Any, rows: int, row_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,7 +80,7 @@ def row_boundaries(cu_seq_lens: Any, rows: int, row_length: int) -> tuple[np.nda
     ``[[3, 3, 3, 5, 5, 8, 8, 8]]``.
     """
     rows, row_length = require_int("rows", rows, 1), require_int("row_length", row_length, 1)
-    bounds = validate_cu_seq_lens(cu_seq_lens, rows * row_length, "row_boundaries", row_length=row_length)
+    bounds = check_cu_seq_lens(cu_seq_lens, rows * row_length, "row_boundaries", row_length=row_length)
     bounds = bounds.cpu().numpy().astype(np.int64)
     lengths = np.diff(bounds)
     offsets = np.arange(0, rows * row_length, row_length, dtype=np.int64)[:, None]
@@ -236,7 +158,7 @@ class OnlineBoundaryResolver:
                 "the Online batch has no 'cu_seq_lens'; Online batches come from TextPackingCollator, which records "
                 "the packed sequences' boundaries (use build_online_text_collate_fn as the loader's collate_fn)"
             )
-        return validate_cu_seq_lens(
+        return check_cu_seq_lens(
             batch["cu_seq_lens"],
             input_ids.numel(),
             "the Online collator's cu_seq_lens",
@@ -280,7 +202,7 @@ class IndexedBoundaryResolver:
             )
         rows, row_length = input_ids.shape
         where = f"the Indexed boundaries (EOD {self.eod_token_id})"
-        bounds = validate_cu_seq_lens(
+        bounds = check_cu_seq_lens(
             indexed_cu_seq_lens(input_ids, labels, self.eod_token_id), rows * row_length, where, row_length=row_length
         )
         carried = batch.get("cu_seq_lens")
@@ -295,8 +217,9 @@ class IndexedBoundaryResolver:
         if torch.equal(carried.long(), row_ends):
             return  # a collator without an EOD id: its row ends are a subset of these boundaries
         raise DataConfigError(
-            f"the batch's cu_seq_lens {_shown(carried.numpy())} are not those of EOD id {self.eod_token_id} "
-            f"({_shown(bounds.numpy())}): the Indexed collator was built with another EOD id than get_batch; give "
+            f"the batch's cu_seq_lens {shown_boundaries(carried.numpy())} are not those of EOD id "
+            f"{self.eod_token_id} ({shown_boundaries(bounds.numpy())}): the Indexed collator was built with another "
+            "EOD id than get_batch; give "
             "both the tokenizer's EOD id (eod_token_id)"
         )
 
