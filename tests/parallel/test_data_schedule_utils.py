@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hyper_parallel.data.batching.scheduled_packing import pack_group
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.data_schedule_utils import (
@@ -25,7 +26,6 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     local_alignment,
     local_capacity,
     local_packed_length,
-    pack_group,
     padded_lengths,
     schedule_compute_balanced,
     schedule_dp_balanced,

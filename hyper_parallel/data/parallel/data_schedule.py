@@ -39,6 +39,7 @@ import torch
 
 from hyper_parallel.data.batching.attention_runtime import packed_seq_params
 from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.scheduled_packing import pack_group
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
@@ -49,7 +50,6 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     Schedule,
     build_schedule,
     local_packed_length,
-    pack_group,
     padded_lengths,
     schedule_stats,
 )
