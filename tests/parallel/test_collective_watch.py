@@ -10,17 +10,19 @@ assertions are on the messages, never on times.
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.build_barrier import default_store
 from hyper_parallel.data.parallel.collective_watch import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     TIMEOUT_VARIABLE,
+    CollectiveTimeout,
     collective_timeout,
     format_ranks,
     watched,
@@ -64,6 +66,15 @@ def test_ranks_are_listed_sorted_with_runs_shortened():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([2, 0, 1]) == "ranks 0-2"
     assert format_ranks([7, 0, 2, 5, 6]) == "ranks 0, 2, 5-7"
+
+
+def test_the_timeout_error_pickles_with_what_it_names():
+    """Errors cross process boundaries (DataLoader workers, launchers) with their fields."""
+    error = CollectiveTimeout("the collective 'x' ...", what="x", ranks=[0, 1], missing=[1], timeout_s=2.0)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is CollectiveTimeout and str(copy) == "the collective 'x' ..."
+    assert (copy.what, copy.ranks, copy.missing, copy.timeout_s) == ("x", [0, 1], [1], 2.0)
+    assert isinstance(copy, DataFileError)
 
 
 # -- collectives on real ranks -------------------------------------------------------------------------------------

@@ -76,11 +76,17 @@ class CollectiveTimeout(DataFileError):
     """
 
     def __init__(
-        self, message: str, *, what: str, ranks: list[int], missing: list[int] | None, timeout_s: float
-    ) -> None:
+        self,
+        message: str,
+        *,
+        what: str = "",
+        ranks: list[int] | None = None,
+        missing: list[int] | None = None,
+        timeout_s: float = 0.0,
+    ) -> None:  # the defaults let pickle rebuild it from the message; its attributes come back with its __dict__
         super().__init__(message)
         self.what = what
-        self.ranks = ranks
+        self.ranks = ranks or []
         self.missing = missing
         self.timeout_s = timeout_s
 
