@@ -3,8 +3,9 @@
 The timeout's settings are checked in this process. The collectives run in real gloo processes started by
 ``parallel.launch``: four ranks all-gather their rank numbers; a rank that sleeps far longer than the timeout
 (2 s here) before joining makes the others raise ``CollectiveTimeout`` naming the collective, the group and that
-rank; it then joins, so that the collective the others left issued completes and every process exits. The
-assertions are on the messages, never on times.
+rank; it then joins, so that the collective the others left issued completes and every process exits. A rank that
+fails and leaves instead makes the others raise at once, naming the collective. The assertions are on the
+messages, never on times.
 """
 
 from __future__ import annotations
@@ -156,3 +157,28 @@ def test_a_collective_issued_without_async_op_is_a_programming_error(tmp_path):
             "type": "TypeError",
             "message": "the collective 'a blocking barrier' was issued without async_op=True: watched needs its work",
         }
+
+
+def rank_1_leaves(rank: int, world_size: int) -> list[int]:
+    """Rank 1 fails before the gather and leaves the process group (the launcher destroys it); rank 0, which hosts
+    the store, waits for the others' reports before it leaves too."""
+    del world_size
+    if rank == 1:
+        raise RuntimeError("rank 1 fails")
+    try:
+        return _gather_ranks(None)
+    finally:
+        if rank == 0:
+            time.sleep(1.0)
+
+
+def test_a_rank_that_leaves_makes_the_others_raise_naming_the_collective(tmp_path, monkeypatch):
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "20")  # a leaving rank is reported by gloo at once, not at the timeout
+    reports = launch(rank_1_leaves, tmp_path, 3)
+
+    assert reports[1]["error"] == {"type": "RuntimeError", "message": "rank 1 fails"}
+    for rank in (0, 2):
+        assert reports[rank]["error"]["type"] == "DataFileError"
+        message = reports[rank]["error"]["message"]
+        assert message.startswith("the collective 'the rank gather' over ranks 0-2 failed (")
+        assert message.endswith("): a rank left; see the other ranks' logs")
