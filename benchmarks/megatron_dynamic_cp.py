@@ -25,7 +25,8 @@ The rule, per micro-batch (``R`` ranks, ``mslpr`` real tokens per rank, cost per
 Example::
 
     megatron_dynamic_cp(np.array([16, 4, 4]), ranks=4, max_seqlen_per_rank=8)
-    # one micro-batch: sequence 0 on ranks 0-1 (cp 2), sequences 1 and 2 grown from cp 1 to 2 ... all ranks busy
+    # [(ReferenceGroup(0, 2, (0,)), ReferenceGroup(2, 2, (1, 2)))]: 16 needs cp 2; 4 and 4 share a cp-1 group on
+    # rank 2, which then grows to cp 2 so that rank 3 is not empty
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ def _groups(*triples):
 @pytest.mark.parametrize(
     ("lengths", "ranks", "expected"),
     [
-        # 16 needs cp 2 (cost 128, cap 1.05 * 16 * 8); the first 4 opens cp 1 on rank 2 (16 < 128 via cp 2's 8 is a
-        # tie at max 128, the first candidate wins); the second joins it (tie again, joining comes first); rank 3
-        # is empty, so the cp-1 group grows to cp 2.
+        # 16 needs cp 2 (cost 256 / 2 = 128 per rank; cap 1.05 * 16 * 8). The first 4 cannot join (20 > 16 tokens);
+        # opening cp 1 (cost 16) and cp 2 (cost 8) both leave the maximum at 128, so the first candidate, cp 1 on
+        # rank 2, wins. The second 4 joins it (again a tie at 128, and joining is tried before opening). Rank 3 is
+        # empty, so the cp-1 group grows to cp 2.
         ([16, 4, 4], 4, [_groups((0, 2, (0,)), (2, 2, (1, 2)))]),
         # The third 8 has no room (both ranks full, no free rank): it waits, and alone grows to cp 2.
         ([8, 8, 8], 2, [_groups((0, 1, (0,)), (1, 1, (1,))), _groups((0, 2, (2,)))]),
