@@ -114,7 +114,6 @@ def check_schedule(
         ({"vpp_size": 0}, "vpp_size must be an integer >= 1"),
         ({"microbatch_group_size_per_vp_stage": -1}, "microbatch_group_size_per_vp_stage must be an integer >= 1"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
-        ({"min_dynamic_context_parallel_size": 0}, "min_dynamic_context_parallel_size must be an integer >= 1"),
         ({"pad_token_id": -1}, "pad_token_id must be an integer >= 0"),
         ({"cost_linear": -1.0}, "cost_linear must be a finite number >= 0"),
         ({"cost_quadratic": float("nan")}, "cost_quadratic must be a finite number >= 0"),
@@ -128,11 +127,30 @@ def check_schedule(
         ({"scheduler": "dynamic_cp", "router_z_loss": True}, "dynamic_cp' cannot run with router_z_loss"),
         ({"cuda_graphs": True}, "cuda_graphs=True needs fixed shapes"),
         ({"cuda_graphs": True, "pad_packed_seq_alignment": 32}, "set pad_packed_seq_alignment to 'max'"),
+        ({"pad_sequences_for_cp": 0}, "pad_sequences_for_cp must be true or false"),
+        ({"pad_sequences_for_cp": False}, "set cp_partition_mode='contiguous', or pad_sequences_for_cp=True"),
+        ({"cp_partition_mode": "zigzg"}, "cp_partition_mode is 'zigzg' (did you mean 'zigzag'"),
+        ({"thd_tail_padding_policy": "pad"}, "use one of append_dummy_seq, extend_last"),
+        ({"thd_max_packed_sequences": 1}, "thd_max_packed_sequences must be an integer >= 2"),
+        ({"thd_max_packed_sequences": 0, "thd_tail_padding_policy": "extend_last"}, "must be an integer >= 1"),
+        ({"min_dynamic_context_parallel_size": 0}, "min_dynamic_context_parallel_size must be an integer >= 1"),
     ],
 )
 def test_config_rejects_each_bad_setting(kwargs, message):
     with pytest.raises(DataConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config(**kwargs)
+
+
+def test_min_dynamic_cp_size_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="use min_dynamic_context_parallel_size"):
+        old = config(min_dynamic_cp_size=2)
+    assert old.min_dynamic_context_parallel_size == 2 and old.min_dynamic_cp_size is None
+    assert old == config(min_dynamic_context_parallel_size=2)
+    with pytest.warns(DeprecationWarning):
+        assert config(min_dynamic_cp_size=2, min_dynamic_context_parallel_size=2).min_dynamic_context_parallel_size == 2
+    with pytest.raises(DataConfigError, match="min_dynamic_context_parallel_size is 4 but its deprecated alias"):
+        config(min_dynamic_cp_size=2, min_dynamic_context_parallel_size=4)
+    assert config().min_dynamic_context_parallel_size == 1
 
 
 def test_config_accepts_the_documented_settings():
@@ -144,6 +162,8 @@ def test_config_accepts_the_documented_settings():
     assert config(cuda_graphs=True, pad_packed_seq_alignment=64).cuda_graphs  # == max_seqlen is fixed too
     assert config(pad_packed_seq_alignment=64, vpp_size=2, microbatch_group_size_per_vp_stage=4).vpp_size == 2
     assert config(cost_linear=0, cost_quadratic=2.5).cost_quadratic == 2.5
+    assert config(cp_partition_mode="contiguous", pad_sequences_for_cp=False).pad_sequences_for_cp is False
+    assert config(thd_tail_padding_policy="extend_last", thd_max_packed_sequences=1).group_sequence_limit == 1
     with pytest.raises(DataConfigError):
         config(max_seqlen_per_dp_cp_rank=None)
 
