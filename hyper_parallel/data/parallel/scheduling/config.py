@@ -44,7 +44,7 @@ _DYNAMIC_CONFLICTS = {
 
 @dataclass(frozen=True)
 class PackingSchedulerConfig:
-    """Settings of the packing scheduler, validated when built.
+    """Settings of the packing scheduler, validated when built (from Python or YAML through ``_target_``).
 
     Attributes:
         max_seqlen_per_dp_cp_rank: the most tokens (real and padding) one rank holds per micro-batch, CP-local.
@@ -247,6 +247,11 @@ class PackingSchedulerConfig:
             pad_sequences=self.pad_sequences_for_cp,
             max_seqlen_per_rank=self.max_seqlen_per_dp_cp_rank,
         )
+
+
+# The public home of the settings is Megatron-Core's module name, which the design's configs write as ``_target_``
+# (``hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig``, a re-export of this class).
+PackingSchedulerConfig.__module__ = "hyper_parallel.data.parallel.data_schedule_utils"
 
 
 def sequence_cost(lengths: np.ndarray, config: PackingSchedulerConfig) -> np.ndarray:
