@@ -112,7 +112,11 @@ def ours_dynamic_cp(lengths: np.ndarray, ranks: int) -> ScheduleQuality:
     )
     sizes = [1 << k for k in range(ranks.bit_length()) if ranks % (1 << k) == 0]
     built = build_schedule(
-        config, lengths, dp_size=ranks // MEGATRON_CP, cp_size=MEGATRON_CP, tp_size=1, dynamic_cp_sizes=sizes
+        config,
+        lengths,
+        layout=config.layout(cp_size=MEGATRON_CP, tp_size=1),
+        dp_size=ranks // MEGATRON_CP,
+        dynamic_cp_sizes=sizes,
     )
     return schedule_quality(built.micro_batches, lengths, ranks=ranks)
 
@@ -238,10 +242,9 @@ def run(context: BenchContext) -> list[Row]:
     sizes = {"dynamic_cp": DYNAMIC_SIZES}
 
     def schedule(name: str):
-        built = build_schedule(
-            configs[name], lengths, dp_size=DP, cp_size=CP, tp_size=1, dynamic_cp_sizes=sizes.get(name, ())
-        )
-        return built, schedule_stats(built, lengths, configs[name], tp_size=1)
+        layout = configs[name].layout(cp_size=CP, tp_size=1)
+        built = build_schedule(configs[name], lengths, layout=layout, dp_size=DP, dynamic_cp_sizes=sizes.get(name, ()))
+        return built, schedule_stats(built, lengths, configs[name], layout=layout)
 
     cases = {name: (lambda name=name: schedule(name)) for name in SCHEDULERS}
     cases["collate"] = lambda: collate_step(lengths, tokens, labels, capacity)
