@@ -260,5 +260,7 @@ def test_bad_ownership_and_contexts_are_refused_with_the_fix():
         BatchRelay(context, ("input_ids", "input_ids"))
     with pytest.raises(DataConfigError, match="has pp_size 2 but no pp_group"):
         BatchRelay(DataLoaderParallelContext(pp_size=2), FIELDS)
+    with pytest.raises(DataConfigError, match=r"has tp_size 4 but no tp_group, .* from_groups\(tp_group=...\)"):
+        BatchRelay(DataLoaderParallelContext(tp_rank=1, tp_size=4), FIELDS)
     with pytest.raises(DataConfigError, match="BatchRelay needs a DataLoaderParallelContext"):
         BatchRelay(object(), FIELDS)

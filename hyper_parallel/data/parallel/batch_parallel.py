@@ -597,14 +597,17 @@ class BatchRelay:
         self.last_tp_bytes = self.last_pp_bytes = 0
 
     def _pipeline_ranks(self) -> list[int]:
+        for name in ("tp", "pp"):
+            size = getattr(self.context, f"{name}_size")
+            if size > 1 and getattr(self.context, f"{name}_group") is None:
+                raise DataConfigError(
+                    f"the context has {name}_size {size} but no {name}_group, so the ranks that do not read cannot "
+                    f"receive their batches; build it with DataLoaderParallelContext.from_mesh or "
+                    f"from_groups({name}_group=...)"
+                )
         group = self.context.pp_group
         if self.context.pp_size == 1:
             return []
-        if group is None:
-            raise DataConfigError(
-                f"the context has pp_size {self.context.pp_size} but no pp_group, so the later stages cannot receive "
-                "their batches; build it with DataLoaderParallelContext.from_mesh or from_groups(pp_group=...)"
-            )
         import torch.distributed as dist
 
         return dist.get_process_group_ranks(group)
@@ -639,6 +642,7 @@ class BatchRelay:
 
     def _over_tp(self, produce, what: str) -> tuple[dict | None, tuple | None]:
         """Stage 0: ``(fields or None, None)``, or ``(None, (error, message, type))`` after a failure."""
+        self._tp.last_broadcast_bytes = 0
         try:
             if self.context.is_data_rank:
                 try:
