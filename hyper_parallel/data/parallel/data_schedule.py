@@ -39,6 +39,7 @@ import torch
 
 from hyper_parallel.data.batching.attention_runtime import packed_seq_params
 from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.scheduled_packing import pack_group
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
@@ -48,9 +49,6 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     PackingSchedulerConfig,
     Schedule,
     build_schedule,
-    local_packed_length,
-    pack_group,
-    padded_lengths,
     schedule_stats,
 )
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
@@ -223,6 +221,7 @@ class BasePackingScheduler(ABC):
         self.vpp_size = config.vpp_size if config.vpp_size is not None else 1
         group = config.microbatch_group_size_per_vp_stage or pg_collection.pp_size
         self.vpp_group = group if self.vpp_size > 1 else 1
+        self.layout = config.layout(cp_size=pg_collection.cp_size, tp_size=pg_collection.tp_size)
         self._relay = _Relay(pg_collection, ("outcome",), self.device)
 
     @abstractmethod
@@ -234,9 +233,8 @@ class BasePackingScheduler(ABC):
         return build_schedule(
             self.config,
             np.asarray(lengths, dtype=np.int64),
+            layout=self.layout,
             dp_size=groups.dp_size,
-            cp_size=groups.cp_size,
-            tp_size=groups.tp_size,
             dynamic_cp_sizes=tuple(dynamic_cp_sizes),
             vpp_group=self.vpp_group,
         )
@@ -270,7 +268,7 @@ class BasePackingScheduler(ABC):
             lengths, ids, labels = step
             schedule = self.get_groups_and_subsamples(lengths)
             packed.extend(self._pack(schedule, lengths, ids, labels))
-            stats = schedule_stats(schedule, lengths, self.config, tp_size=self.pg_collection.tp_size)
+            stats = schedule_stats(schedule, lengths, self.config, layout=self.layout)
             count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
             return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}
 
@@ -345,14 +343,14 @@ class BasePackingScheduler(ABC):
     def _pack(self, schedule: Schedule, lengths: np.ndarray, ids: torch.Tensor, labels: torch.Tensor) -> list[Batch]:
         """This rank's packed micro-batches: for each, its group's sequences, padded and filled to its length."""
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        position, tp_size = self.pg_collection.position, self.pg_collection.tp_size
+        position = self.pg_collection.position
         packed = []
         for micro_batch in range(schedule.num_micro_batches):
             group = schedule.group_at(micro_batch, position)
             chosen = list(group.sequence_ids)
             sequences = [(ids[starts[k] : starts[k + 1]], labels[starts[k] : starts[k + 1]]) for k in chosen]
-            padded_total = int(padded_lengths(lengths[chosen], group.cp_size).sum()) if chosen else 0
-            local_length = local_packed_length(self.config, padded_total, cp_size=group.cp_size, tp_size=tp_size)
+            padded_total = int(self.layout.padded_lengths(lengths[chosen], group.cp_size).sum()) if chosen else 0
+            local_length = self.layout.local_length(padded_total, group.cp_size)
             packed.append(
                 pack_group(
                     sequences,
