@@ -202,8 +202,8 @@ def test_indexed_rows_the_layout_cannot_cut_are_refused_when_built(tmp_path, cor
     config["get_batch"]["cp_layout"] = "zigzag"
     with pytest.raises(
         DataConfigError,
-        match=r"^dataset: data_config\.seq_length is 30, but the batch layout \(cp 2 \(zigzag.*multiple of 4, "
-        r"such as 28 or 32",
+        match=r"^dataset\.data_config: the Indexed rows hold 30 tokens \(seq_length\), but the delivery layout \(cp 2 "
+        r"\(zigzag.*multiple of 4, such as 28 or 32",
     ):
         build_dataloaders(config, tokenizer=tokenizer, parallel_context=DataLoaderParallelContext(cp_size=2))
     config["get_batch"]["cp_layout"] = "zigzag_thd"

@@ -47,8 +47,6 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-import torch.distributed as dist
-
 from hyper_parallel.data.batching.build_collate_fn import check_pad_token_id
 from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader
 from hyper_parallel.data.batching.get_batch import ParallelBatch
@@ -67,6 +65,7 @@ from hyper_parallel.data.instantiate import (
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
 from hyper_parallel.data.text.chat_template import build_chat_template
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -91,7 +90,6 @@ _WORKER_DEFAULTS = {option.name: option.default for option in fields(WorkerOptio
 _AGREED_NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "packing_scheduler")
 # A placeholder for what is built later: during the checks only the names of the values matter.
 _BUILT_LATER = "<built later>"
-_UNSET = "<not set>"
 _PIPELINE_STATE_VERSION = 1
 
 
@@ -553,7 +551,7 @@ def build_dataloaders(
     if config.get("collate_fn") is not None:
         collate_fn = instantiate(
             config["collate_fn"],
-            context=_collator_values(runtime),
+            context=runtime.for_node("collate_fn"),
             allowed_prefixes=allowed_prefixes,
             path="collate_fn",
         )
@@ -600,18 +598,6 @@ def _delivery_layout(get_batch, scheduler, runtime: PipelineContext) -> Delivery
     if scheduler is not None:
         return DeliveryLayout()
     return DeliveryLayout(cp_size=runtime.cp_size, tp_size=runtime.tp_size, sequence_parallel=runtime.sequence_parallel)
-
-
-def _collator_values(runtime: PipelineContext) -> dict:
-    """What the ``collate_fn`` node receives: its row's values, and the layout as the collators' keywords."""
-    layout = runtime.layout
-    return {
-        **runtime.for_node("collate_fn"),
-        "cp_size": layout.cp_size,
-        "tp_size": layout.tp_size,
-        "sequence_parallel": layout.sequence_parallel,
-        "cp_layout": layout.cp_layout,
-    }
 
 
 def _build_scheduler(node, runtime: PipelineContext, allowed_prefixes):
@@ -682,19 +668,18 @@ def _check_ranks_agree_on(config: Mapping, runtime: PipelineContext) -> None:
     """With a parallel context over several ranks, raise the same ``DataConfigError`` on every rank when the ranks
     disagree on a setting that shapes a batch: a batch-shaping node's resolved config (its worker options aside:
     batches never depend on them) or a runtime value every rank must share (``PipelineContext.agreed_values``)."""
-    if runtime.parallel_context is None or not dist.is_available() or not dist.is_initialized():
-        return
-    if dist.get_world_size() == 1:
+    if runtime.parallel_context is None:
         return
     settings = {name: _flattened(config.get(name)) for name in _AGREED_NODES}
     for option in _WORKER_DEFAULTS:
         settings["dataloader"].pop(option, None)
     settings["build_dataloaders"] = dict(runtime.agreed_values())
-    _check_ranks_agree(settings)
+    check_ranks_agree(settings, what="the batch-shaping settings of build_dataloaders")
 
 
 def _flattened(node, prefix: str = "") -> dict:
-    """A config node as ``{dotted.key: plain value}``; a value that is not plain data is shown by its type."""
+    """A config node as ``{dotted.key: plain value}``; a value that is not plain data (an object passed in a config
+    mapping) is shown by its type, whose text is the same on every rank."""
     if isinstance(node, Mapping):
         flat = {}
         for key, value in node.items():
@@ -707,19 +692,3 @@ def _flattened(node, prefix: str = "") -> dict:
 
 def _is_plain(value) -> bool:
     return value is None or isinstance(value, bool | int | float | str)
-
-
-def _check_ranks_agree(settings: Mapping[str, Mapping]) -> None:
-    """Every rank of the world holds the same ``settings``, or the same ``DataConfigError`` on every rank."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, settings)
-    for node_name in settings:
-        fields_ = sorted({key for held in gathered for key in held.get(node_name, {})})
-        for key in fields_:
-            values = [held.get(node_name, {}).get(key, _UNSET) for held in gathered]
-            if any(value != values[0] for value in values):
-                per_rank = "; ".join(f"rank {rank} has {value!r}" for rank, value in enumerate(values))
-                raise DataConfigError(
-                    f"{node_name}.{key}: the ranks of the mesh disagree on a setting that shapes every batch "
-                    f"({per_rank}); give every rank the same pipeline config and build_dataloaders arguments"
-                )

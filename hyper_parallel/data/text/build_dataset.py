@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+from hyper_parallel.data.batching.build_collate_fn import check_row_length
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
@@ -92,7 +93,8 @@ def build_indexed_text_dataset(
         raise DataConfigError("data_config is required (at least seq_length)")
     config = _with_seed(_as_config(data_config, IndexedDataConfig), data_config, seed)
     if layout is not None:
-        _check_row_multiple(config.seq_length, layout)
+        with _located("data_config"):
+            check_row_length(config.seq_length, layout)  # before any file is read: rows are never padded
     if tokenizer is None:
         raise DataConfigError(
             "a tokenizer is required: the samples' EOD and pad ids come from it. Pass tokenizer=<path of a Hugging "
@@ -121,20 +123,6 @@ def _with_seed(config: IndexedDataConfig, written, seed: int | None) -> IndexedD
         )
     with _located("data_config"):
         return dataclasses.replace(config, random_seed=seed)
-
-
-def _check_row_multiple(seq_length: int, layout: DeliveryLayout) -> None:
-    """Refuse Indexed rows the layout cannot cut: a row of ``seq_length`` tokens is never padded."""
-    multiple = layout.row_multiple()
-    if seq_length % multiple == 0:
-        return
-    lower = seq_length - seq_length % multiple
-    such_as = " or ".join(str(value) for value in (lower, lower + multiple) if value > 0)
-    raise DataConfigError(
-        f"data_config.seq_length is {seq_length}, but the batch layout ({layout.describe()}) cuts every row into "
-        f"parts of a multiple of {multiple} tokens, and Indexed rows are not padded; set data_config.seq_length to "
-        f"a multiple of {multiple}, such as {such_as}"
-    )
 
 
 def build_online_text_dataset(

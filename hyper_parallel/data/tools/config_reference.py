@@ -7,9 +7,10 @@
 Owns: which building blocks the reference documents and in which order (the top-level nodes of a pipeline, then
 each node's targets: the dataset builders, their ``data_config`` and ``data_transform``, the collators, the
 loaders and their packing policy, ``ParallelBatch``, ``PackingSchedulerConfig``, the model assets, and offline
-preparation's settings), and rendering them as deterministic Markdown (stable order, no object addresses). Every parameter and field is read from the code: its
-type (``typing.get_type_hints``), its default (``inspect.signature``, ``dataclasses.fields``) and its description
-(the ``Args:``/``Attributes:`` sections of the docstrings), so the reference changes when the code does. Not
+preparation's settings), and rendering them as deterministic Markdown (stable order, no object addresses).
+Every parameter and field is read from the code: its type (``typing.get_type_hints``), its default
+(``inspect.signature``, ``dataclasses.fields``) and its description (the ``Args:``/``Attributes:`` sections of
+the docstrings), so the reference changes when the code does. Not
 responsible for: the nodes and the values each receives (``batching.pipeline_nodes``, read here), what the keys do
 (the targets), checking a config (``instantiate``, ``build_dataloaders``), or the prose guides of ``docs/``.
 """
