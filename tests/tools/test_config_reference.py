@@ -207,7 +207,11 @@ GIVEN_COLUMN = 3
             ("tokenizer", "dp_rank", "dp_world_size", "seed"),
             ("data_path", "data_transform", "data_config"),
         ),
-        ("hyper_parallel.data.text.build_dataset.build_indexed_text_dataset", ("tokenizer",), ("data_path",)),
+        (
+            "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
+            ("tokenizer", "seed", "layout", "train_valid_test_num_samples"),
+            ("data_path",),
+        ),
         ("hyper_parallel.data.text.build_data_transform.build_llm_data_transform", ("tokenizer",), ("data_type",)),
         (
             "hyper_parallel.data.batching.FixedBatchDataLoader",
@@ -216,15 +220,23 @@ GIVEN_COLUMN = 3
         ),
         (
             "hyper_parallel.data.batching.DynamicBatchDataLoader",
-            ("dataset", "collate_fn", "micro_batch_size", "seed"),
+            ("dataset", "collate_fn", "micro_batch_size", "seed", "layout"),
             ("max_seq_len", "min_buffered_samples", "packing_policy"),
         ),
         (
             "hyper_parallel.data.batching.build_online_text_collate_fn",
-            ("tokenizer", "cp_size", "tp_size", "sequence_parallel", "cp_layout"),
-            ("sequence_multiple", "pad_token_id", "position_ids"),
+            ("tokenizer", "layout"),
+            (
+                "sequence_multiple",
+                "pad_token_id",
+                "position_ids",
+                "cp_size",
+                "tp_size",
+                "sequence_parallel",
+                "cp_layout",
+            ),
         ),
-        ("hyper_parallel.data.batching.build_indexed_collate_fn", ("tokenizer",), ("eod_token_id",)),
+        ("hyper_parallel.data.batching.build_indexed_collate_fn", ("tokenizer", "layout"), ("eod_token_id",)),
         (
             "hyper_parallel.data.batching.ParallelBatch",
             ("parallel_context", "eod_token_id"),
@@ -241,8 +253,9 @@ GIVEN_COLUMN = 3
     ],
 )
 def test_values_given_by_the_pipeline_are_marked(reference, target, given, not_given):
-    """The tokenizer, batch sizes, ranks, seed, built dataset and collator, parallel context, EOD id and CP layout
-    are marked where the pipeline passes them; settings the config writes are not."""
+    """The tokenizer, batch sizes, ranks, seed, built dataset and collator, parallel context, EOD id and the batch
+    layout are marked where the pipeline passes them (each node's row of the node table); settings the config
+    writes are not, nor values another node receives (the loose CP/TP keywords of the Online collator)."""
     rows = _rows(_section_of_target(reference, target))
     assert [name for name in given if not rows[name][GIVEN_COLUMN]] == []
     assert [name for name in not_given if rows[name][GIVEN_COLUMN]] == []
