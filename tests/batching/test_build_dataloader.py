@@ -21,6 +21,7 @@ from hyper_parallel.data.batching import (
 )
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 
 from .resume_check import check_exact_resume, plain, roundtrip, take
@@ -220,13 +221,15 @@ def test_another_packing_policy_plugs_into_the_dynamic_loader(dataset_type, plai
 def test_the_default_policy_charges_the_padding_of_every_sequence(
     dataset_type, plaintext_path, tokenizer, hf_cache_dir
 ):
-    """With the zigzag_thd collator every sequence is padded to 2 * cp; the default policy charges the padded
-    lengths, so a packed row stays within the budget, and the state records the multiple and resumes exactly."""
+    """With the zigzag_thd layout every sequence is padded to 2 * cp; the default policy, given the layout, charges
+    the padded lengths, so a packed row stays within the budget, and the state records the multiple and resumes
+    exactly."""
+    layout = DeliveryLayout(cp_size=2, cp_layout="zigzag_thd")
     collate_fn = build_online_text_collate_fn(cp_size=2, cp_layout="zigzag_thd")
 
     def make():
         dataset = plaintext_dataset(plaintext_path, tokenizer, hf_cache_dir, dataset_type=dataset_type, max_seq_len=46)
-        return DynamicBatchDataLoader(dataset, collate_fn, micro_batch_size=2, min_buffered_samples=4)
+        return DynamicBatchDataLoader(dataset, collate_fn, micro_batch_size=2, min_buffered_samples=4, layout=layout)
 
     loader = make()
     assert loader.policy.sequence_multiple == 4 and loader.token_budget == 92

@@ -285,9 +285,9 @@ def test_runtime_seed_out_of_range_is_refused(tmp_path, tokenizer_path, seed):
 def test_a_token_budget_off_the_packing_alignment_names_the_fix(
     tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
 ):
-    """A token budget that is not a multiple of the CP/TP alignment lets padded micro-batches exceed it: a warning
-    names the budget, the alignment and the max_seq_len values that fix it (micro_batch_size 2 x max_seq_len 62
-    with cp 8: multiples of 4, so 60 or 64)."""
+    """A token budget that is not a multiple of the layout's row multiple lets padded micro-batches exceed it: the
+    dynamic loader, given the pipeline's layout, warns naming the budget, the multiple and the max_seq_len values
+    that fix it (micro_batch_size 2 x max_seq_len 62 with cp 8: multiples of 4, so 60 or 64)."""
     config = online_config(
         tmp_path, plaintext_path, hf_cache_dir, dataset_type="mapping", loader="DynamicBatchDataLoader"
     )
@@ -295,10 +295,10 @@ def test_a_token_budget_off_the_packing_alignment_names_the_fix(
 
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         loaders = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=8)
-    warnings = [r.getMessage() for r in caplog.records if "packing alignment" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "row multiple" in r.getMessage()]
     assert len(warnings) == 1
     assert (
-        "token budget 124 (micro_batch_size 2 x max_seq_len 62) is not a multiple of the packing alignment 8"
+        "token budget 124 (micro_batch_size 2 x max_seq_len 62) is not a multiple of the layout's row multiple 8"
         in (warnings[0])
     )
     assert "up to 128 tokens" in warnings[0] and "multiple of 4, such as 60 or 64" in warnings[0]
@@ -307,7 +307,7 @@ def test_a_token_budget_off_the_packing_alignment_names_the_fix(
     caplog.clear()
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=2)
-    assert not [r for r in caplog.records if "packing alignment" in r.getMessage()]
+    assert not [r for r in caplog.records if "row multiple" in r.getMessage()]
 
 
 def test_variables_interpolate_and_debug_sets_the_dataset_log_level(
@@ -384,8 +384,9 @@ def test_the_packing_scheduler_node_is_built_and_the_collator_leaves_the_padding
     tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, caplog
 ):
     """The node builds the scheduler's settings on every rank (runtime facts such as sequence_parallel reach it);
-    the collator, offered no CP or TP sizes, packs without any padding: every sequence of every micro-batch is a
-    sample carrying loss (the plaintext samples all do), where cp 2 x tp 2 would otherwise pad rows to 4."""
+    the collator, given a layout without CP or TP padding, packs without any padding: every sequence of every
+    micro-batch is a sample carrying loss (the plaintext samples all do), where cp 2 x tp 2 would otherwise pad rows
+    to 4."""
     config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         loaders = build_dataloaders(
@@ -477,17 +478,6 @@ def test_a_bad_packing_scheduler_node_is_refused_before_the_data_is_read(
         build_dataloaders(config, tokenizer=tokenizer_path)
 
 
-def test_a_collator_that_pads_is_refused_under_a_packing_scheduler(
-    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
-):
-    """Padding written into the collate_fn node would be unpacked and scheduled as sequences: refused, naming it."""
-    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
-    config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # the collator is built first
-    config["collate_fn"]["sequence_multiple"] = 8
-    with pytest.raises(DataConfigError, match=r"^collate_fn: with a packing_scheduler the collator must not pad "):
-        build_dataloaders(config, tokenizer=tokenizer_path)
-
-
 @pytest.mark.parametrize(("pad_token_id", "refused"), [(8191, False), (8192, True), (10**6, True)])
 def test_the_packing_schedulers_pad_token_id_must_lie_in_the_vocabulary(
     tmp_path, plaintext_path, hf_cache_dir, tokenizer_path, pad_token_id, refused
@@ -502,3 +492,48 @@ def test_the_packing_schedulers_pad_token_id_must_lie_in_the_vocabulary(
         build_dataloaders(config, tokenizer=tokenizer_path)
     with pytest.raises(DataConfigError, match="Set pad_token_id on the packing_scheduler node"):
         build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+def indexed_prefix(tmp_path):
+    """A small Indexed corpus (seeded): 200 documents of 5 to 89 tokens."""
+    prefix = tmp_path / "corpus_text_document"
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(200):
+        length = int(rng.integers(5, 90))
+        builder.add_document(rng.integers(2, 8000, size=length), [length])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def indexed_config(tmp_path, prefix, **data_config):
+    node = {**INDEXED_CONFIG["dataset"]["data_config"], "data_cache_path": str(tmp_path / "cache"), **data_config}
+    return {**INDEXED_CONFIG, "dataset": {**INDEXED_CONFIG["dataset"], "data_path": str(prefix), "data_config": node}}
+
+
+def first_train_tokens(config, tokenizer_path, **keywords):
+    train = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=4, **keywords).datasets[0]
+    return np.stack([np.asarray(train[index]["tokens"]) for index in range(8)])
+
+
+def test_the_pipelines_seed_is_the_indexed_order(tmp_path, tokenizer_path):
+    """build_dataloaders(seed=...) reaches the Indexed order: seed 7 orders the samples as random_seed 7 written in
+    the config does, and unlike the default 1234; without a seed, the config's random_seed keeps its order."""
+    prefix = indexed_prefix(tmp_path)
+    by_seed = first_train_tokens(indexed_config(tmp_path, prefix), tokenizer_path, seed=7)
+    by_random_seed = first_train_tokens(indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path)
+    default = first_train_tokens(indexed_config(tmp_path, prefix), tokenizer_path)
+    assert np.array_equal(by_seed, by_random_seed)
+    assert not np.array_equal(by_seed, default)
+    same = first_train_tokens(indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path, seed=7)
+    assert np.array_equal(same, by_seed)  # written and given alike: no conflict
+    loaders = build_dataloaders(indexed_config(tmp_path, prefix), tokenizer=tokenizer_path, micro_batch_size=4, seed=7)
+    assert loaders.train.options.sampler.seed == 7  # the same seed seeds the sampler
+
+
+def test_a_written_random_seed_other_than_the_given_seed_is_refused_naming_both(tmp_path, tokenizer_path):
+    config = indexed_config(tmp_path, indexed_prefix(tmp_path), random_seed=99)
+    with pytest.raises(DataConfigError, match=r"^dataset: data_config\.random_seed is 99, but the pipeline's seed "):
+        build_dataloaders(config, tokenizer=tokenizer_path, seed=7)
+    with pytest.raises(DataConfigError, match=r"remove random_seed from data_config, set it to 7, or leave seed out"):
+        build_dataloaders(config, tokenizer=tokenizer_path, seed=7)

@@ -196,33 +196,14 @@ def test_ranks_that_read_nothing_get_no_loaders_but_a_get_batch(plaintext_path, 
 # -- refused while the pipeline is built ----------------------------------------------------------------------------
 
 
-def test_a_collator_alignment_the_layout_cannot_cut_is_refused_naming_the_setting(
-    tmp_path, plaintext_path, hf_cache_dir, tokenizer
-):
-    config = design_config("online", plaintext_path, hf_cache_dir)
-    config["dataset"]["data_path"] = str(tmp_path / "not_written_yet.jsonl")  # reading it would fail
-    config["get_batch"]["cp_layout"] = "zigzag_thd"
-    context = DataLoaderParallelContext(cp_size=2)
-    config["collate_fn"]["cp_layout"] = "contiguous"
-    with pytest.raises(DataConfigError, match=r"^collate_fn: the packing alignment 2 does not make every row a multip"):
-        build_dataloaders(config, tokenizer=tokenizer, parallel_context=context)
-    config["collate_fn"].update(cp_layout="zigzag", sequence_multiple=4)
-    with pytest.raises(
-        DataConfigError, match=r"^collate_fn: sequences are padded to a multiple of 1 .*cp_layout to zig"
-    ):
-        build_dataloaders(config, tokenizer=tokenizer, parallel_context=context)
-    config["collate_fn"] = {"_target_": "hyper_parallel.data.batching.TextPackingCollator", "alignment": 6}
-    config["get_batch"]["cp_layout"] = "zigzag"
-    with pytest.raises(DataConfigError, match=r"alignment 6 does not make every row a multiple of 4.*'zigzag'"):
-        build_dataloaders(config, tokenizer=tokenizer, parallel_context=context)
-
-
 def test_indexed_rows_the_layout_cannot_cut_are_refused_when_built(tmp_path, corpus, tokenizer):
     config = design_config("indexed", corpus, tmp_path / "cache")
     config["dataset"]["data_config"]["seq_length"] = 30
     config["get_batch"]["cp_layout"] = "zigzag"
     with pytest.raises(
-        DataConfigError, match=r"^dataset: Indexed rows hold 30 tokens.*multiple of 4, such as 28 or 32"
+        DataConfigError,
+        match=r"^dataset\.data_config: the Indexed rows hold 30 tokens \(seq_length\), but the delivery layout \(cp 2 "
+        r"\(zigzag.*multiple of 4, such as 28 or 32",
     ):
         build_dataloaders(config, tokenizer=tokenizer, parallel_context=DataLoaderParallelContext(cp_size=2))
     config["get_batch"]["cp_layout"] = "zigzag_thd"

@@ -27,6 +27,7 @@ from hyper_parallel.data.batching import (
     build_online_text_collate_fn,
 )
 from hyper_parallel.data.batching.dataloader import NODES, build_dataloaders
+from hyper_parallel.data.batching.pipeline_nodes import RUNTIME_VALUES
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.instantiate import check_config
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
@@ -206,7 +207,11 @@ GIVEN_COLUMN = 3
             ("tokenizer", "dp_rank", "dp_world_size", "seed"),
             ("data_path", "data_transform", "data_config"),
         ),
-        ("hyper_parallel.data.text.build_dataset.build_indexed_text_dataset", ("tokenizer",), ("data_path",)),
+        (
+            "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
+            ("tokenizer", "seed", "layout", "train_valid_test_num_samples"),
+            ("data_path",),
+        ),
         ("hyper_parallel.data.text.build_data_transform.build_llm_data_transform", ("tokenizer",), ("data_type",)),
         (
             "hyper_parallel.data.batching.FixedBatchDataLoader",
@@ -215,15 +220,23 @@ GIVEN_COLUMN = 3
         ),
         (
             "hyper_parallel.data.batching.DynamicBatchDataLoader",
-            ("dataset", "collate_fn", "micro_batch_size", "seed"),
+            ("dataset", "collate_fn", "micro_batch_size", "seed", "layout"),
             ("max_seq_len", "min_buffered_samples", "packing_policy"),
         ),
         (
             "hyper_parallel.data.batching.build_online_text_collate_fn",
-            ("tokenizer", "cp_size", "tp_size", "sequence_parallel", "cp_layout"),
-            ("sequence_multiple", "pad_token_id", "position_ids"),
+            ("tokenizer", "layout"),
+            (
+                "sequence_multiple",
+                "pad_token_id",
+                "position_ids",
+                "cp_size",
+                "tp_size",
+                "sequence_parallel",
+                "cp_layout",
+            ),
         ),
-        ("hyper_parallel.data.batching.build_indexed_collate_fn", ("tokenizer",), ("eod_token_id",)),
+        ("hyper_parallel.data.batching.build_indexed_collate_fn", ("tokenizer", "layout"), ("eod_token_id",)),
         (
             "hyper_parallel.data.batching.ParallelBatch",
             ("parallel_context", "eod_token_id"),
@@ -240,8 +253,9 @@ GIVEN_COLUMN = 3
     ],
 )
 def test_values_given_by_the_pipeline_are_marked(reference, target, given, not_given):
-    """The tokenizer, batch sizes, ranks, seed, built dataset and collator, parallel context, EOD id and CP layout
-    are marked where the pipeline passes them; settings the config writes are not."""
+    """The tokenizer, batch sizes, ranks, seed, built dataset and collator, parallel context, EOD id and the batch
+    layout are marked where the pipeline passes them (each node's row of the node table); settings the config
+    writes are not, nor values another node receives (the loose CP/TP keywords of the Online collator)."""
     rows = _rows(_section_of_target(reference, target))
     assert [name for name in given if not rows[name][GIVEN_COLUMN]] == []
     assert [name for name in not_given if rows[name][GIVEN_COLUMN]] == []
@@ -262,6 +276,7 @@ _OFFERABLE = sorted(
     {name for obj in TARGETS.values() for name in _parameters(obj)}
     | {name for name in inspect.signature(build_dataloaders).parameters}
     | {name for transform in TRANSFORMS.values() for name in _parameters(transform)}
+    | set(RUNTIME_VALUES)
 )
 
 
@@ -314,12 +329,12 @@ def test_the_declared_values_are_what_build_dataloaders_passes_each_node():
     base = {"dataset": _node("dataset"), "collate_fn": _node("collate_fn"), "dataloader": _node("dataloader")}
     assets = {"model_assets": {"tokenizer": _node("tokenizer"), "chat_template": _node("chat_template")}}
 
-    recorded = _build({**base, **assets, "get_batch": _node("get_batch")})
+    recorded = _build({**base, **assets, "get_batch": _node("get_batch")}, seed=3)
     assert set(recorded["model_assets.tokenizer"]) == set()  # built first, with nothing offered
     assert set(recorded["model_assets.chat_template"]) == _declared("model_assets") == {"tokenizer"}
     for node in ("dataset", "dataloader", "get_batch"):
         assert set(recorded[node]) == _declared(node), node
-    assert set(recorded["collate_fn"]) == _declared("collate_fn", "cp_layout")  # get_batch is no ParallelBatch
+    assert set(recorded["collate_fn"]) == _declared("collate_fn")
     assert recorded["dataloader"]["dataset"] == "a dataset" and recorded["dataloader"]["collate_fn"] == "a collator"
     assert recorded["dataset"]["chat_template"] == "a chat template"
 
@@ -328,17 +343,17 @@ def test_the_declared_values_are_what_build_dataloaders_passes_each_node():
         "get_batch": {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_type": "online"},
     }
     recorded = _build(with_parallel_batch, tokenizer=str(BUNDLED_TOKENIZER_PATH))
-    assert set(recorded["collate_fn"]) == _declared("collate_fn", "chat_template")
-    assert recorded["collate_fn"]["cp_layout"] == "contiguous"
-    assert set(recorded["dataset"]) == _declared("dataset", "chat_template")
+    assert set(recorded["collate_fn"]) == _declared("collate_fn")
+    assert recorded["collate_fn"]["layout"].cp_layout == "contiguous"
+    assert set(recorded["dataset"]) == _declared("dataset", "chat_template", "seed")
 
     scheduled = {**base, "packing_scheduler": _node("packing_scheduler")}
     recorded = _build(scheduled, cp_size=2, tp_size=2, sequence_parallel=True, micro_batch_size=3)
-    assert set(recorded["packing_scheduler"]) == _declared("packing_scheduler", "chat_template")
+    assert set(recorded["packing_scheduler"]) == _declared("packing_scheduler")
     assert recorded["packing_scheduler"]["sequence_parallel"] is True
-    # the collator under a scheduler does not pad: it is offered a layout without CP or TP, as documented
-    collator = recorded["collate_fn"]
-    assert (collator["cp_size"], collator["tp_size"], collator["sequence_parallel"]) == (1, 1, False)
+    # the collator under a scheduler does not pad: it is given a layout without CP or TP, as documented
+    layout = recorded["collate_fn"]["layout"]
+    assert (layout.cp_size, layout.tp_size, layout.sequence_parallel) == (1, 1, False)
     assert recorded["dataloader"]["micro_batch_size"] == 3
 
 

@@ -3,7 +3,8 @@
 Owns: choosing the ModelSamples of each micro-batch (a fixed count, or a packing policy's choice), DataLoader
 workers and prefetch, composing the loader state from its parts, and what a loader says of its epochs (at
 construction, what it delivers per epoch and the Online records ``drop_last`` leaves out; at each epoch's end, at
-debug, the micro-batches it delivered). Not responsible for: where keys come from and
+debug, the micro-batches it delivered; a dynamic loader's token budget that is not a multiple of its layout's row
+multiple is warned about). Not responsible for: where keys come from and
 what each kind of source keeps (``key_sources``), which keys the caller consumed (``read_tracking``), the state's
 envelope and older versions (``loader_state``), the options (``loader_options``), reading files (sources),
 tokenizing (transforms), packing the chosen samples (collators) or parallel delivery (``ParallelBatch``).
@@ -25,6 +26,7 @@ run would yield. The loaders never ask what kind of source they read: the key so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch.utils.data
@@ -39,6 +41,7 @@ from hyper_parallel.data.batching.token_batcher import TextTokenBatcher
 from hyper_parallel.data.batching.worker_errors import CollateInWorker, FetchInWorker
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 
 __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micro_batches"]
 
@@ -331,6 +334,10 @@ class DynamicBatchDataLoader(_Loader):
             default 200.
         packing_policy: a ``PackingPolicy`` instead of the default one (then set its budget and buffer on it, not
             with ``max_seq_len`` or ``min_buffered_samples``).
+        layout: the batch layout over the CP and TP ranks (``parallel.delivery_layout.DeliveryLayout``; the
+            pipeline gives its own). The default policy charges each sample its padded length
+            (``layout.sequence_multiple()``), and a token budget that is not a multiple of ``layout.row_multiple()``
+            is warned about, naming the fix. None: no CP/TP layout.
         Other arguments: as for ``FixedBatchDataLoader`` (``drop_last`` applies to the sampler; the policy is
             always emptied at the end of the epoch).
     """
@@ -344,9 +351,11 @@ class DynamicBatchDataLoader(_Loader):
         max_seq_len: int | None = None,
         min_buffered_samples: int | None = None,
         packing_policy: PackingPolicy | None = None,
+        layout: DeliveryLayout | None = None,
         **options,
     ) -> None:
         super().__init__(dataset, LoaderOptions.from_keywords(**options))
+        self.delivery_layout = layout if layout is not None else DeliveryLayout()
         self._source.require_model_samples(type(self).__name__)
         self.max_seq_len = max_seq_len if max_seq_len is not None else dataset.max_seq_len
         self.collate_fn = collate_fn if collate_fn is not None else build_online_text_collate_fn()
@@ -360,6 +369,7 @@ class DynamicBatchDataLoader(_Loader):
         self.policy = checked_policy(packing_policy)
         self._track(_as_lists, batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size))
         self._log_construction(f"token budget {self.token_budget:,} per micro-batch, packed by {self.policy!r}")
+        self._warn_off_layout()
         self._reading: KeyBatch | None = None  # the read being absorbed into the policy
         self._absorbed = 0  # how many of its records are in the policy
         self._flushing = False  # the source's epoch is over; the policy is being emptied
@@ -374,9 +384,44 @@ class DynamicBatchDataLoader(_Loader):
         budget = self.micro_batch_size * require_int("max_seq_len", self.max_seq_len, 1)
         if min_buffered_samples is None:
             min_buffered_samples = _DEFAULT_MIN_BUFFERED_SAMPLES
-        # A collator that pads every sequence (the zigzag_thd layout) fills the budget with that padding too.
-        multiple = getattr(self.collate_fn, "pad_each_sequence_to", 1)
+        # A layout that pads every sequence (zigzag_thd) fills the budget with that padding too.
+        multiple = self.delivery_layout.sequence_multiple()
         return TextTokenBatcher(budget, min_buffered_samples, sequence_multiple=multiple)
+
+    def _warn_off_layout(self) -> None:
+        """Warn when the token budget is not a multiple of the layout's row multiple: padded rows would exceed it."""
+        budget, multiple = self.token_budget, self.delivery_layout.row_multiple()
+        if budget % multiple == 0:
+            return
+        at_most = budget - budget % multiple + multiple
+        if self.max_seq_len is None or budget != self.micro_batch_size * self.max_seq_len:
+            logger.warning(
+                "the packing policy's token budget %d is not a multiple of the layout's row multiple %d (%s), so a "
+                "padded micro-batch can hold up to %d tokens; set the policy's token_budget to a multiple of %d",
+                budget,
+                multiple,
+                self.delivery_layout.describe(),
+                at_most,
+                multiple,
+            )
+            return
+        # budget = micro_batch_size * max_seq_len is a multiple when max_seq_len is a multiple of step
+        step = multiple // math.gcd(multiple, self.micro_batch_size)
+        lower = self.max_seq_len - self.max_seq_len % step
+        suggestions = " or ".join(str(v) for v in (lower, lower + step) if v > 0)
+        logger.warning(
+            "the token budget %d (micro_batch_size %d x max_seq_len %d) is not a multiple of the layout's row "
+            "multiple %d (%s), so a padded micro-batch can hold up to %d tokens; set max_seq_len (of the data "
+            "transform or the dataloader) to a multiple of %d, such as %s",
+            budget,
+            self.micro_batch_size,
+            self.max_seq_len,
+            multiple,
+            self.delivery_layout.describe(),
+            at_most,
+            step,
+            suggestions,
+        )
 
     @property
     def token_budget(self) -> int:

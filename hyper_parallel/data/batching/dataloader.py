@@ -1,22 +1,22 @@
 """Build a trainer's pipeline from a config: its DataLoaders (dataset, collate_fn, dataloader) and get_batch.
 
-Owns: which top-level nodes a pipeline has, checking them all before the first is built, the order in which they
-are built (a trainer's: model assets, then get_batch and the collator, then datasets and loaders), one state over
-all the loaders, and the runtime facts handed to the nodes: the tokenizer and chat template (the ``model_assets``
-node or the ``tokenizer`` argument), batch sizes, the seed and the rank layout (checked
-as the loaders' ``BatchLayout`` and ``SamplerOptions`` check them) reach every ``_target_`` that names them as a
-parameter (see ``instantiate``). With a ``DataLoaderParallelContext`` the rank layout comes from it: datasets and
-loaders are built on the data ranks only (``build_on_data_ranks``; the other ranks get None), the collator's
-alignment follows the CP size, the TP size with sequence parallelism and the ``get_batch`` node's CP layout, and
-the ``get_batch`` node (``ParallelBatch``) is built on every rank with the context and the tokenizer's EOD id. A
-layout the collator's alignment (or the Indexed row length) cannot serve is refused while the pipeline is built.
-The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is built for each non-empty
-split. The optional ``packing_scheduler`` node (a ``PackingSchedulerConfig``) is built on every rank and handed back
-for ``wrap_data_iterator``: the scheduler then pads each micro-batch for its own CP size, so the collator is built
-without padding, and a ``get_batch`` node beside it is refused (the scheduler's micro-batches are delivered by
-``get_batch_on_this_rank_for_sequence_packing``). A dynamic loader over several DP ranks without a scheduler is
-warned about once: its ranks may deliver different numbers of micro-batches per step. Not responsible for: what any
-node builds, or the per-step delivery itself (``get_batch``, ``parallel.data_schedule``).
+Owns: checking every top-level node (``pipeline_nodes.NODE_TABLE``) before the first is built, comparing the
+settings that shape a batch across the ranks of the mesh before any data is read (with a ``parallel_context`` over
+several ranks: the same ``DataConfigError`` on every rank, naming the node, the field and each rank's value), the
+order in which the nodes are built (a trainer's: model assets, then get_batch and the collator, then datasets and
+loaders), one state over all the loaders, and the ``PipelineContext`` of runtime values (the tokenizer and chat
+template, batch sizes, the seed, the rank layout, the batch layout): each node receives only the values its row of
+the node table names, and ``instantiate`` passes each to the targets of that node that name it. With a
+``DataLoaderParallelContext`` the rank layout comes from it: datasets and loaders are built on the data ranks only
+(``build_on_data_ranks``; the other ranks get None), and the ``get_batch`` node (``ParallelBatch``) is built on every
+rank with the context and the tokenizer's EOD id. The batch layout (``DeliveryLayout``) is decided once, from the
+``get_batch`` node or else from the CP/TP sizes, and handed to the collator, the dataset and the loader, which check
+and pad for it themselves. The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is
+built for each non-empty split. The optional ``packing_scheduler`` node (a ``PackingSchedulerConfig``) is built on
+every rank and handed back for ``wrap_data_iterator``: the scheduler then pads each micro-batch for its own CP size,
+so the collator is given a layout without CP/TP padding. A dynamic loader over several DP ranks without a scheduler
+is warned about once: its ranks may deliver different numbers of micro-batches per step. Not responsible for: what
+any node builds, or the per-step delivery itself (``get_batch``, ``parallel.data_schedule``).
 
 Example (the Online mapping + dynamic batch pipeline)::
 
@@ -43,15 +43,15 @@ Example (the Online mapping + dynamic batch pipeline)::
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from hyper_parallel.data.batching.build_collate_fn import check_pad_token_id, sequence_alignment
+from hyper_parallel.data.batching.build_collate_fn import check_pad_token_id
 from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader
 from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.loader_options import LoaderOptions, WorkerOptions
+from hyper_parallel.data.batching.pipeline_nodes import NODES, PipelineContext, built_nodes, required_nodes
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_config import sample_counts
@@ -64,6 +64,8 @@ from hyper_parallel.data.instantiate import (
 )
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
 from hyper_parallel.data.text.chat_template import build_chat_template
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -73,37 +75,21 @@ __all__ = ["NODES", "DataLoaders", "build_dataloaders"]
 logger = get_logger(__name__)
 
 SPLITS = ("train", "valid", "test")
-# The top-level nodes of a pipeline config: the built ones (built model_assets, packing_scheduler, get_batch,
-# collate_fn, then dataset and dataloader on the data ranks), then ``debug`` (``check_dataset``: the dataset log
-# level) and ``variables`` (free values for ``${variables.x}`` interpolations, never built).
-NODES = (
-    "model_assets",
-    "dataset",
-    "collate_fn",
-    "dataloader",
-    "get_batch",
-    "packing_scheduler",
-    "debug",
-    "variables",
-)
 _MODEL_ASSET_KEYS = ("tokenizer", "chat_template")
-_REQUIRED = ("dataset", "dataloader")
+_REQUIRED = required_nodes()
 _DEBUG_KEYS = ("check_dataset",)
 _LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 _RANK_DEFAULTS = {"dp_rank": 0, "dp_world_size": 1, "cp_size": 1, "tp_size": 1}
-# What the collate_fn node is offered under a packing scheduler: no CP or TP alignment (the scheduler aligns).
-_UNPADDED_COLLATOR = {"cp_size": 1, "tp_size": 1, "sequence_parallel": False}
 _SCHEDULER_TARGET = f"{PackingSchedulerConfig.__module__}.{PackingSchedulerConfig.__qualname__}"
 # The nodes that are built, each with a target it may name (for the message of a node of the wrong shape).
-_BUILT_NODE_EXAMPLES = {
-    "dataset": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
-    "dataloader": "hyper_parallel.data.batching.FixedBatchDataLoader",
-    "collate_fn": "hyper_parallel.data.batching.build_online_text_collate_fn",
-    "get_batch": "hyper_parallel.data.batching.ParallelBatch",
-    "packing_scheduler": _SCHEDULER_TARGET,
-}
+_BUILT_NODE_EXAMPLES = built_nodes()
 # How the torch DataLoader fetches: a build_dataloaders keyword of each name overrides the dataloader node's value.
 _WORKER_DEFAULTS = {option.name: option.default for option in fields(WorkerOptions)}
+# The nodes whose settings shape a batch, compared across the ranks of a mesh (model_assets may name local paths;
+# debug and variables shape nothing, and variables are already resolved into the nodes).
+_AGREED_NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "packing_scheduler")
+# A placeholder for what is built later: during the checks only the names of the values matter.
+_BUILT_LATER = "<built later>"
 _PIPELINE_STATE_VERSION = 1
 
 
@@ -204,40 +190,6 @@ def _as_splits(built) -> tuple:
     return (built, None, None)
 
 
-def _check_alignment(loader, collate_fn) -> None:
-    """Warn when a token budget is not a multiple of the packing alignment: padded rows would then exceed it."""
-    budget, alignment = getattr(loader, "token_budget", None), getattr(collate_fn, "alignment", None)
-    if budget is None or alignment is None or budget % alignment == 0:
-        return
-    if loader.max_seq_len is None or budget != loader.micro_batch_size * loader.max_seq_len:
-        logger.warning(
-            "the packing policy's token budget %d is not a multiple of the packing alignment %d, so a padded "
-            "micro-batch can hold up to %d tokens; set the policy's token_budget to a multiple of %d",
-            budget,
-            alignment,
-            budget - budget % alignment + alignment,
-            alignment,
-        )
-        return
-    # budget = micro_batch_size * max_seq_len is a multiple of the alignment when max_seq_len is a multiple of step
-    step = alignment // math.gcd(alignment, loader.micro_batch_size)
-    lower = loader.max_seq_len - loader.max_seq_len % step
-    suggestions = " or ".join(str(v) for v in (lower, lower + step) if v > 0)
-    logger.warning(
-        "the token budget %d (micro_batch_size %d x max_seq_len %d) is not a multiple of the packing alignment %d "
-        "(lcm of cp_size x tp_size with sequence_parallel, else cp_size, and sequence_multiple), so a padded "
-        "micro-batch can hold up to %d tokens; set max_seq_len (of the data transform or the dataloader) to a "
-        "multiple of %d, such as %s",
-        budget,
-        loader.micro_batch_size,
-        loader.max_seq_len,
-        alignment,
-        budget - budget % alignment + alignment,
-        step,
-        suggestions,
-    )
-
-
 def _rank_layout(parallel_context, given: dict[str, int]) -> dict[str, int]:
     """The DP rank and size, CP size and TP size: the context's when there is one (a value also given by keyword
     must agree with it), else the keywords."""
@@ -263,20 +215,15 @@ def _rank_layout(parallel_context, given: dict[str, int]) -> dict[str, int]:
     return derived
 
 
-def _get_batch_context(context: dict, parallel_context, tokenizer) -> dict:
-    """What the get_batch node is offered beyond the runtime facts: the parallel context and the EOD id."""
-    eod = None if tokenizer is None else read_tokenizer(tokenizer).eod
-    return {**context, "parallel_context": parallel_context, "eod_token_id": eod}
-
-
 def _did_you_mean(key, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(str(key), choices, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]) -> None:
+def _check_nodes(config: Mapping, runtime: PipelineContext, allowed_prefixes: Sequence[str]) -> None:
     """Refuse unknown or missing top-level nodes, then check every node as ``instantiate`` would, building nothing,
-    so that a typo anywhere fails before the dataset is read."""
+    so that a typo anywhere fails before the dataset is read. Each node is checked with the values its row of the
+    node table receives (only their names matter here)."""
     for key in config:
         if key not in NODES:
             raise DataConfigError(
@@ -285,18 +232,16 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
             )
     for key in _REQUIRED:
         if key not in config:
-            raise DataConfigError(f"the pipeline config has no '{key}' node; it needs 'dataset' and 'dataloader'")
+            raise DataConfigError(
+                f"the pipeline config has no '{key}' node; it needs {' and '.join(map(repr, _REQUIRED))}"
+            )
     _check_node_shapes(config)
     _check_debug(config.get("debug"))
-    _check_model_assets(config.get("model_assets"), context, allowed_prefixes)
-    check_config(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
-    check_config(config.get("collate_fn"), context=context, allowed_prefixes=allowed_prefixes, path="collate_fn")
-    loader_context = {**context, "dataset": None, "collate_fn": None}  # built later: only their names matter here
-    check_config(config["dataloader"], context=loader_context, allowed_prefixes=allowed_prefixes, path="dataloader")
-    get_batch_context = _get_batch_context(context, None, None)
-    check_config(
-        config.get("get_batch"), context=get_batch_context, allowed_prefixes=allowed_prefixes, path="get_batch"
-    )
+    _check_model_assets(config.get("model_assets"), runtime, allowed_prefixes)
+    built_later = {
+        "dataloader": {"dataset": _BUILT_LATER, "collate_fn": _BUILT_LATER},
+        "get_batch": {"scheduler": _BUILT_LATER} if config.get("packing_scheduler") is not None else {},
+    }
     scheduler = config.get("packing_scheduler")
     if scheduler is not None and config.get("get_batch") is not None:
         raise DataConfigError(
@@ -304,7 +249,13 @@ def _check_nodes(config: Mapping, context: dict, allowed_prefixes: Sequence[str]
             "get_batch_on_this_rank_for_sequence_packing (after wrap_data_iterator), not by a get_batch node; remove "
             "the get_batch node, or the packing_scheduler node to deliver with ParallelBatch"
         )
-    check_config(scheduler, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
+    for name in _AGREED_NODES:
+        check_config(
+            config.get(name),
+            context=runtime.for_node(name, **built_later.get(name, {})),
+            allowed_prefixes=allowed_prefixes,
+            path=name,
+        )
 
 
 def _described(value) -> str:
@@ -356,7 +307,7 @@ def _log_worker_overrides(config: Mapping, overrides: dict) -> None:
         logger.info("loader options given to build_dataloaders override the dataloader node: %s", changes)
 
 
-def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) -> None:
+def _check_model_assets(node, runtime: PipelineContext, allowed_prefixes: Sequence[str]) -> None:
     if node is None:
         return
     if not isinstance(node, Mapping):
@@ -371,12 +322,12 @@ def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) ->
                 f"{', '.join(_MODEL_ASSET_KEYS)}"
             )
     given = node.get("tokenizer")
-    if given is not None and context.get("tokenizer") is not None:
+    if given is not None and runtime.tokenizer is not None:
         raise DataConfigError(
             "model_assets.tokenizer: the tokenizer is given twice, by this key and by the tokenizer argument of "
             "build_dataloaders; keep one"
         )
-    if node.get("chat_template") is not None and given is None and context.get("tokenizer") is None:
+    if node.get("chat_template") is not None and given is None and runtime.tokenizer is None:
         raise DataConfigError(
             "model_assets.chat_template: a chat template needs a tokenizer; set model_assets.tokenizer, or pass "
             "tokenizer= to build_dataloaders"
@@ -389,7 +340,10 @@ def _check_model_assets(node, context: dict, allowed_prefixes: Sequence[str]) ->
             )
         if isinstance(value, Mapping):
             check_config(
-                value, context={"tokenizer": None}, allowed_prefixes=allowed_prefixes, path=f"model_assets.{key}"
+                value,
+                context=runtime.for_node("model_assets"),
+                allowed_prefixes=allowed_prefixes,
+                path=f"model_assets.{key}",
             )
 
 
@@ -405,7 +359,7 @@ def _build_model_assets(node, tokenizer, allowed_prefixes: Sequence[str]) -> tup
     if isinstance(template, Mapping):
         template = instantiate(
             template,
-            context={"tokenizer": tokenizer},
+            context=PipelineContext(tokenizer=tokenizer).for_node("model_assets"),
             allowed_prefixes=allowed_prefixes,
             path="model_assets.chat_template",
         )
@@ -447,7 +401,7 @@ def build_dataloaders(
     cp_size: int = 1,
     tp_size: int = 1,
     sequence_parallel: bool = False,
-    seed: int = 1234,
+    seed: int | None = None,
     train_valid_test_num_samples: Sequence[int | None] | None = None,
     allowed_prefixes: Sequence[str] = DEFAULT_ALLOWED_PREFIXES,
     parallel_context: DataLoaderParallelContext | None = None,
@@ -467,21 +421,25 @@ def build_dataloaders(
     ``build_on_data_ranks``; a failure on any rank raises on every rank).
 
     Args:
-        config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are ``dataset``
-            and ``dataloader`` (required), ``model_assets`` (``tokenizer``: a path or a ``_target_`` node, instead
-            of the ``tokenizer`` argument; ``chat_template``: a name such as ``chatml`` or a ``_target_`` node, built
-            with the tokenizer and offered to every node with a ``chat_template`` parameter), ``collate_fn``,
-            ``get_batch`` (a ``ParallelBatch``),
+        config: the pipeline mapping, or the path of a YAML file holding it. Its top-level nodes are those of
+            ``pipeline_nodes.NODE_TABLE``: ``dataset`` and ``dataloader`` (required), ``model_assets``
+            (``tokenizer``: a path or a ``_target_`` node, instead of the ``tokenizer`` argument; ``chat_template``:
+            a name such as ``chatml`` or a ``_target_`` node, built with the tokenizer and handed to the dataset
+            node's targets with a ``chat_template`` parameter), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``),
             ``packing_scheduler`` (a ``PackingSchedulerConfig``; not together with ``get_batch``; the collator is
-            then built without padding), ``debug`` (``check_dataset``: a log level for this package's logs on
-            rank 0, or null) and ``variables`` (values for ``${variables.name}`` interpolations); any other is
-            refused.
+            then given a layout without CP/TP padding), ``debug`` (``check_dataset``: a log level for this
+            package's logs on rank 0, or null) and ``variables`` (values for ``${variables.name}``
+            interpolations); any other is refused.
         tokenizer: anything ``build_tokenizer`` takes: a loaded tokenizer, a ``transformers`` tokenizer object, or
             the path of a local Hugging Face tokenizer or tiktoken file.
-        micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel, seed:
-            runtime facts offered to every node that has a parameter of that name; the batch sizes, ranks and seed
-            are checked first, as the loaders check them. With a ``parallel_context``, leave the ranks and sizes
-            out: they come from it.
+        micro_batch_size, global_batch_size, dp_rank, dp_world_size, cp_size, tp_size, sequence_parallel:
+            runtime values, handed to the nodes whose row of ``pipeline_nodes.NODE_TABLE`` names them (each to the
+            targets of that node with a parameter of that name); the batch sizes and ranks are checked first, as
+            the loaders check them. With a ``parallel_context``, leave the ranks and sizes out: they come from it.
+        seed: the seed of the pipeline, or None (not given: every target keeps its own default, 1234, and the
+            Indexed order its ``data_config.random_seed``). Given, it seeds the samplers and Online streams and is
+            the Indexed ``data_config.random_seed``: a ``random_seed`` written in the config that differs from it is
+            refused, naming both.
         train_valid_test_num_samples: the samples the trainer takes from each split, as megatron-core's trainer
             computes them (train iterations x global batch, evaluation iterations x global batch; see
             ``tools.prepare_cache.num_samples_from_schedule``), offered like the facts above: the Indexed
@@ -490,8 +448,10 @@ def build_dataloaders(
             from gets no loader (its dataset is still built, as megatron-core builds it), on either path.
         allowed_prefixes: module prefixes that ``_target_`` may name.
         parallel_context: this rank's ``DataLoaderParallelContext``. It gives the DP rank and size, the CP and TP
-            sizes, and it is offered to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``); the
-            ``get_batch`` node's ``cp_layout`` is offered to the ``collate_fn`` node.
+            sizes, and it is handed to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``). Over
+            several ranks, every rank of the world compares the batch-shaping settings (the dataset, collate_fn,
+            dataloader, get_batch and packing_scheduler nodes, and the runtime values but the DP rank) before
+            anything is checked or built.
         num_workers, prefetch_factor, pin_memory, persistent_workers, multiprocessing_context, timeout: how the
             torch DataLoader fetches (``WorkerOptions``; batches and resume never depend on them). Each one given
             (not None) overrides the ``dataloader`` node's value, is checked as that value would be, and the
@@ -505,10 +465,12 @@ def build_dataloaders(
     Raises:
         DataConfigError: a config that is neither a mapping nor a path, an unknown or missing node, a node of the
             wrong shape (a built node that is not a mapping with ``_target_``), a bad runtime fact or worker
-            option, a rank layout given twice and differently, any error ``instantiate`` finds in a node (before
-            anything is built), a collator alignment or Indexed row length that the ``get_batch`` node's CP layout
-            cannot cut, a ``packing_scheduler`` node beside a ``get_batch`` node or one that builds something else
-            than a ``PackingSchedulerConfig``, or, with it, a collator that pads.
+            option, a rank layout given twice and differently, ranks of the mesh that disagree on a batch-shaping
+            setting (the same error on every rank, naming the node, the field and each rank's value), any error
+            ``instantiate`` finds in a node (before anything is built), a ``packing_scheduler`` node beside a
+            ``get_batch`` node or one that builds something else than a ``PackingSchedulerConfig``; and what the
+            nodes refuse when built (an Indexed ``seq_length`` the layout cannot cut, a ``random_seed`` other than
+            the given seed).
 
     Example (a packing scheduler; every rank, each step)::
 
@@ -521,7 +483,7 @@ def build_dataloaders(
         config = load_config(config)
     elif not isinstance(config, Mapping):
         raise DataConfigError(
-            f"config must be a pipeline mapping (dataset:, dataloader:, ...) or the path of a YAML file holding one, "
+            f"config must be a pipeline mapping (dataset:, dataloader:, ...) or the path of a YAML file holding it, "
             f"got {_described(config)}"
         )
     worker_overrides = {
@@ -539,67 +501,72 @@ def build_dataloaders(
     ranks = _rank_layout(
         parallel_context, {"dp_rank": dp_rank, "dp_world_size": dp_world_size, "cp_size": cp_size, "tp_size": tp_size}
     )
+    runtime = PipelineContext(
+        tokenizer=tokenizer,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        **ranks,
+        sequence_parallel=sequence_parallel,
+        seed=seed,
+        train_valid_test_num_samples=train_valid_test_num_samples,
+        parallel_context=parallel_context,
+    )
+    overridden = _override_worker_options(config, worker_overrides)
+    _check_ranks_agree_on(config, runtime)  # before anything that could fail on one rank only
     LoaderOptions.from_keywords(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         dp_rank=ranks["dp_rank"],
         dp_world_size=ranks["dp_world_size"],
-        seed=seed,
+        **({} if seed is None else {"seed": seed}),
         **worker_overrides,
     )
     wanted = [count != 0 for count in sample_counts(train_valid_test_num_samples)]
-    context = {
-        "tokenizer": tokenizer,
-        "micro_batch_size": micro_batch_size,
-        "global_batch_size": global_batch_size,
-        **ranks,
-        "sequence_parallel": sequence_parallel,
-        "seed": seed,
-        "train_valid_test_num_samples": train_valid_test_num_samples,
-    }
     assets = config.get("model_assets") or {}
-    if isinstance(assets, Mapping) and assets.get("chat_template") is not None:
-        context["chat_template"] = None  # built with the model assets: only its name matters to the checks
-    overridden = _override_worker_options(config, worker_overrides)
-    _check_nodes(overridden, context, allowed_prefixes)
+    sets_template = isinstance(assets, Mapping) and assets.get("chat_template") is not None
+    _check_nodes(overridden, replace(runtime, chat_template=_BUILT_LATER if sets_template else None), allowed_prefixes)
     _log_worker_overrides(config, worker_overrides)
     config = overridden
     level = (config.get("debug") or {}).get("check_dataset")
     if level is not None:
         enable_dataset_logging(str(level))  # rank 0 logs, as enable_dataset_logging does by default
-    context["tokenizer"], chat_template = _build_model_assets(assets, tokenizer, allowed_prefixes)
-    if chat_template is not None:
-        context["chat_template"] = chat_template
-    scheduler = _build_scheduler(config.get("packing_scheduler"), context, allowed_prefixes)
+    built_tokenizer, chat_template = _build_model_assets(assets, tokenizer, allowed_prefixes)
+    runtime = replace(
+        runtime,
+        tokenizer=built_tokenizer,
+        chat_template=chat_template,
+        eod_token_id=None if built_tokenizer is None else read_tokenizer(built_tokenizer).eod,
+    )
+    scheduler = _build_scheduler(config.get("packing_scheduler"), runtime, allowed_prefixes)
     get_batch = None
     if config.get("get_batch") is not None:
         get_batch = instantiate(
             config["get_batch"],
-            context=_get_batch_context(context, parallel_context, context["tokenizer"]),
+            context=runtime.for_node("get_batch", scheduler=scheduler),
             allowed_prefixes=allowed_prefixes,
             path="get_batch",
         )
+    runtime = replace(runtime, layout=_delivery_layout(get_batch, scheduler, runtime))
     collate_fn = None
     if config.get("collate_fn") is not None:
-        layout = {"cp_layout": get_batch.cp_layout} if isinstance(get_batch, ParallelBatch) else {}
-        unpadded = _UNPADDED_COLLATOR if scheduler is not None else {}
         collate_fn = instantiate(
             config["collate_fn"],
-            context={**context, **layout, **unpadded},
+            context=runtime.for_node("collate_fn"),
             allowed_prefixes=allowed_prefixes,
             path="collate_fn",
         )
-        _check_collator_layout(get_batch, collate_fn)
-        if scheduler is not None:
-            _check_unpadded_collator(collate_fn)
 
     def build_readers() -> tuple:
         datasets = _as_splits(
-            instantiate(config["dataset"], context=context, allowed_prefixes=allowed_prefixes, path="dataset")
+            instantiate(
+                config["dataset"],
+                context=runtime.for_node("dataset"),
+                allowed_prefixes=allowed_prefixes,
+                path="dataset",
+            )
         )
-        _check_row_length(get_batch, datasets)
         loaders = _build_loaders(
-            config, context, datasets, wanted, collate_fn, allowed_prefixes, scheduled=scheduler is not None
+            config, runtime, datasets, wanted, collate_fn, allowed_prefixes, scheduled=scheduler is not None
         )
         return datasets, loaders
 
@@ -611,40 +578,44 @@ def build_dataloaders(
         *loaders,
         get_batch=get_batch,
         packing_scheduler=scheduler,
-        tokenizer=context["tokenizer"],
+        tokenizer=runtime.tokenizer,
         chat_template=chat_template,
         datasets=datasets,
         collate_fn=collate_fn,
     )
 
 
-def _build_scheduler(node, context: dict, allowed_prefixes):
+def _delivery_layout(get_batch, scheduler, runtime: PipelineContext) -> DeliveryLayout:
+    """The one batch layout of the pipeline: the ``get_batch`` node's; under a packing scheduler without one, no
+    CP/TP padding (the scheduler pads each micro-batch for its own CP size); else one from the CP/TP sizes."""
+    if isinstance(get_batch, ParallelBatch):
+        return DeliveryLayout(
+            cp_size=runtime.cp_size,
+            cp_layout=get_batch.cp_layout,
+            tp_size=runtime.tp_size,
+            sequence_parallel=runtime.sequence_parallel,
+        )
+    if scheduler is not None:
+        return DeliveryLayout()
+    return DeliveryLayout(cp_size=runtime.cp_size, tp_size=runtime.tp_size, sequence_parallel=runtime.sequence_parallel)
+
+
+def _build_scheduler(node, runtime: PipelineContext, allowed_prefixes):
     """The built ``packing_scheduler`` node, or None without it; anything but a ``PackingSchedulerConfig`` is
     refused."""
     if node is None:
         return None
-    built = instantiate(node, context=context, allowed_prefixes=allowed_prefixes, path="packing_scheduler")
+    built = instantiate(
+        node, context=runtime.for_node("packing_scheduler"), allowed_prefixes=allowed_prefixes, path="packing_scheduler"
+    )
     if not isinstance(built, PackingSchedulerConfig):
         raise DataConfigError(
             f"packing_scheduler: the node built a {type(built).__name__}, but it must build the scheduler's settings; "
             f"set its _target_ to {_SCHEDULER_TARGET}"
         )
-    tokens = None if context["tokenizer"] is None else read_tokenizer(context["tokenizer"])
+    tokens = None if runtime.tokenizer is None else read_tokenizer(runtime.tokenizer)
     check_pad_token_id(built.pad_token_id, tokens, "packing_scheduler")
     return built
-
-
-def _check_unpadded_collator(collate_fn) -> None:
-    """Refuse a collator that pads under a packing scheduler: its padding would be scheduled as sequences."""
-    alignment = getattr(collate_fn, "alignment", 1)
-    per_sequence = getattr(collate_fn, "pad_each_sequence_to", 1)
-    if alignment != 1 or per_sequence != 1:
-        raise DataConfigError(
-            f"collate_fn: with a packing_scheduler the collator must not pad (it has alignment {alignment} and "
-            f"pad_each_sequence_to {per_sequence}): the scheduler unpacks every micro-batch into its sequences and "
-            "pads each packed micro-batch for its own CP size, so padding here would be scheduled as sequences; "
-            "remove sequence_multiple, cp_layout and the CP/TP sizes from the collate_fn node"
-        )
 
 
 def _warn_uneven_micro_batches(loader) -> None:
@@ -664,7 +635,7 @@ def _warn_uneven_micro_batches(loader) -> None:
 
 def _build_loaders(
     config: Mapping,
-    context: dict,
+    runtime: PipelineContext,
     datasets: tuple,
     wanted: list[bool],
     collate_fn,
@@ -679,61 +650,45 @@ def _build_loaders(
             continue
         loader = instantiate(
             config["dataloader"],
-            context={**context, "dataset": dataset, "collate_fn": collate_fn},
+            context=runtime.for_node("dataloader", dataset=dataset, collate_fn=collate_fn),
             allowed_prefixes=allowed_prefixes,
             path="dataloader",
         )
         logger.info("%s loader: %r", split, loader)
-        if all(built is None for built in loaders):  # the same loader settings for every split: say it once
-            _check_alignment(loader, collate_fn)
-            if not scheduled:
-                _warn_uneven_micro_batches(loader)
+        if not scheduled and all(built is None for built in loaders):  # the same settings for every split: once
+            _warn_uneven_micro_batches(loader)
         loaders.append(loader)
     return loaders
 
 
-def _layout_parts(get_batch: ParallelBatch) -> int:
-    """Into how many equal parts the get_batch node's CP layout cuts a row (each sequence, for zigzag_thd)."""
-    return sequence_alignment(cp_size=get_batch.context.cp_size, cp_layout=get_batch.cp_layout)
+# -- the settings every rank of a mesh must share --------------------------------------------------------------------
 
 
-def _check_collator_layout(get_batch, collate_fn) -> None:
-    """Refuse an Online collator whose rows (or sequences, for zigzag_thd) the CP layout cannot cut evenly."""
-    if not isinstance(get_batch, ParallelBatch) or get_batch.context.cp_size == 1 or get_batch.source_type != "online":
+def _check_ranks_agree_on(config: Mapping, runtime: PipelineContext) -> None:
+    """With a parallel context over several ranks, raise the same ``DataConfigError`` on every rank when the ranks
+    disagree on a setting that shapes a batch: a batch-shaping node's resolved config (its worker options aside:
+    batches never depend on them) or a runtime value every rank must share (``PipelineContext.agreed_values``)."""
+    if runtime.parallel_context is None:
         return
-    layout, cp, parts = get_batch.cp_layout, get_batch.context.cp_size, _layout_parts(get_batch)
-    alignment = getattr(collate_fn, "alignment", None)
-    if alignment is not None and alignment % parts:
-        raise DataConfigError(
-            f"collate_fn: the packing alignment {alignment} does not make every row a multiple of {parts}, which "
-            f"get_batch's cp_layout {layout!r} with cp_size {cp} needs (it cuts a row into {parts} equal parts); "
-            f"remove alignment settings from the collate_fn node so that build_online_text_collate_fn derives it "
-            f"(cp_size and cp_layout come from the pipeline), or set its cp_layout to {layout!r}"
-        )
-    per_sequence = getattr(collate_fn, "pad_each_sequence_to", None)
-    if layout == "zigzag_thd" and per_sequence is not None and per_sequence % parts:
-        raise DataConfigError(
-            f"collate_fn: sequences are padded to a multiple of {per_sequence} (pad_each_sequence_to), but "
-            f"get_batch's cp_layout 'zigzag_thd' with cp_size {cp} cuts every sequence into {parts} chunks, so each "
-            f"must be a multiple of {parts}; set the collate_fn node's cp_layout to zigzag_thd (or remove it: the "
-            "pipeline offers the get_batch node's), or use another cp_layout"
-        )
+    settings = {name: _flattened(config.get(name)) for name in _AGREED_NODES}
+    for option in _WORKER_DEFAULTS:
+        settings["dataloader"].pop(option, None)
+    settings["build_dataloaders"] = dict(runtime.agreed_values())
+    check_ranks_agree(settings, what="the batch-shaping settings of build_dataloaders")
 
 
-def _check_row_length(get_batch, datasets: tuple) -> None:
-    """Refuse Indexed rows whose length the CP layout cannot cut evenly (read from the first sample)."""
-    if not isinstance(get_batch, ParallelBatch) or get_batch.context.cp_size == 1 or get_batch.source_type != "indexed":
-        return
-    dataset = next((d for d in datasets if d is not None and hasattr(d, "__getitem__") and len(d) > 0), None)
-    sample = dataset[0] if dataset is not None else None
-    if not isinstance(sample, Mapping) or "tokens" not in sample:
-        return
-    length, parts = len(sample["tokens"]), _layout_parts(get_batch)
-    if length % parts:
-        lower = length - length % parts
-        such_as = " or ".join(str(value) for value in (lower, lower + parts) if value > 0)
-        raise DataConfigError(
-            f"dataset: Indexed rows hold {length} tokens (seq_length), but get_batch's cp_layout "
-            f"{get_batch.cp_layout!r} with cp_size {get_batch.context.cp_size} cuts every row into {parts} equal parts;"
-            f" set data_config.seq_length to a multiple of {parts}, such as {such_as}"
-        )
+def _flattened(node, prefix: str = "") -> dict:
+    """A config node as ``{dotted.key: plain value}``; a value that is not plain data (an object passed in a config
+    mapping) is shown by its type, whose text is the same on every rank."""
+    if isinstance(node, Mapping):
+        flat = {}
+        for key, value in node.items():
+            flat.update(_flattened(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(node, list | tuple):
+        return {prefix: [value if _is_plain(value) else _flattened(value) for value in node]}
+    return {prefix: node if _is_plain(node) else f"<{type(node).__name__}>"}
+
+
+def _is_plain(value) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)

@@ -3,21 +3,25 @@
 Owns: turning a YAML-friendly ``data_config`` mapping and a tokenizer (or its path) into datasets, for the Online
 path (``build_online_text_dataset``) and the Indexed path (``build_indexed_text_dataset``); a config error in
 ``data_config`` or a ``data_transform`` mapping names that key as its YAML path (``instantiate`` prefixes the
-node's own path, e.g. ``dataset.data_config: ...``). Not responsible for: how the datasets are built
+node's own path, e.g. ``dataset.data_config: ...``); the Indexed path also takes the pipeline's seed as its
+``random_seed`` and checks its rows against the batch layout. Not responsible for: how the datasets are built
 (``text.online`` sources, ``indexed.indexed_split_builder``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+from hyper_parallel.data.batching.build_collate_fn import check_row_length
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_split_builder import IndexedSplitBuilder
 from hyper_parallel.data.parallel.build_barrier import failures_shared
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.text.build_data_transform import build_llm_data_transform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.online.online_dataset import OnlineDataConfig, open_online_source
@@ -59,6 +63,8 @@ def build_indexed_text_dataset(
     train_valid_test_num_samples: Sequence[int | None] | None = None,
     tokenizer=None,
     synchronize: bool = True,
+    seed: int | None = None,
+    layout: DeliveryLayout | None = None,
 ):
     """Build the ``(train, valid, test)`` datasets of the Indexed path (None for an empty split).
 
@@ -73,6 +79,11 @@ def build_indexed_text_dataset(
             tokenizer.
         synchronize: with a process group, rank 0 builds the index caches while the others wait; every rank must
             call this function. A failure on any rank then raises on every rank.
+        seed: the pipeline's seed (``build_dataloaders(seed=...)``), or None. Given, it is ``random_seed``, the seed
+            of every index shuffle: a ``random_seed`` in a ``data_config`` mapping, or of an ``IndexedDataConfig``
+            instance (which always states one), that differs from it is refused. None keeps ``random_seed``.
+        layout: the batch layout over the CP and TP ranks (``DeliveryLayout``; the pipeline gives its own), or
+            None. Rows are never padded, so ``seq_length`` must be a multiple of ``layout.row_multiple()``.
 
     Returns:
         ``(train, valid, test)``; each sample is a dict of torch tensors, as megatron-core's: ``tokens``,
@@ -80,7 +91,10 @@ def build_indexed_text_dataset(
     """
     if data_config is None:
         raise DataConfigError("data_config is required (at least seq_length)")
-    config = _as_config(data_config, IndexedDataConfig)
+    config = _with_seed(_as_config(data_config, IndexedDataConfig), data_config, seed)
+    if layout is not None:
+        with _located("data_config"):
+            check_row_length(config.seq_length, layout)  # before any file is read: rows are never padded
     if tokenizer is None:
         raise DataConfigError(
             "a tokenizer is required: the samples' EOD and pad ids come from it. Pass tokenizer=<path of a Hugging "
@@ -93,6 +107,22 @@ def build_indexed_text_dataset(
         if dataset is not None:
             logger.info("%s: %s", name, type(dataset).__name__)
     return tuple(splits)
+
+
+def _with_seed(config: IndexedDataConfig, written, seed: int | None) -> IndexedDataConfig:
+    """``config`` with ``random_seed`` set to the pipeline's ``seed``; a different one written is refused."""
+    if seed is None:
+        return config
+    seed = require_int("seed", seed, 0)
+    stated = written.get("random_seed") if isinstance(written, Mapping) else config.random_seed
+    if stated is not None and stated != seed:
+        raise DataConfigError(
+            f"data_config.random_seed is {stated!r}, but the pipeline's seed (build_dataloaders(seed=...)) is {seed}; "
+            "the Indexed order follows the pipeline's seed: remove random_seed from data_config, set it to "
+            f"{seed}, or leave seed out of build_dataloaders to keep random_seed {stated!r}"
+        )
+    with _located("data_config"):
+        return dataclasses.replace(config, random_seed=seed)
 
 
 def build_online_text_dataset(

@@ -7,12 +7,12 @@
 Owns: which building blocks the reference documents and in which order (the top-level nodes of a pipeline, then
 each node's targets: the dataset builders, their ``data_config`` and ``data_transform``, the collators, the
 loaders and their packing policy, ``ParallelBatch``, ``PackingSchedulerConfig``, the model assets, and offline
-preparation's settings), which keys each node is given by the pipeline at run time, and rendering them as
-deterministic Markdown (stable order, no object addresses). Every parameter and field is read from the code: its
-type (``typing.get_type_hints``), its default (``inspect.signature``, ``dataclasses.fields``) and its description
-(the ``Args:``/``Attributes:`` sections of the docstrings), so the reference changes when the code does. Not
-responsible for: what the keys do (the targets), checking a config (``instantiate``, ``build_dataloaders``), or the
-prose guides of ``docs/``.
+preparation's settings), and rendering them as deterministic Markdown (stable order, no object addresses).
+Every parameter and field is read from the code: its type (``typing.get_type_hints``), its default
+(``inspect.signature``, ``dataclasses.fields``) and its description (the ``Args:``/``Attributes:`` sections of
+the docstrings), so the reference changes when the code does. Not
+responsible for: the nodes and the values each receives (``batching.pipeline_nodes``, read here), what the keys do
+(the targets), checking a config (``instantiate``, ``build_dataloaders``), or the prose guides of ``docs/``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from hyper_parallel.data.batching import (
     build_indexed_collate_fn,
     build_online_text_collate_fn,
 )
-from hyper_parallel.data.batching.dataloader import NODES, build_dataloaders
+from hyper_parallel.data.batching.pipeline_nodes import NODES, RUNTIME_VALUES
+from hyper_parallel.data.batching.pipeline_nodes import node as node_row
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
@@ -60,71 +61,24 @@ REGENERATE_COMMAND = "hp-data config-reference --output docs/configuration.md"
 
 # -- what the pipeline gives each node -----------------------------------------------------------------------------
 
-# build_dataloaders' keyword arguments that are not runtime facts offered to the nodes; its worker options override
-# the dataloader node's keys instead.
-_NOT_OFFERED = ("allowed_prefixes", "parallel_context", *(option.name for option in dataclasses.fields(WorkerOptions)))
-# The rank layout: build_dataloaders' keywords, or its parallel_context when one is given.
-_FROM_PARALLEL_CONTEXT = ("dp_rank", "dp_world_size", "cp_size", "tp_size")
-# node -> {name: (the "given by the pipeline" column, what the pipeline passes)}: the values offered to one node
-# only, beside those every built node receives.
-_NODE_VALUES = {
-    "model_assets": {
-        "tokenizer": ("yes", "`model_assets.chat_template` only: the tokenizer of `model_assets`, loaded once"),
-    },
-    "collate_fn": {
-        "cp_layout": ("with a get_batch node", "the `get_batch` node's `cp_layout`, when that node is a ParallelBatch"),
-    },
-    "dataloader": {
-        "dataset": ("yes", "each split's dataset in turn: one loader per non-empty split"),
-        "collate_fn": ("yes", "the built `collate_fn` node, or null without one"),
-    },
-    "get_batch": {
-        "parallel_context": ("yes", "the `parallel_context` argument of `build_dataloaders`, or null"),
-        "eod_token_id": ("yes", "the tokenizer's EOD id, or null without a tokenizer"),
-    },
-}
-# The nodes built with the runtime facts (model_assets builds its tokenizer and chat template with its own values).
-_BUILT_NODES = ("dataset", "collate_fn", "dataloader", "get_batch", "packing_scheduler")
 
-
-def _offered_to_every_node() -> dict[str, tuple[str, str]]:
-    """The runtime facts: ``build_dataloaders``' keyword arguments (but the allowlist and the parallel context),
-    and the chat template of ``model_assets`` when it sets one."""
-    values = {}
-    for name, parameter in inspect.signature(build_dataloaders).parameters.items():
-        if parameter.kind is not inspect.Parameter.KEYWORD_ONLY or name in _NOT_OFFERED:
-            continue
-        source = f"the `{name}` argument of `build_dataloaders`"
-        if name == "tokenizer":
-            source = "the pipeline's tokenizer (`model_assets.tokenizer` or the `tokenizer` argument), loaded once"
-        elif name in _FROM_PARALLEL_CONTEXT:
-            source += ", or its `parallel_context`"
-        values[name] = ("yes", source)
-    values["chat_template"] = (
-        "with model_assets.chat_template",
-        "the `model_assets.chat_template` node, built with the tokenizer; offered only when it is set",
-    )
-    return values
-
-
-def pipeline_values(node: str) -> dict[str, tuple[str, str]]:
-    """What ``build_dataloaders`` passes to the ``_target_`` nodes of a top-level node (nested ones included), by
-    parameter name: a target receives each value its signature names, unless the config sets that key.
+def pipeline_values(name: str) -> dict[str, tuple[str, str]]:
+    """What ``build_dataloaders`` passes to the ``_target_`` nodes of a top-level node (nested ones included): the
+    values its row of the node table receives (``pipeline_nodes.NODE_TABLE``), each by parameter name to the
+    targets that name it, unless the config sets that key.
 
     Args:
-        node: a top-level node of a pipeline config (``NODES``).
+        name: a top-level node of a pipeline config (``NODES``).
 
     Returns:
-        ``{parameter name: (when it is given, what is given)}``; empty for the nodes that are not built.
+        ``{parameter name: (when it is given, what is given)}``; empty for the nodes that receive nothing.
 
     Example::
 
-        >>> sorted(pipeline_values("get_batch"))[:3]
-        ['chat_template', 'cp_size', 'dp_rank']
+        >>> sorted(pipeline_values("get_batch"))
+        ['eod_token_id', 'parallel_context', 'scheduler']
     """
-    if node not in _BUILT_NODES:
-        return dict(_NODE_VALUES.get(node, {}))
-    return {**_offered_to_every_node(), **_NODE_VALUES.get(node, {})}
+    return {value: (RUNTIME_VALUES[value].when, RUNTIME_VALUES[value].source) for value in node_row(name).receives}
 
 
 # -- docstrings ----------------------------------------------------------------------------------------------------
@@ -486,31 +440,6 @@ def _entries() -> dict[str, list[_Entry]]:
 
 # -- the nodes -----------------------------------------------------------------------------------------------------
 
-# node -> (required, what it holds). The targets of each node are listed from the entries.
-_NODE_DOCS = {
-    "model_assets": (
-        False,
-        "the tokenizer (`tokenizer`: a path or a build_tokenizer node, instead of the `tokenizer` argument) and the "
-        "chat template (`chat_template`: a name or a build_chat_template node), built first, once",
-    ),
-    "dataset": (True, "the dataset, or `(train, valid, test)`; built on the ranks that read data"),
-    "collate_fn": (
-        False,
-        "turns the samples of a micro-batch into a batch; built on every rank. With a packing_scheduler node it is "
-        "given `cp_size: 1`, `tp_size: 1` and `sequence_parallel: false` (the scheduler pads)",
-    ),
-    "dataloader": (True, "one loader per non-empty split, built on the ranks that read data"),
-    "get_batch": (
-        False,
-        "delivers each batch as `(model_inputs, loss_inputs)` on every rank; not together with packing_scheduler",
-    ),
-    "packing_scheduler": (
-        False,
-        "the settings of `wrap_data_iterator`, returned as `DataLoaders.packing_scheduler`; not with get_batch",
-    ),
-    "debug": (False, "`check_dataset`: the level of this package's logs on rank 0 (debug, info, warn, error), or null"),
-    "variables": (False, "free values for `${variables.name}` interpolations elsewhere in the file; never built"),
-}
 _DEBUG_KEYS = (
     _Key(
         "check_dataset",
@@ -613,7 +542,7 @@ def render_reference() -> str:
 
     lines += ["## Top-level nodes", "", "| Node | Required | What it holds | Targets |", "| --- | --- | --- | --- |"]
     for node in NODES:
-        required, holds = _NODE_DOCS.get(node, (False, NO_DESCRIPTION))
+        required, holds = node_row(node).required, node_row(node).docs
         targets = ", ".join(f"`{entry.title}`" for entry in entries.get(node, []) if entry.target is not None)
         link = f"[`{node}`](#{_anchor(f'The {node} node')})"
         lines.append(f"| {link} | {'yes' if required else 'no'} | {_cell(holds)} | {targets} |")
@@ -626,7 +555,7 @@ def render_reference() -> str:
 
     for node in NODES:
         lines += [f"## The {node} node", ""]
-        required, holds = _NODE_DOCS.get(node, (False, NO_DESCRIPTION))
+        required, holds = node_row(node).required, node_row(node).docs
         lines += [f"{'Required' if required else 'Optional'}: {holds}.", ""]
         if node == "debug":
             lines += [*_table(_DEBUG_KEYS), ""]
