@@ -126,3 +126,10 @@ def test_broken_boundaries_name_the_rule(bounds, words):
 def test_non_integer_boundaries_are_refused():
     with pytest.raises(DataFileError, match="1-D sequence of integers"):
         check_cu_seq_lens(torch.tensor([0.0, 8.0]), 8, "x")
+
+
+def test_fixed_rows_the_layout_cannot_cut_are_refused_with_lengths_that_work():
+    layout = DeliveryLayout(cp_size=2, cp_layout="zigzag")
+    layout.check_row_length(4096)
+    with pytest.raises(DataConfigError, match="seq_length.*multiple of 4, such as 4096 or 4100"):
+        layout.check_row_length(4098)

@@ -49,7 +49,6 @@ __all__ = [
     "TextPackingCollator",
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
-    "check_row_length",
     "TAIL_PADDING_POLICIES",
     "indexed_batch",
 ]
@@ -472,26 +471,8 @@ class IndexedStackingCollator:
         """
         batch = indexed_batch(_stack(samples), eod_token_id=self.eod_token_id)
         if self.layout is not None:
-            check_row_length(batch.input_ids.shape[1], self.layout)
+            self.layout.check_row_length(batch.input_ids.shape[1])
         return batch
-
-
-def check_row_length(seq_length: int, layout: DeliveryLayout) -> None:
-    """Refuse Indexed rows of ``seq_length`` tokens that ``layout`` cannot cut (not a multiple of its row multiple).
-
-    Raises:
-        DataConfigError: naming ``seq_length``, the layout and the nearest valid lengths.
-    """
-    multiple = layout.row_multiple()
-    if seq_length % multiple == 0:
-        return
-    lower = seq_length - seq_length % multiple
-    such_as = " or ".join(str(value) for value in (lower, lower + multiple) if value > 0)
-    raise DataConfigError(
-        f"the Indexed rows hold {seq_length} tokens (seq_length), but the delivery layout ({layout.describe()}) cuts "
-        f"rows into multiples of {multiple}; set data_config.seq_length to a multiple of {multiple}, such as "
-        f"{such_as}"
-    )
 
 
 def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Batch:

@@ -209,6 +209,23 @@ class DeliveryLayout:
             )
         return self.max_seqlen_per_rank // multiple * multiple
 
+    def check_row_length(self, seq_length: int) -> None:
+        """Refuse fixed rows of ``seq_length`` tokens (Indexed rows, never padded) that this layout cannot cut.
+
+        Raises:
+            DataConfigError: naming ``seq_length``, the layout and the nearest valid lengths.
+        """
+        multiple = self.row_multiple()
+        if seq_length % multiple == 0:
+            return
+        lower = seq_length - seq_length % multiple
+        such_as = " or ".join(str(value) for value in (lower, lower + multiple) if value > 0)
+        raise DataConfigError(
+            f"the Indexed rows hold {seq_length} tokens (seq_length), but the delivery layout ({self.describe()}) cuts "
+            f"rows into multiples of {multiple}; set data_config.seq_length to a multiple of {multiple}, such as "
+            f"{such_as}"
+        )
+
     def _reasons(self, cp_size: int | None = None) -> str:
         cp = self._cp(cp_size)
         return (

@@ -15,7 +15,6 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from hyper_parallel.data.batching.build_collate_fn import check_row_length
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
@@ -94,7 +93,7 @@ def build_indexed_text_dataset(
     config = _with_seed(_as_config(data_config, IndexedDataConfig), data_config, seed)
     if layout is not None:
         with _located("data_config"):
-            check_row_length(config.seq_length, layout)  # before any file is read: rows are never padded
+            layout.check_row_length(config.seq_length)  # before any file is read: rows are never padded
     if tokenizer is None:
         raise DataConfigError(
             "a tokenizer is required: the samples' EOD and pad ids come from it. Pass tokenizer=<path of a Hugging "
