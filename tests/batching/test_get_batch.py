@@ -16,10 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from hyper_parallel.data.batching import ParallelBatch
-from hyper_parallel.data.batching.build_collate_fn import IndexedStackingCollator, TextPackingCollator
+from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.build_collate_fn import IndexedStackingCollator, TextPackingCollator, indexed_batch
+from hyper_parallel.data.batching.get_batch import SOURCE_TYPES
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 
 from .get_batch_reference import check_rank, expected_fields, indexed_boundaries
 
@@ -209,14 +212,17 @@ def test_attention_of_the_local_queries_equals_attention_on_each_document(mode, 
 # -- the sources' shapes ------------------------------------------------------------------------------------------
 
 
-def test_a_megatron_style_dict_gives_what_the_indexed_collator_gives():
-    """A plain ``default_collate`` dict (``tokens``, labels with 0 at padding, ``loss_mask``) is renamed once: the
-    outputs equal those of the Indexed collator's Batch of the same samples."""
+def test_a_megatron_style_dict_is_converted_once_at_the_edge():
+    """The stage takes Batches only: a plain ``default_collate`` dict (``tokens``, labels with 0 at padding,
+    ``loss_mask``) is refused naming the one converter, and converted by it gives what the Indexed collator's Batch
+    of the same samples gives."""
     samples = indexed_samples(2, 16, np.random.default_rng(3))
     stacked = torch.utils.data.default_collate(samples)
     before = stacked["labels"].clone()
-    get_batch = ParallelBatch("indexed", eod_token_id=EOD, attention_mode="dense")
-    from_dict = get_batch(iter([stacked]))
+    get_batch = ParallelBatch("indexed", attention_mode="dense")
+    with pytest.raises(DataFileError, match=r"received a dict.*indexed_batch"):
+        get_batch(iter([stacked]))
+    from_dict = get_batch(iter([indexed_batch(stacked, eod_token_id=EOD)]))
     from_batch = get_batch(iter([IndexedStackingCollator(eod_token_id=EOD)(samples)]))
     for got, wanted in zip(from_dict, from_batch, strict=True):
         assert list(got) == list(wanted)
@@ -225,10 +231,11 @@ def test_a_megatron_style_dict_gives_what_the_indexed_collator_gives():
     assert (from_dict[1]["labels"][stacked["loss_mask"] == 0] == IGNORE_INDEX).all()
 
 
-def _all_eod_samples(rows: int, columns: int) -> dict:
-    """A megatron-style batch whose inputs are all EOD, its labels the next EOD, the loss taken everywhere."""
-    tokens = torch.full((rows, columns), EOD, dtype=torch.long)
-    return {"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(rows, columns)}
+def _all_eod_samples(rows: int, columns: int, tokens: torch.Tensor | None = None) -> Batch:
+    """A batch whose inputs are all EOD (or ``tokens``), its labels the next EOD, the loss taken everywhere."""
+    tokens = torch.full((rows, columns), EOD, dtype=torch.long) if tokens is None else tokens
+    stacked = {"tokens": tokens, "labels": torch.full_like(tokens, EOD), "loss_mask": torch.ones(rows, columns)}
+    return indexed_batch(stacked, eod_token_id=EOD)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -242,8 +249,9 @@ def test_a_micro_batch_without_a_loss_token_is_refused_before_it_is_cut(rows):
             get_batch(iter([_all_eod_samples(rows, 16)]))
     with pytest.raises(DataFileError, match="or set eod_mask_loss to false"):
         at_rank(2, 0, source_type="indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([_all_eod_samples(rows, 16)]))
-    mixed = _all_eod_samples(rows, 16)
-    mixed["tokens"][-1, 5] = 7
+    tokens = torch.full((rows, 16), EOD, dtype=torch.long)
+    tokens[-1, 5] = 7
+    mixed = _all_eod_samples(rows, 16, tokens)
     _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([mixed]))
     assert loss_inputs["loss_mask"].sum() == 1
     _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD)(iter([_all_eod_samples(rows, 16)]))
@@ -253,7 +261,7 @@ def test_a_micro_batch_without_a_loss_token_is_refused_before_it_is_cut(rows):
 def test_a_batch_of_another_kind_is_refused_with_the_fix():
     with pytest.raises(DataFileError, match=r"received a list.*build_online_text_collate_fn"):
         ParallelBatch("online")(iter([[1, 2, 3]]))
-    with pytest.raises(DataFileError, match=r"received a dict.*megatron-style dict with tokens"):
+    with pytest.raises(DataFileError, match=r"received a dict.*convert a megatron-style dict once"):
         ParallelBatch("online")(iter([{"tokens": torch.zeros(1, 4, dtype=torch.long)}]))
 
 
@@ -277,8 +285,6 @@ def test_the_outputs_are_on_the_device():
 def test_a_broken_boundary_list_is_refused_naming_the_rule():
     batch = online_batches(1, "contiguous", count=1)[0]
     broken = {"input_ids": batch.input_ids, "labels": batch.labels, "cu_seq_lens": torch.tensor([0, 3, 3, 99])}
-    from hyper_parallel.data.batching.batch import Batch
-
     with pytest.raises(DataFileError, match="cu_seq_lens"):
         ParallelBatch("online")(iter([Batch(**broken)]))
 
@@ -302,8 +308,7 @@ def test_a_broken_boundary_list_is_refused_naming_the_rule():
             r"no effect with attention_mode 'packed'.*window_size=\(8, 0\)",
         ),
         ({"sliding_window": 8, "attention_mode": "none"}, r"no effect with attention_mode 'none'"),
-        ({"source_type": "indexed", "eod_token_id": None}, r"eod_token_id is not set, but indexed boundaries need it"),
-        ({"eod_mask_loss": True}, r"eod_token_id is not set, but eod_mask_loss need"),
+        ({"eod_mask_loss": True}, r"eod_token_id is not set, but eod_mask_loss needs it"),
         ({"eod_token_id": -1}, r"eod_token_id must be an integer >= 0, got -1"),
         ({"parallel_context": object()}, r"parallel_context must be a DataLoaderParallelContext"),
     ],
@@ -314,16 +319,27 @@ def test_bad_settings_are_named_with_the_fix(settings, message):
         ParallelBatch(settings.pop("source_type"), **settings)
 
 
-def test_layouts_the_attention_mode_or_source_cannot_use_are_refused():
+def test_layouts_the_attention_mode_cannot_use_are_refused_and_the_source_type_decides_nothing():
     with pytest.raises(
         DataConfigError, match=r"attention_mode 'packed' with cp_size 2 needs cp_layout 'zigzag_thd', got"
     ):
         at_rank(2, 0, source_type="online", attention_mode="packed", cp_layout="zigzag")
-    with pytest.raises(DataConfigError, match=r"'zigzag_thd' with cp_size 2 needs every sequence padded.*indexed"):
-        at_rank(2, 1, source_type="indexed", cp_layout="zigzag_thd", eod_token_id=EOD)
     at_rank(2, 0, source_type="online", attention_mode="packed", cp_layout="zigzag_thd")
     ParallelBatch("online", attention_mode="packed")  # one CP rank: every layout holds the whole row
-    ParallelBatch("indexed", cp_layout="zigzag_thd", eod_token_id=EOD)
+    # Indexed rows cut at EOD tokens do not divide into 2 * cp chunks: the batch's own boundaries say so.
+    with pytest.raises(DataConfigError, match=r"zigzag_thd CP layout cuts every sequence into 2\*cp_size=4"):
+        at_rank(2, 1, source_type="indexed", cp_layout="zigzag_thd")(iter(indexed_batches(seed=5)))
+    for source_type in SOURCE_TYPES:  # the same batch gives the same outputs whatever the source type says
+        get_batch = ParallelBatch(source_type, attention_mode="packed")
+        assert repr(get_batch(iter(online_batches(1, "contiguous", count=1)))) == repr(
+            ParallelBatch("online", attention_mode="packed")(iter(online_batches(1, "contiguous", count=1)))
+        )
+
+
+def test_the_layout_is_decided_once_from_the_context():
+    layout = at_rank(4, 1, cp_layout="zigzag_thd", sequence_parallel=True).layout
+    assert layout == DeliveryLayout(cp_size=4, cp_layout="zigzag_thd", sequence_parallel=True)
+    assert layout.sequence_multiple() == 8 and layout.pad_sequences
 
 
 def test_repr_names_the_settings_and_the_ranks():

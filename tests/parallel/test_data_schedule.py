@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
-from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.parallel.data_schedule import (
+from hyper_parallel.data.batching.data_schedule import (
     get_batch_on_this_cp_rank,
     get_batch_on_this_rank_for_sequence_packing,
     wrap_data_iterator,
 )
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 from parallel.launch import launch
