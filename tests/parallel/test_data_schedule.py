@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.batching.data_schedule import (
     get_batch_on_this_cp_rank,
@@ -86,6 +87,11 @@ def members(group) -> list[int]:
     return [torch.distributed.get_rank()] if group is None else torch.distributed.get_process_group_ranks(group)
 
 
+def listed(tensor):
+    """A delivered field as lists; None for a field this PP stage does not own."""
+    return None if tensor is None else tensor.tolist()
+
+
 def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
     """Every step of one case: the scheduler's outcome and each micro-batch this rank receives."""
     config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
@@ -106,7 +112,7 @@ def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
             params = batch["packed_seq_params"]
             micro_batches.append(
                 {
-                    **{name: batch[name].tolist() for name in ("tokens", "labels", "loss_mask", "position_ids")},
+                    **{name: listed(batch[name]) for name in ("tokens", "labels", "loss_mask", "position_ids")},
                     "cu": [
                         getattr(params, name).tolist()
                         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -140,15 +146,15 @@ def error_case(case: dict, groups: ProcessGroupCollection) -> dict:
             yield item
 
     try:
-        config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
+        settings = {"max_seqlen_per_dp_cp_rank": MAX_SEQLEN, **case["config"]}
+        config = PackingSchedulerConfig(**settings | case.get("config_by_position", {}).get(str(groups.position), {}))
+        count = case.get("microbatches_by_position", {}).get(str(groups.position), case.get("num_microbatches", 2))
         chosen = (
             groups
             if case.get("groups", "full") == "full"
             else ProcessGroupCollection(tp=groups.tp, pp=groups.pp, dp=groups.dp, cp=groups.cp)
         )
-        wrap_data_iterator(
-            counted() if groups.is_data_rank else None, config, case.get("num_microbatches", 2), pg_collection=chosen
-        )
+        wrap_data_iterator(counted() if groups.is_data_rank else None, config, count, pg_collection=chosen)
     except (DataConfigError, DataFileError, StopIteration) as error:
         return {"error": [type(error).__name__, str(error)], "reads": len(reads)}
     return {"error": None, "reads": len(reads)}
@@ -156,18 +162,11 @@ def error_case(case: dict, groups: ProcessGroupCollection) -> dict:
 
 def case_items(case: dict, dp_rank: int):
     kind = case["items"]
-    if kind == "zero_spans":  # a Megatron-style mapping whose boundaries hold only zero-length spans
-        yield {
-            "tokens": torch.zeros(1, 0, dtype=torch.int64),
-            "labels": torch.zeros(1, 0, dtype=torch.int64),
-            "cu_seqlens": torch.zeros(3, dtype=torch.int32),
-        }
-    elif kind == "bad_on_1" and dp_rank == 1:
-        yield {
-            "tokens": torch.ones(1, 4, dtype=torch.int64),
-            "labels": torch.ones(1, 4, dtype=torch.int64),
-            "cu_seqlens": torch.tensor([0, 3], dtype=torch.int32),
-        }
+    if kind == "zero_spans":  # boundaries with a zero-length span: the batch contract refuses them when read
+        ones = torch.ones(1, 4, dtype=torch.int64)
+        yield Batch(input_ids=ones, labels=ones, cu_seq_lens=torch.tensor([0, 2, 2, 4], dtype=torch.int32))
+    elif kind == "bad_on_1" and dp_rank == 1:  # a Megatron-style dict: the stage takes Batches only
+        yield {"tokens": torch.ones(1, 4, dtype=torch.int64), "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32)}
     elif kind == "oversize":
         length = 4 * MAX_SEQLEN + 1
         yield TextPackingCollator()([{"input_ids": np.arange(1, length + 1), "labels": np.arange(length)}])
@@ -249,10 +248,16 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
         assert all(run["steps"][step]["after"] == "StopIteration" for run in runs)
         seen: dict[int, int] = {}
         labels = expected_tokens(case, dp, step)
+        stride, pp = dp * cp * tp, dims.get("pp", 1)
         for rank, (run, (_, _, tp_rank, pp_rank, _)) in enumerate(zip(runs, places, strict=True)):
             for m, batch in enumerate(run["steps"][step]["micro_batches"]):
-                peer = runs[rank - tp_rank - pp_rank * dp * cp * tp]["steps"][step]["micro_batches"][m]
-                assert without_groups(batch) == without_groups(peer), "TP and PP peers receive identical tensors"
+                peer = runs[rank - tp_rank]["steps"][step]["micro_batches"][m]
+                assert without_groups(batch) == without_groups(peer), "TP peers receive identical tensors"
+                check_stage_fields(batch, pp_rank, pp)
+                first = runs[rank - pp_rank * stride]["steps"][step]["micro_batches"][m]
+                last = runs[rank + (pp - 1 - pp_rank) * stride]["steps"][step]["micro_batches"][m]
+                assert thd_metadata(batch) == thd_metadata(first), "every PP stage gets the same THD metadata"
+                batch = batch | {name: first[name] for name in FIRST_STAGE} | {name: last[name] for name in LAST_STAGE}
                 assert rank in batch["cp_group"]
                 check_micro_batch(batch, config, tp, allowed, rank)
                 if tp_rank or pp_rank:
@@ -264,6 +269,21 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
         assert sorted(seen.values()) == [1] * len(seen), "a valid token arrived twice"
         assert seen.keys() == labels.keys(), f"step {step}: every valid token arrives"
         check_groups_hold_one_micro_batch(runs, places, step, cp)
+
+
+FIRST_STAGE = ("tokens", "position_ids")  # PP stage 0 (and MTP stages) only
+LAST_STAGE = ("labels", "loss_mask")  # the last PP stage only
+
+
+def check_stage_fields(batch: dict, pp_rank: int, pp: int) -> None:
+    """Megatron's pipeline field ownership: the first stage tokens and positions, the last labels and loss mask,
+    the middle stages only the THD metadata (the others are None)."""
+    for names, owned in ((FIRST_STAGE, pp_rank == 0), (LAST_STAGE, pp_rank == pp - 1)):
+        assert all((batch[name] is not None) == owned for name in names), (pp_rank, names)
+
+
+def thd_metadata(batch: dict) -> dict:
+    return {name: batch[name] for name in ("cu", "cu_dtype", "max_seqlen", "format", "local_cp_size")}
 
 
 def without_groups(batch: dict) -> dict:
@@ -339,6 +359,10 @@ GRIDS = {
             "oversize": SMALL | {"items": "oversize", "config": {}},
             "no_dynamic_groups": SMALL | {"items": "normal", "groups": "static", "config": {"scheduler": "dynamic_cp"}},
             "zero_microbatches": SMALL | {"items": "normal", "config": {}, "num_microbatches": 0},
+            "other_microbatches": SMALL
+            | {"items": "normal", "config": {}, "microbatches_by_position": {"2": 3, "3": 3}},
+            "other_limit": SMALL
+            | {"items": "normal", "config": {}, "config_by_position": {"3": {"max_seqlen_per_dp_cp_rank": 128}}},
         },
         "extra": True,
     },
@@ -386,12 +410,17 @@ GRIDS = {
         "shape": (2, 2),
         "names": ("pp", "cp"),
         "sizes": (1, 2),
-        "dims": {"dp": 1, "cp": 2, "tp": 1},
+        "dims": {"dp": 1, "cp": 2, "tp": 1, "pp": 2},
         "cases": {
             "dp_balanced": BASE | {"seed": 41, "config": {"scheduler": "dp_balanced"}},
+            "dp_balanced_vpp": BASE | {"seed": 43, "config": {"scheduler": "dp_balanced", "vpp_size": 2}},
             "dynamic_cp": DYNAMIC_BASE | {"seed": 42, "longest": 2 * MAX_SEQLEN, "config": {"scheduler": "dynamic_cp"}},
         },
-        "errors": {"zero_spans": SMALL | {"items": "zero_spans", "config": {}}},
+        "errors": {
+            "zero_spans": SMALL | {"items": "zero_spans", "config": {}},
+            "other_scheduler": SMALL
+            | {"items": "normal", "config": {}, "config_by_position": {"1": {"scheduler": "compute_balanced"}}},
+        },
     },
 }
 
@@ -462,12 +491,12 @@ def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     check_case(cp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
 
 
-def test_an_empty_global_batch_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
+def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
     for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
         errors = {tuple(report["zero_spans"]["error"]) for report in reports}
         assert len(errors) == 1, errors
         kind, message = errors.pop()
-        assert kind == "DataFileError" and "the global batch holds no sequence" in message
+        assert kind == "DataFileError" and "it must strictly increase, but entry 2 is 2 after 2" in message
 
 
 def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2):
@@ -475,9 +504,31 @@ def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2)
         kind, message = report["bad_on_1"]["error"]
         assert kind == "DataFileError"
         if report["place"][0] == 1:
-            assert "cu_seq_lens [0, 3] must start at 0, never decrease, and end at the 4 tokens" in message
+            assert "micro-batch 0 of this step is a dict; the packing scheduler takes Batches" in message
+            assert "indexed_batch" in message
         else:
             assert "DP rank 1 failed to read its micro-batches" in message
+
+
+@pytest.mark.parametrize(
+    ("grid", "case", "expected"),
+    [
+        ("dp2_cp2", "other_microbatches", "disagree on num_microbatches (num_microbatches: DP 0 CP 0 2, DP 0 CP 1 2, "
+         "DP 1 CP 0 3, DP 1 CP 1 3)"),
+        ("dp2_cp2", "other_limit", "disagree on max_seqlen_per_dp_cp_rank (max_seqlen_per_dp_cp_rank: DP 0 CP 0 64, "
+         "DP 0 CP 1 64, DP 1 CP 0 64, DP 1 CP 1 128)"),
+        ("cp2_pp2", "other_scheduler", "disagree on scheduler (scheduler: DP 0 CP 0 'dp_balanced', DP 0 CP 1 "
+         "'compute_balanced')"),
+    ],
+)  # fmt: skip
+def test_ranks_that_disagree_raise_the_same_error_everywhere_before_delivering(request, grid, case, expected):
+    """A rank of the DP x CP domain with another num_microbatches or scheduler field fails the step on every rank
+    (TP peers and PP stages included), naming the field and each rank's value, instead of hanging."""
+    reports = request.getfixturevalue(grid)
+    errors = {tuple(report[case]["error"]) for report in reports}
+    assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert kind == "DataConfigError" and expected in message and "build every rank from the same config" in message
 
 
 def test_a_sequence_too_long_for_every_cp_size_fails_on_every_rank(dp2_cp2):
