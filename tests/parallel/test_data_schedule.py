@@ -27,6 +27,7 @@ from hyper_parallel.data.batching.data_schedule import (
     get_batch_on_this_rank_for_sequence_packing,
     wrap_data_iterator,
 )
+from hyper_parallel.data.batching.get_batch import LOSS_INPUT_KEYS, MODEL_INPUT_KEYS, ParallelBatch
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
@@ -92,6 +93,49 @@ def listed(tensor):
     return None if tensor is None else tensor.tolist()
 
 
+def micro_batch_record(batch: dict) -> dict:
+    """What the test checks of one delivered micro-batch, from Megatron's keys."""
+    params = batch["packed_seq_params"]
+    return {
+        **{name: listed(batch[name]) for name in ("tokens", "labels", "loss_mask", "position_ids")},
+        "cu": [
+            getattr(params, name).tolist()
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+        ],
+        "cu_dtype": str(params.cu_seqlens_q.dtype),
+        "max_seqlen": [params.max_seqlen_q, params.max_seqlen_kv],
+        "format": params.qkv_format,
+        "local_cp_size": params.local_cp_size,
+        "cp_group": members(params.cp_group),
+        "tp_cp_group": None if params.tp_cp_group is None else members(params.tp_cp_group),
+    }
+
+
+def stage_case(case: dict, groups: ProcessGroupCollection) -> dict:
+    """The same case through ``ParallelBatch`` itself: ``schedule`` once per step, then iterate the step."""
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
+    get_batch = ParallelBatch(
+        attention_mode="packed", cp_layout="zigzag_thd", reset_position_ids=True, scheduler=config,
+        pg_collection=groups, sequence_parallel=config.sequence_parallel,
+    )  # fmt: skip
+    iterator = loader(case, groups.dp_rank) if groups.is_data_rank else None
+    steps = []
+    while len(steps) <= case["steps"]:
+        try:
+            step = get_batch.schedule(iterator, case["num_microbatches"])
+        except StopIteration:
+            return {"steps": steps, "stopped": True}
+        micro_batches = []
+        for model_inputs, loss_inputs in step:  # our keys, mapped to Megatron's here in the test
+            assert set(model_inputs) == set(MODEL_INPUT_KEYS) and set(loss_inputs) == set(LOSS_INPUT_KEYS)
+            fields = {"tokens": model_inputs["input_ids"], "position_ids": model_inputs["position_ids"],
+                      "labels": loss_inputs["labels"], "loss_mask": loss_inputs["loss_mask"],
+                      "packed_seq_params": model_inputs["packed_seq_params"]}  # fmt: skip
+            micro_batches.append(micro_batch_record(fields))
+        steps.append({"count": len(step), "stats": step.stats.as_tensor().tolist(), "micro_batches": micro_batches})
+    return {"steps": steps, "stopped": False}
+
+
 def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
     """Every step of one case: the scheduler's outcome and each micro-batch this rank receives."""
     config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
@@ -109,22 +153,7 @@ def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
             batch = get_batch_on_this_rank_for_sequence_packing(
                 wrapped, pg_collection=groups, dynamic_cp=dynamic, sequence_parallel=config.sequence_parallel, **stage
             )
-            params = batch["packed_seq_params"]
-            micro_batches.append(
-                {
-                    **{name: listed(batch[name]) for name in ("tokens", "labels", "loss_mask", "position_ids")},
-                    "cu": [
-                        getattr(params, name).tolist()
-                        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-                    ],
-                    "cu_dtype": str(params.cu_seqlens_q.dtype),
-                    "max_seqlen": [params.max_seqlen_q, params.max_seqlen_kv],
-                    "format": params.qkv_format,
-                    "local_cp_size": params.local_cp_size,
-                    "cp_group": members(params.cp_group),
-                    "tp_cp_group": None if params.tp_cp_group is None else members(params.tp_cp_group),
-                }
-            )
+            micro_batches.append(micro_batch_record(batch))
         try:
             get_batch_on_this_rank_for_sequence_packing(wrapped, pg_collection=groups, dynamic_cp=dynamic, **stage)
             after = "another micro-batch"
@@ -198,6 +227,10 @@ def grid_worker(rank: int, world_size: int, *, shape, names, sizes, cases, error
             report[name] = run_case(case, groups)
         except (DataConfigError, DataFileError) as error:
             report[name] = {"failed": [type(error).__name__, str(error)]}
+    for name, case in cases.items():
+        report[f"{name}@stage"] = stage_case(case, groups)
+    first = next(iter(cases.values()))
+    report["evaluation"] = [run_case(first, groups) for _ in range(2)]  # two evaluations, fresh iterators
     for name, case in errors.items():
         report[name] = error_case(case, groups)
     if extra:
@@ -489,6 +522,35 @@ def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     grid = GRIDS["cp2_pp2"]
     allowed = grid["sizes"] if name.startswith("dynamic") else (grid["dims"]["cp"],)
     check_case(cp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
+
+
+ALL_GRIDS = ("dp2_cp2", "dp2_cp2_tp2", "dp3", "cp2_pp2")
+
+
+@pytest.mark.parametrize("grid", ALL_GRIDS)
+def test_parallel_batch_and_the_megatron_views_deliver_the_same_micro_batches(request, grid):
+    """``ParallelBatch.schedule`` iterated directly gives, rank by rank, exactly what ``wrap_data_iterator`` and
+    ``get_batch_on_this_rank_for_sequence_packing`` give for the same input."""
+    for report in request.getfixturevalue(grid):
+        for name in GRIDS[grid]["cases"]:
+            views = report[name]
+            direct = report[f"{name}@stage"]
+            assert direct["stopped"] and views["stopped"]
+            steps = [{key: value for key, value in step.items() if key != "after"} for step in views["steps"]]
+            assert direct["steps"] == steps, (grid, name, report["place"])
+
+
+@pytest.mark.parametrize("grid", ALL_GRIDS)
+def test_evaluation_ends_on_every_rank_at_once_and_can_run_again(request, grid):
+    """One wrap_data_iterator call per evaluation iteration; when the data ends, StopIteration reaches every DP
+    rank, TP peer and PP stage in the same call, and a second evaluation over fresh iterators delivers the same."""
+    reports = request.getfixturevalue(grid)
+    first = next(iter(GRIDS[grid]["cases"]))
+    for report in reports:
+        passes = report["evaluation"]
+        assert all(run["stopped"] for run in passes)
+        assert passes[0] == passes[1] == report[first]
+    assert len({len(report["evaluation"][0]["steps"]) for report in reports}) == 1
 
 
 def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
