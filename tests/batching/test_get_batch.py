@@ -9,6 +9,7 @@ the conventions of docs/distributed.md, sharing no code with the library). The m
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,11 +19,13 @@ import torch.nn.functional as F
 from hyper_parallel.data.batching import ParallelBatch
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import IndexedStackingCollator, TextPackingCollator, indexed_batch
-from hyper_parallel.data.batching.get_batch import SOURCE_TYPES
+from hyper_parallel.data.batching.get_batch import LOSS_INPUT_KEYS, MODEL_INPUT_KEYS, SOURCE_TYPES
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
 from .get_batch_reference import check_rank, expected_fields, indexed_boundaries
 
@@ -345,3 +348,56 @@ def test_the_layout_is_decided_once_from_the_context():
 def test_repr_names_the_settings_and_the_ranks():
     text = repr(at_rank(4, 3, source_type="online", cp_layout="zigzag", attention_mode="flex"))
     assert "source_type='online'" in text and "cp_layout='zigzag'" in text and "cp=3/4" in text and "tp=0/1" in text
+
+
+# -- scheduled steps (one process; the gloo meshes are in tests/parallel/test_data_schedule.py) -------------------
+
+
+def scheduled(**settings) -> ParallelBatch:
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=32, **settings)
+    return ParallelBatch(attention_mode="packed", scheduler=config, pg_collection=ProcessGroupCollection())
+
+
+def test_a_scheduled_step_delivers_every_token_once_with_the_same_keys():
+    """``schedule`` plans one step; ``len(step)`` micro-batches come out of ``get_batch(step)`` and of iterating it,
+    with the keys of every other mode, then ``StopIteration``; every real token of the step arrives once."""
+    batches = online_batches(1, "contiguous", count=4, seed=7)
+    wanted = sorted(t for batch in batches for t in batch.input_ids[0].tolist() if t)  # ids 3..49; 0 pads
+    get_batch = scheduled()
+    iterator = iter(batches)
+    seen = []
+    for _ in range(2):
+        step = get_batch.schedule(iterator, 2)
+        assert len(step) == step.num_micro_batches == step.stats.num_micro_batches >= 1
+        first = get_batch(step)
+        rest = list(step)
+        assert len(rest) == len(step) - 1
+        for model_inputs, loss_inputs in [first, *rest]:
+            assert tuple(model_inputs) == MODEL_INPUT_KEYS and tuple(loss_inputs) == LOSS_INPUT_KEYS
+            params = model_inputs["packed_seq_params"]
+            assert params.local_cp_size == 1 and params.cp_group is None
+            ids = model_inputs["input_ids"][0]
+            seen += ids[ids != 0].tolist()
+        with pytest.raises(StopIteration):
+            next(step)
+    with pytest.raises(StopIteration):
+        get_batch.schedule(iterator, 2)
+    assert sorted(seen) == wanted
+
+
+def test_the_layout_takes_the_schedulers_alignment():
+    layout = scheduled(pad_packed_seq_alignment=8, mxfp8=True).layout
+    assert layout == DeliveryLayout(alignment=8, mxfp8=True, max_seqlen_per_rank=32)
+    assert layout.local_multiple() == 32
+
+
+def test_a_scheduler_needs_its_groups_and_a_plain_stage_cannot_plan():
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=32)
+    with pytest.raises(DataConfigError, match=r"needs their groups: pass pg_collection"):
+        ParallelBatch(scheduler=config)
+    with pytest.raises(DataConfigError, match=r"pg_collection.dynamic_cp, which is empty"):
+        ParallelBatch(scheduler=replace(config, scheduler="dynamic_cp"), pg_collection=ProcessGroupCollection())
+    with pytest.raises(DataConfigError, match=r"scheduler must be a PackingSchedulerConfig, got dict"):
+        ParallelBatch(scheduler={"max_seqlen_per_dp_cp_rank": 32}, pg_collection=ProcessGroupCollection())
+    with pytest.raises(DataConfigError, match=r"has no scheduler, so it cannot plan a step"):
+        ParallelBatch().schedule(iter([]), 1)
