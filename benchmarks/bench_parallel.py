@@ -1,4 +1,5 @@
-"""Per-rank attention metadata of the parallel delivery step against upstream's global dense mask; TP broadcast bytes.
+"""Per-rank attention metadata of the parallel delivery step against upstream's global dense mask; TP broadcast bytes;
+PP bytes with field ownership against every field to every stage.
 
 * **Input.** One packed row (``R = 1``) of ``T`` global tokens (8k, 32k and 128k; 8k and 32k with ``--quick``)
   holding documents of seeded lognormal lengths (median 1,024 tokens, sigma 1.0, each a multiple of 16 so that
@@ -12,6 +13,12 @@
   Skipped at 128k (16 GiB of bool); so is our dense mask wherever it would need more than 4 GiB.
 * **Checked.** At the smallest size, our cp-1 dense mask equals the reference, and every rank's mask at cp 2 is the
   reference's rows at its columns.
+* **PP bytes.** At 32k tokens (cp 1), the bytes one ``BatchRelay`` PP hop sends from stage 0 for one micro-batch
+  (``pipeline_bytes``, the count the relay's ``last_pp_bytes`` reports, asserted equal in ``tests/parallel/
+  test_relay.py``) with Megatron-Core's field ownership, against the same hop sending every field to every stage,
+  for PP 2, 4 and 8 and two field sets: the packed micro-batch (int64 ``input_ids`` and ``labels``, the int32
+  ``cu_seq_lens``, ``local_cp_size``) and Megatron's full set (adding int64 ``position_ids`` and float32
+  ``loss_mask``).
 """
 
 from __future__ import annotations
@@ -28,10 +35,19 @@ import torch
 
 from benchmarks.common import BenchContext, Row, log, measure
 from hyper_parallel.data.batching.attention_runtime import dense_attention_mask, flex_block_mask, packed_seq_params
-from hyper_parallel.data.parallel.batch_parallel import broadcast_bytes, cp_local_columns, header_bytes
+from hyper_parallel.data.parallel.batch_parallel import (
+    BROADCAST_FIELDS,
+    broadcast_bytes,
+    cp_local_columns,
+    header_bytes,
+    pipeline_bytes,
+)
 
 NAME = "parallel"
-TITLE = "Per-rank attention metadata (dense, packed, flex) vs upstream's global dense mask; TP broadcast bytes"
+TITLE = (
+    "Per-rank attention metadata (dense, packed, flex) vs upstream's global dense mask; TP broadcast bytes; PP bytes "
+    "with field ownership vs every field to every stage"
+)
 
 TOKENS_FULL = (8 * 1024, 32 * 1024, 128 * 1024)
 TOKENS_QUICK = (8 * 1024, 32 * 1024)
@@ -70,6 +86,14 @@ _NOTE_BROADCAST = (
     "bytes one TP broadcast sends (TPBatchBroadcaster: header, the CP-local input_ids and labels, the global int32 "
     "cu_seq_lens), against the local tensors' bytes plus the header"
 )
+_NOTE_PIPELINE = (
+    "bytes one BatchRelay PP hop sends from stage 0 for one micro-batch with Megatron-Core's field ownership (first "
+    "stage: input_ids, position_ids; last: labels, loss_mask; every stage: cu_seq_lens, local_cp_size), a header per "
+    "later stage included; reference: the same hop sending every field to every stage"
+)
+PP_SIZES = (2, 4, 8)
+PIPELINE_SLACK = 1.05
+RELAY_FIELDS = (*BROADCAST_FIELDS, "local_cp_size")
 _NOTE_SKIPPED = f"more than {DENSE_LIMIT >> 30} GiB of bool mask"
 
 
@@ -236,10 +260,34 @@ def _broadcast_rows(cu_seq_lens: np.ndarray, tokens: int) -> list[Row]:
     return rows
 
 
+def pipeline_goal(pp_size: int, fields: dict[str, torch.Tensor]) -> float:
+    """The most a hop may send against every field to every stage: the last stage's own fields alone, once instead
+    of once per later stage, with 5% for the headers and the middle stages' THD metadata."""
+    last = sum(fields[name].numel() * fields[name].element_size() for name in ("labels", "loss_mask") if name in fields)
+    return PIPELINE_SLACK * last / ((pp_size - 1) * sum(t.numel() * t.element_size() for t in fields.values()))
+
+
+def _pipeline_rows(cu_seq_lens: np.ndarray, tokens: int) -> list[Row]:
+    ids = torch.zeros(1, tokens, dtype=torch.int64)
+    packed = {"input_ids": ids, "labels": ids.clone(), "cu_seq_lens": torch.from_numpy(cu_seq_lens),
+              "local_cp_size": torch.ones(1, dtype=torch.int64)}  # fmt: skip
+    megatron = {**packed, "position_ids": ids.clone(), "loss_mask": torch.ones(1, tokens)}
+    rows = []
+    for label, fields in (("packed", packed), ("megatron fields", megatron)):
+        for pp in PP_SIZES:
+            ours = pipeline_bytes(fields, pp, field_names=RELAY_FIELDS)
+            everything = pipeline_bytes(fields, pp, owners={}, field_names=RELAY_FIELDS)
+            rows.append(
+                Row.compare(f"PP hop {_label(tokens)} {label} pp{pp}: bytes sent", ours / 1e3, everything / 1e3, "KB",
+                            pipeline_goal(pp, fields), _NOTE_PIPELINE, higher_is_better=False)
+            )  # fmt: skip
+    return rows
+
+
 def run(context: BenchContext) -> list[Row]:
-    """Per size, each mode's build time, peak memory and size for every cp, then the broadcast bytes."""
+    """Per size, each mode's build time, peak memory and size for every cp, then the TP and PP bytes."""
     rows = []
     for index, tokens in enumerate(TOKENS_QUICK if context.quick else TOKENS_FULL):
         timings = _timings(context, tokens, check=index == 0)
         rows += _size_rows(tokens, timings, _peaks(tokens))
-    return rows
+    return rows + _pipeline_rows(boundaries(GOAL_TOKENS), GOAL_TOKENS)

@@ -13,6 +13,12 @@
   against reading and collating the same step with the library's online collator (``TextPackingCollator``): the
   step's tokens are generated untimed into one buffer, then each DP rank's ``NUM_MICROBATCHES`` micro-batches
   (consecutive sequences, about ``cp * capacity`` tokens each) are sliced out as samples and collated, timed.
+* **Dynamic CP against Megatron's rule.** ``MEGATRON_STEPS`` seeded lognormal steps per rank count
+  (``MEGATRON_RANKS``, 4 to 64 DP x CP ranks, CP 2; median 2,048 tokens, sigma 1.0, clipped to ``[128, 32768]``;
+  ``max_seqlen_per_dp_cp_rank`` 8k; as many sequences as fill ``FILL`` of ``NUM_MICROBATCHES * R * 8k`` tokens)
+  go through ours (``dynamic_cp`` with cost ``L**2``, sizes the powers of two dividing ``R``) and through
+  ``benchmarks.megatron_dynamic_cp`` (Megatron-LM's published rule, written from its description), both measured
+  by ``schedule_quality`` (cost ``L**2 / cp`` per rank over real lengths).
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.common import BenchContext, Row, log, measure
+from benchmarks.megatron_dynamic_cp import (
+    ScheduleQuality,
+    check_reference_schedule,
+    megatron_dynamic_cp,
+    schedule_quality,
+)
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig, build_schedule, schedule_stats
 
@@ -39,6 +51,11 @@ EFFICIENCY_GOAL = 0.99
 BALANCE_GOAL = 1.05
 TIME_GOAL = 0.05
 SCHEDULERS = ("dp_balanced", "dynamic_cp", "compute_balanced")
+MEGATRON_RANKS = (4, 8, 12, 32, 64)  # DP x CP ranks of the side-by-side rows (12: not a power of two)
+MEGATRON_CP = 2
+MEGATRON_STEPS, MEGATRON_STEPS_QUICK = 8, 3
+MEGATRON_CAPACITY = 8192
+MEGATRON_MEDIAN, MEGATRON_SIGMA, MEGATRON_SHORTEST, MEGATRON_LONGEST = 2048, 1.0, 128, 32 * 1024
 
 _NOTE_EFFICIENCY = (
     "FlopsStats.packing_efficiency: valid tokens over the tokens the ranks hold (each group's local packed length "
@@ -59,6 +76,127 @@ _NOTE_TIME = (
     "ranks' micro-batches of the step (token generation untimed, no tokenizing); each DP rank collates only its "
     "quarter of that in parallel, so against one rank's collation the ratio is 4x"
 )
+
+
+_NOTE_MEGATRON_BALANCE = (
+    "schedule_quality over the steps: the most loaded rank's step cost (sum of L^2 / cp over real lengths) over "
+    "the mean rank's, averaged over the steps; reference: Megatron-LM's dynamic-CP rule (benchmarks/"
+    "megatron_dynamic_cp.py: longest first, power-of-two sizes, cost L^2/cp, cap 1.05 x tallest x mslpr, empty "
+    "ranks filled by growing groups) on the same lengths"
+)
+_NOTE_MEGATRON_CRITICAL = (
+    "schedule_quality: per step, the sum over micro-batches of the most loaded rank's cost (a step whose "
+    "micro-batches each wait for their slowest rank), summed over the steps, in units of L^2 / 1e9 (information)"
+)
+_NOTE_MEGATRON_COUNT = "micro-batches over the steps, ours against Megatron's rule (information; fewer is better)"
+_NOTE_MEGATRON_EMPTY = (
+    "groups (and micro-batches) that hold at least one sequence, as a fraction of all, over the steps; the row "
+    "name gives the counts of padding-only groups and of micro-batches empty on every rank, ours vs reference; "
+    "goal: never more empty ones than Megatron's rule"
+)
+
+
+def megatron_lengths(ranks: int, seed: int) -> np.ndarray:
+    """One side-by-side step: seeded lognormal lengths filling ``FILL`` of the step's micro-batches."""
+    rng = np.random.default_rng(seed)
+    target = FILL * NUM_MICROBATCHES * ranks * MEGATRON_CAPACITY
+    more = rng.lognormal(np.log(MEGATRON_MEDIAN), MEGATRON_SIGMA, size=int(4 * target / MEGATRON_MEDIAN) + 16)
+    lengths = np.clip(np.round(more), MEGATRON_SHORTEST, MEGATRON_LONGEST).astype(np.int64)
+    return lengths[: max(ranks, int(np.searchsorted(np.cumsum(lengths), target, side="right")))]
+
+
+def ours_dynamic_cp(lengths: np.ndarray, ranks: int) -> ScheduleQuality:
+    """Our ``dynamic_cp`` schedule of one step with cost ``L**2``, measured by ``schedule_quality``."""
+    config = PackingSchedulerConfig(
+        max_seqlen_per_dp_cp_rank=MEGATRON_CAPACITY, scheduler="dynamic_cp", cost_linear=0, cost_quadratic=1
+    )
+    sizes = [1 << k for k in range(ranks.bit_length()) if ranks % (1 << k) == 0]
+    built = build_schedule(
+        config,
+        lengths,
+        layout=config.layout(cp_size=MEGATRON_CP, tp_size=1),
+        dp_size=ranks // MEGATRON_CP,
+        dynamic_cp_sizes=sizes,
+    )
+    return schedule_quality(built.micro_batches, lengths, ranks=ranks)
+
+
+def megatron_reference(lengths: np.ndarray, ranks: int) -> ScheduleQuality:
+    """Megatron's dynamic-CP rule on one step, its invariants checked, measured by ``schedule_quality``."""
+    micro_batches = megatron_dynamic_cp(lengths, ranks=ranks, max_seqlen_per_rank=MEGATRON_CAPACITY)
+    check_reference_schedule(micro_batches, lengths, ranks=ranks, max_seqlen_per_rank=MEGATRON_CAPACITY)
+    return schedule_quality(micro_batches, lengths, ranks=ranks)
+
+
+def megatron_rows(steps: int) -> list[Row]:
+    """The side-by-side rows: ours against Megatron's dynamic-CP rule on the same steps, per rank count."""
+    rows = []
+    for ranks in MEGATRON_RANKS:
+        ours, reference = [], []
+        for step in range(steps):
+            lengths = megatron_lengths(ranks, SEED + 100 * ranks + step)
+            ours.append(ours_dynamic_cp(lengths, ranks))
+            reference.append(megatron_reference(lengths, ranks))
+        rows.extend(_megatron_rank_rows(ranks, ours, reference))
+    return rows
+
+
+def _megatron_rank_rows(ranks: int, ours: list[ScheduleQuality], reference: list[ScheduleQuality]) -> list[Row]:
+    def total(qualities, name):
+        return sum(getattr(quality, name) for quality in qualities)
+
+    def filled(qualities, empty, count):
+        return 1.0 - total(qualities, empty) / total(qualities, count)
+
+    prefix = f"dynamic_cp vs Megatron {ranks} ranks ({len(ours)} steps)"
+    empty = {name: (total(ours, name), total(reference, name)) for name in ("empty_groups", "empty_micro_batches")}
+    log(f"{prefix}: empty groups {empty['empty_groups']}, empty micro-batches {empty['empty_micro_batches']}")
+    return [
+        Row.compare(
+            f"{prefix}: max / mean rank cost",
+            float(np.mean([q.imbalance for q in ours])),
+            float(np.mean([q.imbalance for q in reference])),
+            "max/mean",
+            1.0,
+            _NOTE_MEGATRON_BALANCE,
+            higher_is_better=False,
+        ),
+        Row.compare(
+            f"{prefix}: critical path",
+            total(ours, "critical_path") / 1e9,
+            total(reference, "critical_path") / 1e9,
+            "GL^2",
+            None,
+            _NOTE_MEGATRON_CRITICAL,
+            higher_is_better=False,
+        ),
+        Row.compare(
+            f"{prefix}: micro-batches",
+            total(ours, "num_micro_batches"),
+            total(reference, "num_micro_batches"),
+            "count",
+            None,
+            _NOTE_MEGATRON_COUNT,
+            higher_is_better=False,
+        ),
+        Row.compare(
+            f"{prefix}: groups with a sequence (empty: {empty['empty_groups'][0]} vs {empty['empty_groups'][1]})",
+            filled(ours, "empty_groups", "num_groups"),
+            filled(reference, "empty_groups", "num_groups"),
+            "fraction",
+            1.0,
+            _NOTE_MEGATRON_EMPTY,
+        ),
+        Row.compare(
+            f"{prefix}: micro-batches with a sequence (empty: {empty['empty_micro_batches'][0]} vs "
+            f"{empty['empty_micro_batches'][1]})",
+            filled(ours, "empty_micro_batches", "num_micro_batches"),
+            filled(reference, "empty_micro_batches", "num_micro_batches"),
+            "fraction",
+            1.0,
+            _NOTE_MEGATRON_EMPTY,
+        ),
+    ]
 
 
 def step_lengths(capacity: int) -> np.ndarray:
@@ -104,10 +242,9 @@ def run(context: BenchContext) -> list[Row]:
     sizes = {"dynamic_cp": DYNAMIC_SIZES}
 
     def schedule(name: str):
-        built = build_schedule(
-            configs[name], lengths, dp_size=DP, cp_size=CP, tp_size=1, dynamic_cp_sizes=sizes.get(name, ())
-        )
-        return built, schedule_stats(built, lengths, configs[name], tp_size=1)
+        layout = configs[name].layout(cp_size=CP, tp_size=1)
+        built = build_schedule(configs[name], lengths, layout=layout, dp_size=DP, dynamic_cp_sizes=sizes.get(name, ()))
+        return built, schedule_stats(built, lengths, configs[name], layout=layout)
 
     cases = {name: (lambda name=name: schedule(name)) for name in SCHEDULERS}
     cases["collate"] = lambda: collate_step(lengths, tokens, labels, capacity)
@@ -165,4 +302,5 @@ def run(context: BenchContext) -> list[Row]:
                 higher_is_better=False,
             )
         )
+    rows.extend(megatron_rows(MEGATRON_STEPS_QUICK if context.quick else MEGATRON_STEPS))
     return rows

@@ -387,7 +387,7 @@ def test_a_scheduled_step_delivers_every_token_once_with_the_same_keys():
 
 def test_the_layout_takes_the_schedulers_alignment():
     layout = scheduled(pad_packed_seq_alignment=8, mxfp8=True).layout
-    assert layout == DeliveryLayout(alignment=8, mxfp8=True, max_seqlen_per_rank=32)
+    assert layout == DeliveryLayout(cp_layout="zigzag_thd", alignment=8, mxfp8=True, max_seqlen_per_rank=32)
     assert layout.local_multiple() == 32
 
 

@@ -166,21 +166,24 @@ def test_a_sequence_the_zigzag_thd_layout_cannot_cut_is_named_with_the_fix():
 @pytest.mark.parametrize(
     ("cu_seq_lens", "rule"),
     [
-        ([0, 8, 12], "end at rows * row_length = 16"),
-        ([0, 4, 4, 16], "strictly increasing"),
-        ([0, 4, 12, 16], "every row end (multiples of 8)"),
+        ([0, 8, 12], "the last entry must be the token count 16, but it is 12"),
+        ([0, 4, 4, 16], "it must strictly increase (no empty sequence), but entry 2 is 4 after 4"),
+        ([0, 4, 12, 16], "every row end must be a boundary (no sequence crosses rows of 8), but 8 is not"),
     ],
 )
-def test_zigzag_thd_refuses_boundaries_that_break_the_batch_contract(cu_seq_lens, rule):
+def test_zigzag_thd_refuses_boundaries_that_break_the_one_boundary_rule(cu_seq_lens, rule):
+    """The cut applies ``check_cu_seq_lens``, the one rule: a zero-length span is refused here too."""
     with pytest.raises(DataFileError) as raised:
         cp_local_columns("zigzag_thd", np.array(cu_seq_lens), 2, 8, 2, 0)
-    assert str(raised.value).startswith(f"cu_seq_lens {cu_seq_lens} must ")
-    assert rule in str(raised.value) and "batch contract" in str(raised.value)
+    prefix = f"the zigzag_thd CP cut's cu_seq_lens {cu_seq_lens} are not sequence boundaries of 16 tokens: {rule}"
+    assert str(raised.value).startswith(prefix)
 
 
 def test_an_unknown_layout_or_a_rank_out_of_range_is_refused():
-    with pytest.raises(DataConfigError, match=r"unknown cp_layout 'ring'; choose one of \['contiguous', 'zigzag', "):
+    with pytest.raises(DataConfigError, match="cp_layout is 'ring'; use one of contiguous, zigzag, zigzag_thd"):
         CPBatchSharder(2, 0, "ring")
+    with pytest.raises(DataConfigError, match=r"cp_layout is 'zigzg' \(did you mean 'zigzag'\?\)"):
+        cp_local_columns("zigzg", None, 1, 8, 2, 0)
     with pytest.raises(DataConfigError, match="cp_rank 2 must be below cp_size 2"):
         CPBatchSharder(2, 2)
     with pytest.raises(DataConfigError, match="cp_rank 3 must be below cp_size 2"):

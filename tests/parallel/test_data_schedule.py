@@ -554,11 +554,13 @@ def test_evaluation_ends_on_every_rank_at_once_and_can_run_again(request, grid):
 
 
 def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
+    """Every data rank raises its own reader's error; its TP peers and PP stages raise the same type, naming it."""
     for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
-        errors = {tuple(report["zero_spans"]["error"]) for report in reports}
-        assert len(errors) == 1, errors
-        kind, message = errors.pop()
-        assert kind == "DataFileError" and "it must strictly increase, but entry 2 is 2 after 2" in message
+        for report in reports:
+            kind, message = report["zero_spans"]["error"]
+            assert kind == "DataFileError" and "it must strictly increase, but entry 2 is 2 after 2" in message
+            if report["place"][2] or report["place"][3]:  # a TP peer or a later PP stage
+                assert "(the data rank) failed to schedule the step" in message
 
 
 def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2):
@@ -586,11 +588,9 @@ def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2)
 def test_ranks_that_disagree_raise_the_same_error_everywhere_before_delivering(request, grid, case, expected):
     """A rank of the DP x CP domain with another num_microbatches or scheduler field fails the step on every rank
     (TP peers and PP stages included), naming the field and each rank's value, instead of hanging."""
-    reports = request.getfixturevalue(grid)
-    errors = {tuple(report[case]["error"]) for report in reports}
-    assert len(errors) == 1, errors
-    kind, message = errors.pop()
-    assert kind == "DataConfigError" and expected in message and "build every rank from the same config" in message
+    for report in request.getfixturevalue(grid):
+        kind, message = report[case]["error"]
+        assert kind == "DataConfigError" and expected in message and "build every rank from the same config" in message
 
 
 def test_a_sequence_too_long_for_every_cp_size_fails_on_every_rank(dp2_cp2):

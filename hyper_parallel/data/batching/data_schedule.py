@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from hyper_parallel.data.batching.get_batch import ParallelBatch, ScheduledStep, dynamic_group_lookup
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
-from hyper_parallel.data.parallel import data_schedule_utils as planning
 from hyper_parallel.data.parallel.batch_parallel import CPBatchSharder
+from hyper_parallel.data.parallel.data_schedule_utils import FlopsStats, PackingSchedulerConfig, Schedule
 from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
-
-if TYPE_CHECKING:
-    from hyper_parallel.data.parallel.data_schedule_utils import FlopsStats, PackingSchedulerConfig, Schedule
 
 __all__ = [
     "SCHEDULER_CLASSES",
@@ -59,8 +56,8 @@ def _stage(pg_collection: Any, config: PackingSchedulerConfig | None = None, **s
             f"{type(pg_collection).__name__}"
         )
     return ParallelBatch(
-        attention_mode="packed", cp_layout=_LAYOUT, reset_position_ids=True, scheduler=config,
-        pg_collection=pg_collection, **settings,
+        attention_mode="packed", cp_layout=None if config is not None else _LAYOUT, reset_position_ids=True,
+        scheduler=config, pg_collection=pg_collection, **settings,
     )  # fmt: skip
 
 
@@ -83,7 +80,7 @@ class BasePackingScheduler:
     scheduler = ""
 
     def __init__(self, config: PackingSchedulerConfig, *, pg_collection: ProcessGroupCollection, device="cpu") -> None:
-        if not isinstance(config, planning.PackingSchedulerConfig):
+        if not isinstance(config, PackingSchedulerConfig):
             raise DataConfigError(
                 f"config must be a PackingSchedulerConfig, got {type(config).__name__}; build one with "
                 "PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=...)"
@@ -155,7 +152,7 @@ def wrap_data_iterator(
         DataConfigError: bad settings (before any data is read), or ranks whose ``num_microbatches`` or scheduler
             config differ (on every rank, naming the field and the values per rank).
     """
-    if not isinstance(config, planning.PackingSchedulerConfig):
+    if not isinstance(config, PackingSchedulerConfig):
         raise DataConfigError(
             f"config must be a PackingSchedulerConfig, got {type(config).__name__}; build one with "
             "PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=...)"

@@ -52,7 +52,7 @@ import difflib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,19 +68,20 @@ from hyper_parallel.data.batching.scheduled_packing import exchange_sequences, f
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel import data_schedule_utils as planning
-from hyper_parallel.data.parallel.batch_parallel import CPBatchSharder, TPBatchBroadcaster, cp_local_columns
+from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns
+from hyper_parallel.data.parallel.data_schedule_utils import (
+    FlopsStats,
+    PackingSchedulerConfig,
+    Schedule,
+    build_schedule,
+    schedule_stats,
+)
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout, check_cu_seq_lens
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
-if TYPE_CHECKING:
-    from hyper_parallel.data.parallel.data_schedule_utils import FlopsStats, PackingSchedulerConfig, Schedule
-
 __all__ = [
     "ATTENTION_MODES",
-    "FIRST_STAGE_KEYS",
-    "LAST_STAGE_KEYS",
     "LOSS_INPUT_KEYS",
     "MODEL_INPUT_KEYS",
     "SOURCE_TYPES",
@@ -95,12 +96,9 @@ SOURCE_TYPES = ("online", "indexed")
 ATTENTION_MODES = ("dense", "packed", "flex", "none")
 MODEL_INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "swa_mask", "packed_seq_params")
 LOSS_INPUT_KEYS = ("labels", "loss_mask")
-FIRST_STAGE_KEYS = ("input_ids", "position_ids")  # PP stage 0 and the MTP stages
-LAST_STAGE_KEYS = ("labels", "loss_mask")  # the last PP stage; every stage gets the attention metadata
-_SENT = ("input_ids", "labels", "cu_seq_lens", "local_cp_size")  # what a data rank relays; the rest is rebuilt
+# What a data rank relays (each PP stage receives the fields it owns, PIPELINE_FIELD_OWNERS); the rest is rebuilt.
+_SENT = ("input_ids", "labels", "loss_mask", "cu_seq_lens", "local_cp_size", "local_shape")
 _OUTCOME = ("outcome",)  # a scheduled step's count and statistics
-_ERROR_FIELDS = ("error_type", "error_message")
-_ERROR_TYPES = (DataFileError, DataConfigError)  # re-raised as themselves on the peers; others as DataFileError
 
 
 def _shape_of(value: Any) -> str:
@@ -136,82 +134,7 @@ def _dist():
     return dist
 
 
-# -- the relay: a data rank's outcome to its TP peers, then to the other PP stages -----------------------------------
-
-
-class _Relay:
-    """Sends a data rank's fields, its end of data, or its error over TP within PP stage 0, then over PP.
-
-    Every rank calls ``relay`` for the same item. Errors travel as fields, so every peer raises the data rank's
-    error type and message (``DataFileError`` for a type outside ``_ERROR_TYPES``), and the data rank its own.
-    """
-
-    def __init__(self, ranks: _Ranks, field_names: Sequence[str], device: torch.device) -> None:
-        names = (*field_names, *_ERROR_FIELDS)
-        self.tp = TPBatchBroadcaster(ranks.tp_group, ranks.tp_src, device, names) if ranks.pp_rank == 0 else None
-        self.pp = TPBatchBroadcaster(ranks.pp_group, ranks.pp_src, device, names)
-        self.is_data_rank = ranks.is_data_rank
-
-    def relay(self, produce: Callable[[], dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
-        own_error, payload = None, None
-        if self.tp is not None:
-            if self.is_data_rank:
-                try:
-                    payload = produce()
-                except Exception as error:
-                    own_error, payload = error, _error_fields(error)
-            payload = self.tp.broadcast(payload)
-        payload = self.pp.broadcast(payload)
-        if own_error is not None:
-            raise own_error
-        if payload is not None and "error_message" in payload:
-            kind = int(payload["error_type"][0])
-            message = bytes(payload["error_message"].cpu().tolist()).decode("utf-8", "replace")
-            raise (_ERROR_TYPES[kind] if kind < len(_ERROR_TYPES) else DataFileError)(message)
-        return payload
-
-
-def _error_fields(error: BaseException) -> dict[str, torch.Tensor]:
-    known = [i for i, kind in enumerate(_ERROR_TYPES) if type(error) is kind]
-    message = str(error) if known else f"{type(error).__name__}: {error}"
-    text = torch.frombuffer(bytearray(message.encode("utf-8")), dtype=torch.uint8) if message else torch.zeros(0)
-    return {
-        "error_type": torch.tensor([known[0] if known else len(_ERROR_TYPES)], dtype=torch.int64),
-        "error_message": text.to(torch.uint8),
-    }
-
-
-# -- where this rank sits ---------------------------------------------------------------------------------------------
-
-
-class _Ranks:
-    """This rank's groups, from a ``ProcessGroupCollection`` (covering PP) or a ``DataLoaderParallelContext``."""
-
-    def __init__(self, context: DataLoaderParallelContext, groups: ProcessGroupCollection | None) -> None:
-        self.context, self.groups = context, groups
-        self.tp_group, self.tp_src, self.tp_rank = context.tp_group, context.tp_src, context.tp_rank
-        self.cp_group, self.cp_size, self.cp_rank = context.cp_group, context.cp_size, context.cp_rank
-        self.dp_group, self.dp_size = context.dp_group, context.dp_size
-        self.pp_group, self.pp_rank, self.pp_size = None, 0, 1
-        if groups is not None:
-            self.pp_group, self.pp_rank, self.pp_size = groups.pp, groups.pp_rank, groups.pp_size
-        self.pp_src = groups.pp_src() if groups is not None else context.tp_src
-        self.position = context.dp_rank * context.cp_size + context.cp_rank
-        self.is_data_rank = self.tp_rank == 0 and self.pp_rank == 0
-
-    @property
-    def domain(self) -> tuple[Any, int]:
-        """The DP x CP group of this rank's (TP, PP) coordinate and its size."""
-        size = self.dp_size * self.cp_size
-        group = self.groups.dp_cp if self.groups is not None else None
-        if group is None and size > 1:
-            group = self.dp_group if self.cp_size == 1 else None
-        if group is None and size > 1:
-            raise DataConfigError(
-                "the packing scheduler with context parallelism gathers over the DP x CP ranks, but the "
-                "collection has no dp_cp group; build it with ProcessGroupCollection.from_mesh"
-            )
-        return group, size
+# -- where this rank sits -------------------------------------------------------------------------------------------
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -271,7 +194,8 @@ class ParallelBatch:
             ``pg_collection``).
         attention_mode: ``"dense"`` (a bool mask of the local queries against all keys), ``"packed"``
             (``PackedSeqParams`` for THD kernels), ``"flex"`` (a FlexAttention ``BlockMask``) or ``"none"``.
-        cp_layout: which columns each CP rank holds: ``"contiguous"``, ``"zigzag"`` or ``"zigzag_thd"``; with
+        cp_layout: which columns each CP rank holds: ``"contiguous"`` (the default), ``"zigzag"`` or ``"zigzag_thd"``
+            (with a scheduler, its ``cp_partition_mode`` decides, and a different ``cp_layout`` is refused); with
             more than one CP rank, ``"packed"`` needs ``"zigzag_thd"`` (the layout Transformer Engine's THD
             attention expects), which needs every sequence padded to ``2 * cp`` (the Online collator does).
         causal: queries see only keys at or before their own column.
@@ -302,7 +226,7 @@ class ParallelBatch:
         *,
         parallel_context: DataLoaderParallelContext | None = None,
         attention_mode: str = "dense",
-        cp_layout: str = "contiguous",
+        cp_layout: str | None = None,
         causal: bool = True,
         sliding_window: int | None = None,
         reset_position_ids: bool = False,
@@ -319,7 +243,8 @@ class ParallelBatch:
         self.attention_mode = _choice(
             "attention_mode", attention_mode, ATTENTION_MODES, "the attention metadata the model takes"
         )
-        self.cp_layout = _choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
+        if cp_layout is not None:
+            _choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
         self.causal = _flag("causal", causal)
         self.reset_position_ids = _flag("reset_position_ids", reset_position_ids)
         self.eod_mask_loss = _flag("eod_mask_loss", eod_mask_loss)
@@ -330,13 +255,13 @@ class ParallelBatch:
         self.pg_collection = self._collection(pg_collection)
         self.context = self._context(parallel_context)
         self.scheduler = self._scheduler(scheduler)
-        self._ranks = _Ranks(self.context, self.pg_collection)
         self._group_of = self._dynamic_groups(dynamic_cp_group_func)
-        self.mtp_stages = tuple(require_int("mtp_stages entry", stage, 0) for stage in mtp_stages)
-        self.layout = self._layout()
+        self.mtp_stages = tuple(mtp_stages)
+        self.layout = self._layout(cp_layout)
+        self.cp_layout = self.layout.cp_layout
         self._check_layout()
         self._sharder = CPBatchSharder(self.context.cp_size, self.context.cp_rank, self.cp_layout)
-        self._relay = _Relay(self._ranks, _SENT, self.device)
+        self._relay = self._relay_of(_SENT)
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
 
@@ -394,7 +319,7 @@ class ParallelBatch:
     def _scheduler(self, scheduler: Any) -> PackingSchedulerConfig | None:
         if scheduler is None:
             return None
-        if not isinstance(scheduler, planning.PackingSchedulerConfig):
+        if not isinstance(scheduler, PackingSchedulerConfig):
             raise DataConfigError(
                 f"scheduler must be a PackingSchedulerConfig, got {type(scheduler).__name__}; build one with "
                 "PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=...)"
@@ -423,22 +348,22 @@ class ParallelBatch:
             return dynamic_group_lookup(self.pg_collection.dynamic_cp, "dynamic_cp")
         return None
 
-    def _layout(self) -> DeliveryLayout:
+    def _layout(self, cp_layout: str | None) -> DeliveryLayout:
+        """The one layout value: from the scheduler config when there is one (its ``cp_partition_mode`` decides the
+        CP layout), else from ``cp_layout`` (default contiguous)."""
         config, context = self.scheduler, self.context
         if config is None:
             return DeliveryLayout(
-                cp_size=context.cp_size, cp_layout=self.cp_layout, tp_size=context.tp_size,
+                cp_size=context.cp_size, cp_layout=cp_layout or "contiguous", tp_size=context.tp_size,
                 sequence_parallel=self.sequence_parallel,
             )  # fmt: skip
-        return DeliveryLayout(
-            cp_size=context.cp_size,
-            cp_layout=self.cp_layout,
-            tp_size=context.tp_size,
-            sequence_parallel=self.sequence_parallel or config.sequence_parallel,
-            mxfp8=config.mxfp8,
-            alignment=config.pad_packed_seq_alignment,
-            max_seqlen_per_rank=config.max_seqlen_per_dp_cp_rank,
-        )
+        layout = config.layout(cp_size=context.cp_size, tp_size=context.tp_size)
+        if cp_layout is not None and cp_layout != layout.cp_layout:
+            raise DataConfigError(
+                f"cp_layout {cp_layout!r} contradicts the scheduler's cp_partition_mode {config.cp_partition_mode!r} "
+                f"(the {layout.cp_layout} layout); set one of them, the scheduler's decides the layout"
+            )
+        return replace(layout, sequence_parallel=layout.sequence_parallel or self.sequence_parallel)
 
     def _check_layout(self) -> None:
         cp = max(self.context.cp_size, *(self.pg_collection.dynamic_cp_sizes if self._group_of else (1,)))
@@ -454,9 +379,13 @@ class ParallelBatch:
                 "cut; use cp_layout zigzag_thd (Megatron's) or contiguous"
             )
 
+    def _relay_of(self, field_names: tuple[str, ...]) -> BatchRelay:
+        """The one way a data rank's outcome reaches its TP peers and PP stages (each stage its own fields)."""
+        return BatchRelay(self.context, field_names, mtp_stages=self.mtp_stages, device=self.device)
+
     def _log_start(self) -> None:
-        context, ranks = self.context, self._ranks
-        reads = "reads the loader" if ranks.is_data_rank else f"receives global rank {ranks.tp_src}'s batches"
+        context = self.context
+        reads = "reads the loader" if context.is_data_rank else f"receives global rank {context.tp_src}'s batches"
         logger.info(
             "ParallelBatch: %s attention, CP rank %d of %d (%s layout), TP rank %d of %d, PP stage %d of %d, %s, "
             "%s, on %s",
@@ -466,8 +395,8 @@ class ParallelBatch:
             self.cp_layout,
             context.tp_rank,
             context.tp_size,
-            ranks.pp_rank,
-            ranks.pp_size,
+            context.pp_rank,
+            context.pp_size,
             "scheduled" if self.scheduler is not None else "as loaded",
             reads,
             self.device,
@@ -481,13 +410,13 @@ class ParallelBatch:
             f"reset_position_ids={self.reset_position_ids}, eod_mask_loss={self.eod_mask_loss}, "
             f"eod_token_id={self.eod_token_id}, scheduler={getattr(self.scheduler, 'scheduler', None)!r}, "
             f"device={str(self.device)!r}, cp={context.cp_rank}/{context.cp_size}, "
-            f"tp={context.tp_rank}/{context.tp_size}, pp={self._ranks.pp_rank}/{self._ranks.pp_size})"
+            f"tp={context.tp_rank}/{context.tp_size}, pp={context.pp_rank}/{context.pp_size})"
         )
 
     # -- one micro-batch -------------------------------------------------------------------------------------------
 
     def __call__(self, data_iterator: Iterator | ScheduledStep | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The next micro-batch on this rank: ``(model_inputs, loss_inputs)``.
+        """The next micro-batch on this rank: ``(model_inputs, loss_inputs)``, this PP stage's fields.
 
         Args:
             data_iterator: the loader's iterator (``iter(loader)``) on data ranks, other ranks may pass None; or the
@@ -534,12 +463,16 @@ class ParallelBatch:
         )
         size = _local_cp_size(batch)
         _, cp_size, cp_rank = self._cp_group(size)
-        fields = {"input_ids": batch.input_ids, "labels": batch.labels}
+        loss_mask = batch.labels >= 0
+        if self.eod_mask_loss:
+            loss_mask &= batch.input_ids != self.eod_token_id
+        fields = {"input_ids": batch.input_ids, "labels": batch.labels, "loss_mask": loss_mask}
         if (cp_size, cp_rank) == (self.context.cp_size, self.context.cp_rank):
             local, _ = self._sharder.shard(fields, cu_seq_lens)
         else:
             local, _ = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
-        sent = {**local, "cu_seq_lens": cu_seq_lens}
+        shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
+        sent = {**local, "cu_seq_lens": cu_seq_lens, "local_shape": shape}
         if size is not None:
             sent["local_cp_size"] = torch.tensor([size], dtype=torch.int64)
         return sent
@@ -579,28 +512,39 @@ class ParallelBatch:
             return dynamic_group_lookup(groups.dynamic_tp_cp, "dynamic_tp_cp")(size)
         return groups.tp_cp
 
-    def _owned(self) -> set[str]:
-        """The fields this PP stage delivers; the others are None."""
-        ranks = self._ranks
-        owned = {"attention_mask", "swa_mask", "packed_seq_params"}
-        if ranks.pp_rank == 0 or ranks.pp_rank in self.mtp_stages:
-            owned.update(FIRST_STAGE_KEYS)
-        if ranks.pp_rank == ranks.pp_size - 1:
-            owned.update(LAST_STAGE_KEYS)
-        return owned
-
     def _build(self, received: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every rank: position ids, loss mask and attention metadata from the local tokens and global boundaries."""
-        input_ids, labels, cu_seq_lens = (received[name] for name in _SENT[:3])
-        local_cp_size = received.get("local_cp_size")
+        """Every rank: its stage's fields, with position ids and attention metadata rebuilt from the global
+        boundaries; a field this PP stage does not own is None."""
+        cu_seq_lens, local_cp_size = received["cu_seq_lens"], received.get("local_cp_size")
         group, cp_size, cp_rank = self._cp_group(None if local_cp_size is None else int(local_cp_size[0]))
-        rows, local = input_ids.shape
+        rows, local = received["local_shape"].tolist()
         row_length = local * cp_size
         bounds = cu_seq_lens.cpu().numpy()
         columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
-        loss_mask = labels >= 0
-        if self.eod_mask_loss:
-            loss_mask &= input_ids != self.eod_token_id
+        device = self.device
+        model_inputs = {
+            **self._attention(bounds, columns, row_length, group, cp_size),
+            "input_ids": self._on_device(received.get("input_ids")),
+            "labels": self._on_device(received.get("labels")),
+            "position_ids": None,
+        }
+        if "input_ids" in received:  # the first stage (and the MTP stages) embed the tokens at their positions
+            model_inputs["position_ids"] = torch.from_numpy(self._positions(bounds, columns, row_length)).to(device)
+        mask = received.get("loss_mask")
+        loss_inputs = {
+            "labels": model_inputs["labels"],
+            "loss_mask": None if mask is None else mask.to(device, torch.float32),
+        }
+        model_inputs = {name: model_inputs[name] for name in MODEL_INPUT_KEYS}
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_shapes(model_inputs, row_length, cp_size, cp_rank)
+        return model_inputs, loss_inputs
+
+    def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device)
+
+    def _attention(self, bounds: np.ndarray, columns: np.ndarray, row_length: int, group, cp_size: int) -> dict:
+        """``attention_mask``, ``swa_mask`` and ``packed_seq_params`` of the attention mode (the others None)."""
         attention_mask = swa_mask = packed = None
         if self.attention_mode == "dense":
             attention_mask, swa_mask = dense_attention_mask(
@@ -615,22 +559,7 @@ class ParallelBatch:
             packed = packed_seq_params(bounds, cp_size=cp_size, device=self.device)
             if self.pg_collection is not None:
                 packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
-        device = self.device
-        model_inputs = {
-            "input_ids": input_ids.to(device),
-            "labels": labels.to(device),
-            "position_ids": torch.from_numpy(self._positions(bounds, columns, row_length)).to(device),
-            "attention_mask": attention_mask,
-            "swa_mask": swa_mask,
-            "packed_seq_params": packed,
-        }
-        loss_inputs = {"labels": model_inputs["labels"], "loss_mask": loss_mask.to(device, torch.float32)}
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_shapes(model_inputs, row_length, cp_size, cp_rank)
-        owned = self._owned()
-        model_inputs = {name: value if name in owned else None for name, value in model_inputs.items()}
-        loss_inputs = {name: value if name in owned else None for name, value in loss_inputs.items()}
-        return model_inputs, loss_inputs
+        return {"attention_mask": attention_mask, "swa_mask": swa_mask, "packed_seq_params": packed}
 
     def _log_shapes(self, model_inputs: dict[str, Any], row_length: int, cp_size: int, cp_rank: int) -> None:
         """Log the delivered shapes at the first batch and whenever they change, never per batch."""
@@ -665,12 +594,11 @@ class ParallelBatch:
         config, groups = self._require_scheduler(), self.pg_collection
         vpp_size = config.vpp_size or 1
         vpp_group = (config.microbatch_group_size_per_vp_stage or groups.pp_size) if vpp_size > 1 else 1
-        return planning.build_schedule(
+        return build_schedule(
             config,
             np.asarray(lengths, dtype=np.int64),
+            layout=self.layout,
             dp_size=groups.dp_size,
-            cp_size=groups.cp_size,
-            tp_size=groups.tp_size,
             dynamic_cp_sizes=groups.dynamic_cp_sizes if config.scheduler == "dynamic_cp" else (),
             vpp_group=vpp_group,
         )
@@ -701,25 +629,25 @@ class ParallelBatch:
             if step is None:
                 return None
             schedule = self.plan(step.lengths)
-            packed.extend(pack_rank_groups(schedule, step, position=self._ranks.position, layout=self.layout,
+            packed.extend(pack_rank_groups(schedule, step, position=self._position, layout=self.layout,
                                            pad_token_id=config.pad_token_id))  # fmt: skip
-            stats = planning.schedule_stats(schedule, step.lengths, config, tp_size=self.context.tp_size)
+            stats = schedule_stats(schedule, step.lengths, config, layout=self.layout)
             count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
             return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}
 
-        outcome = _Relay(self._ranks, _OUTCOME, self.device).relay(produce)
+        outcome = self._relay_of(_OUTCOME).relay(produce, "schedule the step")
         if outcome is None:
             raise StopIteration
         values = outcome["outcome"].cpu()
-        micro_batches = packed if self._ranks.is_data_rank else None
-        return ScheduledStep(self, micro_batches, int(values[0]), planning.FlopsStats.from_tensor(values[1:]))
+        micro_batches = packed if self.context.is_data_rank else None
+        return ScheduledStep(self, micro_batches, int(values[0]), FlopsStats.from_tensor(values[1:]))
 
     def _exchange(self, data_iterator: Iterator | None, count: int):
         try:
             fetched = fetch_sequences(data_iterator, count)
         except Exception as error:
             fetched = error
-        group, size = self._ranks.domain
+        group, size = self._domain()
         return exchange_sequences(
             fetched,
             config=self.scheduler,
@@ -728,9 +656,25 @@ class ParallelBatch:
             domain_size=size,
             dp_group=self.context.dp_group,
             dp_size=self.context.dp_size,
-            position=self._ranks.position,
+            position=self._position,
             cp_size=self.context.cp_size,
         )
+
+    @property
+    def _position(self) -> int:
+        """This rank's place in the DP x CP domain: ``dp_rank * cp_size + cp_rank``."""
+        return self.context.dp_rank * self.context.cp_size + self.context.cp_rank
+
+    def _domain(self) -> tuple[Any, int]:
+        """The DP x CP group of this rank's (TP, PP) coordinate, which the step header is gathered over."""
+        size = self.context.dp_size * self.context.cp_size
+        group = self.pg_collection.dp_cp
+        if group is None and size > 1:
+            raise DataConfigError(
+                "the packing scheduler gathers over the DP x CP ranks, but the collection has no dp_cp group; build "
+                "it with ProcessGroupCollection.from_mesh"
+            )
+        return group, size
 
     def _require_scheduler(self) -> PackingSchedulerConfig:
         if self.scheduler is None:

@@ -29,7 +29,12 @@ __all__ = ["FetchedStep", "exchange_sequences", "fetch_sequences", "pack_group",
 
 
 def pack_group(
-    sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], *, cp_size: int, local_length: int, pad_token_id: int
+    sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    cp_size: int,
+    local_length: int,
+    pad_token_id: int,
+    pad_each_sequence_to: int | None = None,
 ) -> Batch:
     """One group's sequences packed into the ``[1, P]`` row its ranks share, ``P = cp_size * local_length``.
 
@@ -42,6 +47,8 @@ def pack_group(
         cp_size: the group's CP size.
         local_length: every rank's CP-local length (``local_packed_length``; even when ``cp_size > 1``).
         pad_token_id: the padding's input id.
+        pad_each_sequence_to: the multiple each sequence is padded to (``DeliveryLayout.sequence_multiple``); None
+            is ``2 * cp_size`` above one CP rank (``zigzag_thd``), else 1.
 
     Returns:
         A ``Batch`` with ``input_ids``/``labels`` ``[1, P]``, ``cu_seq_lens`` int32 and the extra
@@ -57,7 +64,11 @@ def pack_group(
     """
     cp = require_int("cp_size", cp_size, 1)
     local = require_int("local_length", local_length, 1)
-    multiple = 2 * cp if cp > 1 else 1
+    multiple = (
+        (2 * cp if cp > 1 else 1)
+        if pad_each_sequence_to is None
+        else require_int("pad_each_sequence_to", pad_each_sequence_to, 1)
+    )
     if local * cp % multiple:
         raise DataConfigError(
             f"local_length {local} with cp_size {cp} gives a row of {local * cp} tokens, not a multiple of "
@@ -295,6 +306,12 @@ def pack_rank_groups(
         padded_total = int(layout.padded_lengths(step.lengths[chosen], group.cp_size).sum()) if chosen else 0
         local_length = layout.local_length(padded_total, group.cp_size)
         packed.append(
-            pack_group(sequences, cp_size=group.cp_size, local_length=local_length, pad_token_id=pad_token_id)
+            pack_group(
+                sequences,
+                cp_size=group.cp_size,
+                local_length=local_length,
+                pad_token_id=pad_token_id,
+                pad_each_sequence_to=layout.sequence_multiple(group.cp_size),
+            )  # fmt: skip
         )
     return packed

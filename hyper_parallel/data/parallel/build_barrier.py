@@ -37,13 +37,17 @@ from hyper_parallel.data.file_writes import NO_FOLLOW, link_refusal, output_erro
 T = TypeVar("T")
 
 __all__ = [
+    "ABSENT",
     "DEFAULT_LOCK_TIMEOUT_S",
     "build_once",
     "description_differences",
     "exclusive_file_lock",
+    "default_store",
     "failures_shared",
+    "gather_device",
     "process_group_ready",
     "rank_zero_first",
+    "short_value",
     "without_rank_collectives",
 ]
 
@@ -183,8 +187,9 @@ def exclusive_file_lock(path: Path, timeout: float = DEFAULT_LOCK_TIMEOUT_S, wha
 # -- failures shared between ranks --------------------------------------------------------------------------------
 
 
-def _default_store():
-    """The default process group's key-value store, or None where torch does not expose it."""
+def default_store():
+    """The default process group's key-value store (every rank's, whatever group it talks in), or None where torch
+    does not expose it."""
     import torch.distributed as dist
 
     try:
@@ -193,32 +198,35 @@ def _default_store():
         return None
 
 
-def _gather_device():
+def gather_device(group=None):
+    """Where the tensors of a collective over ``group`` (None: the world) must live: the current CUDA device under
+    NCCL, which gathers device tensors only, the CPU otherwise."""
     import torch
     import torch.distributed as dist
 
-    if dist.get_backend() == "nccl":  # NCCL gathers device tensors only
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _short(value) -> str:
-    text = "(absent)" if value is _ABSENT else repr(value)
+ABSENT = object()  # a field one side of a comparison does not have
+
+
+def short_value(value) -> str:
+    """``value``'s repr for a message, cut to 80 characters; ``(absent)`` for a field a side does not have."""
+    text = "(absent)" if value is ABSENT else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-_ABSENT = object()
 
 
 def description_differences(reference, other, path: str = "") -> list[tuple[str, str, str]]:
     """Up to ``_SHOWN_DIFFERENCES`` ``(field path, reference value, other value)`` where two descriptions differ."""
     if isinstance(reference, dict) and isinstance(other, dict):
         keys = [*reference, *(key for key in other if key not in reference)]
-        pairs = [(f"{path}.{k}" if path else str(k), reference.get(k, _ABSENT), other.get(k, _ABSENT)) for k in keys]
+        pairs = [(f"{path}.{k}" if path else str(k), reference.get(k, ABSENT), other.get(k, ABSENT)) for k in keys]
     elif isinstance(reference, list | tuple) and isinstance(other, list | tuple) and len(reference) == len(other):
         pairs = [(f"{path}[{i}]", a, b) for i, (a, b) in enumerate(zip(reference, other, strict=True))]
     else:
-        return [] if reference == other else [(path or "the description", _short(reference), _short(other))]
+        return [] if reference == other else [(path or "the description", short_value(reference), short_value(other))]
     found: list[tuple[str, str, str]] = []
     for where, a, b in pairs:
         found += description_differences(a, b, where)
@@ -256,7 +264,7 @@ class _Session:
 
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._store = _default_store()
+        self._store = default_store()
         self._key = f"{_STORE_PREFIX}/{_Session.used}"
         self.steps = 0
         self.wrote = False
@@ -351,7 +359,7 @@ class _Session:
 
         self.steps += 1
         digest = hashlib.md5(expected.encode("utf-8"), usedforsecurity=False).digest()
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(_gather_device())
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(gather_device())
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._wait(dist.all_gather(gathered, mine, async_op=True))
         digests = torch.stack(gathered).cpu()

@@ -1,8 +1,10 @@
-"""Who reads: a rank's place in the data-, context- and tensor-parallel grid, and building datasets on the readers.
+"""Who reads: a rank's place in the data-, context-, tensor- and pipeline-parallel grid, and building datasets on
+the readers.
 
-Owns: ``DataLoaderParallelContext`` (the DP, CP and TP ranks, sizes and groups of this rank, read from a torch
-``DeviceMesh`` or from process groups, and checked), the rule of who reads (TP rank 0 of every (DP, CP)
-coordinate builds and iterates a DataLoader; the other TP ranks receive its batches), and
+Owns: ``DataLoaderParallelContext`` (the DP, CP, TP and PP ranks, sizes and groups of this rank, read from a torch
+``DeviceMesh`` or from process groups, and checked), the one rule of who reads (a *data rank* is TP rank 0 of PP
+stage 0 of every (DP, CP) coordinate: it builds and iterates a DataLoader; its TP peers on stage 0 receive its
+batches over TP, the other stages from stage 0 over PP), and
 ``build_on_data_ranks``, which builds datasets on the readers only: global rank 0 first (it writes the shared
 caches), then the other readers (they read them), while the other ranks get None and a failure anywhere raises
 everywhere. Not responsible for: what is built (the dataset builders), splitting batches across CP ranks or
@@ -14,6 +16,9 @@ Example, 8 ranks as DP2 x CP2 x TP2 (TP varying fastest, as ``init_device_mesh``
     context = DataLoaderParallelContext.from_mesh(mesh)
     # rank 5: dp_rank 1, cp_rank 0, tp_rank 1, tp_src 4: not a data rank, it receives rank 4's batches
     datasets = build_on_data_ranks(context, lambda: build_indexed_text_dataset(...))  # None on ranks 1, 3, 5, 7
+
+With PP2 x DP2 x TP2 (``mesh_dim_names=("pp", "dp", "tp")``) ranks 0 and 2 are the data ranks; rank 5 (pp 1, dp 0,
+tp 1) has ``pp_src`` 1: it receives its batches from rank 1 on stage 0, which received them from rank 0.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ logger = get_logger(__name__)
 
 __all__ = ["MESH_DIMENSIONS", "DataLoaderParallelContext", "build_on_data_ranks"]
 
-MESH_DIMENSIONS = ("dp", "cp", "tp")
+MESH_DIMENSIONS = ("dp", "cp", "tp", "pp")
 
 
 def _distributed():
@@ -66,11 +71,13 @@ def _group_place(name: str, group) -> tuple[int, int, list[int]]:
 
 @dataclass(frozen=True)
 class DataLoaderParallelContext:
-    """This rank's place in the DP x CP x TP grid, and whether it reads data.
+    """This rank's place in the DP x CP x TP x PP grid, and whether it reads data.
 
-    TP rank 0 of every (DP, CP) coordinate is a data rank: it builds and iterates the DataLoader of DP rank
-    ``dp_rank`` and shards each batch for CP rank ``cp_rank``; the other ranks of its TP group read nothing and
-    receive its batches. Global rank 0 is always a data rank (torch orders a group's ranks by global rank).
+    TP rank 0 of PP stage 0 of every (DP, CP) coordinate is a data rank (``is_data_rank``, the one definition): it
+    builds and iterates the DataLoader of DP rank ``dp_rank`` and shards each batch for CP rank ``cp_rank``; the
+    other ranks of its TP group read nothing and receive its batches, and every later PP stage receives from stage 0
+    of its (DP, CP, TP) coordinate (``pp_src``) the fields it owns. Global rank 0 is always a data rank (torch
+    orders a group's ranks by global rank).
 
     Build one with ``from_mesh``, ``from_groups`` or ``standalone``. A context made directly from integers
     without groups describes a rank for single-process use (tests, benchmarks) and takes no collective.
@@ -79,9 +86,13 @@ class DataLoaderParallelContext:
         dp_rank, dp_size: data-parallel rank and size (the DataLoader's ``dp_rank`` and ``dp_world_size``).
         cp_rank, cp_size: context-parallel rank and size (which part of every row this rank holds).
         tp_rank, tp_size: tensor-parallel rank and size.
-        dp_group, cp_group, tp_group: the process groups, None where the size is 1.
-        tp_src: the global rank of TP rank 0 of this rank's TP group, the source of its batches (this rank
-            itself without a TP group).
+        pp_rank, pp_size: pipeline-parallel stage and number of stages.
+        dp_group, cp_group, tp_group, pp_group: the process groups, None where the size is 1.
+        tp_src: the global rank of TP rank 0 of this rank's TP group, the source of its batches on PP stage 0 (this
+            rank itself without a TP group).
+        pp_src: the global rank of PP stage 0 of this rank's PP group, the source of its batches on the later
+            stages (this rank itself without a PP group). A context made from integers, for one process, keeps
+            the default 0 of both sources unless given.
     """
 
     dp_rank: int = 0
@@ -94,6 +105,10 @@ class DataLoaderParallelContext:
     cp_group: Any = None
     tp_group: Any = None
     tp_src: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: Any = None
+    pp_src: int = 0
 
     def __post_init__(self) -> None:
         for name in MESH_DIMENSIONS:
@@ -105,19 +120,37 @@ class DataLoaderParallelContext:
                     f"below its size"
                 )
         require_int("DataLoaderParallelContext.tp_src", self.tp_src, 0)
+        require_int("DataLoaderParallelContext.pp_src", self.pp_src, 0)
 
     @property
     def is_data_rank(self) -> bool:
-        """Whether this rank builds and iterates a DataLoader (TP rank 0); the others receive its batches."""
-        return self.tp_rank == 0
+        """Whether this rank builds and iterates a DataLoader: TP rank 0 of PP stage 0. The others receive its
+        batches (its TP peers over TP, the later stages over PP)."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank is on PP stage 0 (it takes the tokens and the position ids)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank is on the last PP stage (it takes the labels and the loss mask)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def batch_src(self) -> int:
+        """The global rank this rank's batches come from: ``tp_src`` on PP stage 0, ``pp_src`` on later stages."""
+        return self.tp_src if self.is_first_stage else self.pp_src
 
     @classmethod
     def standalone(cls) -> DataLoaderParallelContext:
         """One process's view: every size 1, no group; this rank reads its own data."""
-        return cls(tp_src=_global_rank())
+        rank = _global_rank()
+        return cls(tp_src=rank, pp_src=rank)
 
     @classmethod
-    def from_groups(cls, *, dp_group=None, cp_group=None, tp_group=None) -> DataLoaderParallelContext:
+    def from_groups(cls, *, dp_group=None, cp_group=None, tp_group=None, pp_group=None) -> DataLoaderParallelContext:
         """Read the ranks and sizes from this rank's process groups; a group of None (or of one rank) is size 1.
 
         Raises:
@@ -125,26 +158,26 @@ class DataLoaderParallelContext:
                 a group it was given, two groups share another rank than this one, or the sizes multiply to more
                 than the world size.
         """
-        given = {"dp": dp_group, "cp": cp_group, "tp": tp_group}
+        given = {"dp": dp_group, "cp": cp_group, "tp": tp_group, "pp": pp_group}
         places = {name: _group_place(f"{name}_group", group) for name, group in given.items() if group is not None}
         _check_grid(places)
-        fields: dict[str, Any] = {"tp_src": _global_rank()}
+        fields: dict[str, Any] = {"tp_src": _global_rank(), "pp_src": _global_rank()}
         for name, (rank, size, members) in places.items():
             if size > 1:
                 fields.update({f"{name}_rank": rank, f"{name}_size": size, f"{name}_group": given[name]})
-            if name == "tp":
-                fields["tp_src"] = members[0]  # group rank 0 is the lowest global rank of the group
+            if name in ("tp", "pp"):
+                fields[f"{name}_src"] = members[0]  # group rank 0 is the lowest global rank of the group
         return cls(**fields)
 
     @classmethod
     def from_mesh(cls, mesh) -> DataLoaderParallelContext:
-        """Read the ranks and sizes from a torch ``DeviceMesh`` whose dimensions are named from ``dp``, ``cp`` and
-        ``tp`` (any subset, in any order; a missing dimension is size 1).
+        """Read the ranks and sizes from a torch ``DeviceMesh`` whose dimensions are named from ``dp``, ``cp``,
+        ``tp`` and ``pp`` (any subset, in any order; a missing dimension is size 1).
 
-        Example: ``from_mesh(init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp")))``.
+        Example: ``from_mesh(init_device_mesh("cuda", (2, 4, 2), mesh_dim_names=("pp", "dp", "tp")))``.
 
         Raises:
-            DataConfigError: the mesh has no dimension names, or one that is not ``dp``, ``cp`` or ``tp``.
+            DataConfigError: the mesh has no dimension names, or one that is not ``dp``, ``cp``, ``tp`` or ``pp``.
         """
         names = mesh.mesh_dim_names
         if not names:
@@ -214,8 +247,10 @@ def build_on_data_ranks(context: DataLoaderParallelContext, factory: Callable[[]
         f"DP rank {context.dp_rank} of {context.dp_size}, CP rank {context.cp_rank} of {context.cp_size}, "
         f"TP rank {context.tp_rank} of {context.tp_size}"
     )
+    if context.pp_size > 1:
+        place += f", PP stage {context.pp_rank} of {context.pp_size}"
     if context.is_data_rank:
         logger.info("%s: a data rank, builds the datasets and reads its DataLoader (global rank 0 first)", place)
     else:
-        logger.info("%s: reads no data, receives global rank %d's batches", place, context.tp_src)
+        logger.info("%s: reads no data, receives global rank %d's batches", place, context.batch_src)
     return rank_zero_first(build, takes_part=context.is_data_rank, what="build the datasets")

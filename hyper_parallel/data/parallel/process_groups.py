@@ -3,8 +3,8 @@
 Owns: ``ProcessGroupCollection`` (this rank's ``tp``, ``pp``, ``dp``, ``cp``, ``dp_cp`` and ``tp_cp`` groups, plus the
 ``dynamic_cp`` and ``dynamic_tp_cp`` groups keyed by runtime CP size), its sizes and ranks, and ``from_mesh``, which
 creates every group from a torch ``DeviceMesh`` in the same order on every rank. Not responsible for: choosing CP
-sizes (``parallel.data_schedule_utils``), moving data (``parallel.data_schedule``), or who reads
-(``parallel.dataloader_parallel``).
+sizes (``parallel.scheduling``), moving data (``parallel.batch_parallel``), or who reads
+(``parallel.dataloader_parallel``, to which ``is_data_rank`` and ``parallel_context`` delegate).
 
 Vocabulary: the scheduling domain is the ``dp * cp`` DP x CP ranks of one (TP, PP) coordinate; a rank's *position*
 in it is ``dp_rank * cp + cp_rank`` (DP-major). A dynamic CP group of size ``c`` is an aligned block of ``c``
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -149,27 +150,28 @@ class ProcessGroupCollection:
 
     @property
     def is_data_rank(self) -> bool:
-        """Whether this rank reads and schedules data: TP rank 0 of PP stage 0."""
-        return self.tp_rank == 0 and self.pp_rank == 0
+        """Whether this rank reads and schedules data: ``DataLoaderParallelContext.is_data_rank`` (TP rank 0 of PP
+        stage 0), the one rule."""
+        return self.parallel_context().is_data_rank
 
     def tp_src(self) -> int:
         """The global rank of TP rank 0 of this rank's TP group (this rank without a TP group)."""
-        return self._group_root(self.tp)
+        return self.parallel_context().tp_src
 
     def pp_src(self) -> int:
         """The global rank of PP stage 0 of this rank's PP group (this rank without a PP group)."""
-        return self._group_root(self.pp)
-
-    @staticmethod
-    def _group_root(group) -> int:
-        dist = _dist()
-        if group is None:
-            return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return dist.get_process_group_ranks(group)[0]
+        return self.parallel_context().pp_src
 
     def parallel_context(self) -> DataLoaderParallelContext:
-        """The loader's view of this rank (DP, CP, TP), ``DataLoaderParallelContext.from_groups(dp, cp, tp)``."""
-        return DataLoaderParallelContext.from_groups(dp_group=self.dp, cp_group=self.cp, tp_group=self.tp)
+        """The loader's view of this rank (DP, CP, TP, PP): ``DataLoaderParallelContext.from_groups`` of the
+        ``dp``, ``cp``, ``tp`` and ``pp`` groups, read once."""
+        return self._context
+
+    @cached_property
+    def _context(self) -> DataLoaderParallelContext:
+        return DataLoaderParallelContext.from_groups(
+            dp_group=self.dp, cp_group=self.cp, tp_group=self.tp, pp_group=self.pp
+        )
 
     # -- building from a mesh ----------------------------------------------------------------------------------------
 
