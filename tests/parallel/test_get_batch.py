@@ -340,8 +340,8 @@ def deliver_until_failure(rank: int, world_size: int, *, data: dict) -> dict:
 
 
 def test_a_readers_failure_raises_on_every_rank_of_its_tp_group_and_the_others_go_on(tmp_path, data):
-    """The data rank raises the reader's error; its TP peer raises the same error (type and message), in the same
-    call; the other DP rank's TP group reads on to the end of its data."""
+    """The data rank raises the reader's error; its TP peer raises it too, in the same call, naming the data rank;
+    the other DP rank's TP group reads on to the end of its data."""
     reports = launch(functools.partial(deliver_until_failure, data=data), tmp_path, world_size=4)
     values = [report["value"] for report in reports]
     failed = [tp_group for tp_group in ([0, 1], [2, 3]) if "error" in values[tp_group[0]]]
@@ -350,5 +350,9 @@ def test_a_readers_failure_raises_on_every_rank_of_its_tp_group_and_the_others_g
     assert values[source]["steps"] == values[peer]["steps"] < 6
     assert values[source]["error"].startswith("DataFileError: record 9 of ")
     assert "field 'text' holds list, expected a string" in values[source]["error"]
-    assert values[peer]["error"] == values[source]["error"]
+    relayed = values[peer]["error"]
+    prefix = (
+        f"DataFileError: global rank {source} (the data rank) failed to read the next batch (DataFileError: record 9"
+    )
+    assert relayed.startswith(prefix) and relayed.endswith(f"see rank {source}'s log"), relayed
     assert values[other] == values[other_peer] == {"steps": 6, "ended": True}

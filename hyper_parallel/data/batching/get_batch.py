@@ -261,7 +261,7 @@ class ParallelBatch:
         self.cp_layout = self.layout.cp_layout
         self._check_layout()
         self._sharder = CPBatchSharder(self.context.cp_size, self.context.cp_rank, self.cp_layout)
-        self._relay = self._relay_of(_SENT)
+        self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
 
@@ -434,6 +434,8 @@ class ParallelBatch:
 
     def deliver(self, data_iterator: Iterator | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Read the next ``Batch`` on the data rank, relay it, and build this rank's outputs (see ``__call__``)."""
+        if self._relay is None:
+            self._relay = self._relay_of(_SENT)
         received = self._relay.relay(lambda: self._read(data_iterator))
         if received is None:
             raise StopIteration
