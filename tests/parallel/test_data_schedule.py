@@ -455,6 +455,23 @@ GRIDS = {
             | {"items": "normal", "config": {}, "config_by_position": {"1": {"scheduler": "compute_balanced"}}},
         },
     },
+    "dp2_tp2_pp2": {
+        "world_size": 8,
+        "shape": (2, 2, 2),
+        "names": ("pp", "dp", "tp"),
+        "sizes": (1, 2),
+        "dims": {"dp": 2, "cp": 1, "tp": 2, "pp": 2},
+        "cases": {
+            "dp_balanced_vpp": BASE
+            | {
+                "seed": 51,
+                "longest": MAX_SEQLEN - 4,
+                "config": {"scheduler": "dp_balanced", "vpp_size": 2, "microbatch_group_size_per_vp_stage": 2},
+            },
+            "dynamic_cp_sp": BASE | {"seed": 52, "config": {"scheduler": "dynamic_cp", "sequence_parallel": True}},
+        },
+        "errors": {"zero_spans": SMALL | {"items": "zero_spans", "config": {}}},
+    },
 }
 
 
@@ -517,6 +534,20 @@ def test_dp3_a_rank_without_data_still_gets_work(dp3, name):
         assert any(token for batch in batches for token in batch["tokens"][0]), "DP rank 2 fetched nothing yet works"
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2_pp2(tmp_path_factory):
+    return run_grid(tmp_path_factory.mktemp("dp2_tp2_pp2"), GRIDS["dp2_tp2_pp2"])
+
+
+@pytest.mark.parametrize("name", list(GRIDS["dp2_tp2_pp2"]["cases"]))
+def test_dp2_tp2_pp2_stages_own_their_fields_with_vpp_and_dynamic_cp(dp2_tp2_pp2, name):
+    """Eight processes: TP peers identical, the first stage tokens and positions, the last labels and loss mask,
+    every valid token once; VPP micro-batch counts a multiple of the stage group, dynamic CP over DP ranks."""
+    grid = GRIDS["dp2_tp2_pp2"]
+    allowed = grid["sizes"] if name.startswith("dynamic") else (1,)
+    check_case(dp2_tp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
+
+
 @pytest.mark.parametrize("name", list(GRIDS["cp2_pp2"]["cases"]))
 def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     grid = GRIDS["cp2_pp2"]
@@ -524,7 +555,7 @@ def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     check_case(cp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
 
 
-ALL_GRIDS = ("dp2_cp2", "dp2_cp2_tp2", "dp3", "cp2_pp2")
+ALL_GRIDS = ("dp2_cp2", "dp2_cp2_tp2", "dp3", "cp2_pp2", "dp2_tp2_pp2")
 
 
 @pytest.mark.parametrize("grid", ALL_GRIDS)
@@ -553,9 +584,9 @@ def test_evaluation_ends_on_every_rank_at_once_and_can_run_again(request, grid):
     assert len({len(report["evaluation"][0]["steps"]) for report in reports}) == 1
 
 
-def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
+def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2, dp2_tp2_pp2):
     """Every data rank raises its own reader's error; its TP peers and PP stages raise the same type, naming it."""
-    for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
+    for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2, dp2_tp2_pp2):
         for report in reports:
             kind, message = report["zero_spans"]["error"]
             assert kind == "DataFileError" and "it must strictly increase, but entry 2 is 2 after 2" in message
