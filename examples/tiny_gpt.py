@@ -4,9 +4,12 @@ Owns: the model of the training example (``train_tiny_gpt.py``) and of the packe
 token embeddings, pre-norm blocks (causal multi-head attention, MLP), rotary positions from ``position_ids``, and
 attention over one CP rank's tokens that all-gathers keys and values over the CP group with autograd, so the
 gradients of keys and values reach the rank that computed them. Which keys a query sees comes from the batch's
-attention metadata (``CPAttention``): the global ``cu_seq_lens`` of ``PackedSeqParams`` (the ``zigzag_thd``
-layout), or the dense mask ``ParallelBatch`` builds (``contiguous`` and ``zigzag``); either way a query sees the
-keys of its own sequence at or before it, whichever rank holds them, and never another document. Not responsible
+attention metadata (``CPAttention``): the global THD boundaries of ``PackedSeqParams`` (the ``zigzag_thd``
+layout: ``cu_seqlens_q_padded`` place the sequences and their padding in the row, ``cu_seqlens_q`` count each
+sequence's real tokens, as Transformer Engine reads them), or the dense mask ``ParallelBatch`` builds
+(``contiguous`` and ``zigzag``); either way a real token sees the real tokens of its own sequence at or before it,
+whichever rank holds them, never another document and never padding, and a padding position sees only the
+padding before it in its own span. Not responsible
 for: data, the CP layouts' arithmetic (``parallel.batch_parallel.cp_local_columns``), the masks themselves
 (``batching.attention_runtime``), or gradient reduction across ranks (the training loop's).
 
@@ -98,20 +101,23 @@ class CPAttention:
         """Causal attention over one packed THD row cut in the ``zigzag_thd`` layout.
 
         Args:
-            params: the global boundaries (``cu_seqlens_q``); its ``cp_group`` when set (the packing scheduler's),
-                else ``cp_group`` (``ParallelBatch``'s params record no group: pass the context's).
+            params: the global boundaries: ``cu_seqlens_q_padded`` (the physical layout the columns are cut from)
+                and ``cu_seqlens_q`` (each sequence's real tokens, at the start of its padded span); its
+                ``cp_group`` when set (the packing scheduler's), else ``cp_group`` (``ParallelBatch``'s params
+                record no group: pass the context's).
             local_length: how many tokens this rank holds.
         """
         group = params.cp_group if params.cp_group is not None else cp_group
         size, rank = _group_size_and_rank(group)
         if params.local_cp_size is not None and params.local_cp_size != size:
             raise ValueError(f"local_cp_size {params.local_cp_size} but the CP group holds {size} ranks")
-        bounds = params.cu_seqlens_q.detach().cpu().numpy()
-        total = int(bounds[-1])
-        columns = [cp_local_columns("zigzag_thd", bounds, 1, total, size, r) for r in range(size)]
+        padded = params.cu_seqlens_q_padded.detach().cpu().numpy().astype(np.int64)
+        real = params.cu_seqlens_q.detach().cpu().numpy().astype(np.int64)
+        total = int(padded[-1])
+        columns = [cp_local_columns("zigzag_thd", padded, 1, total, size, r) for r in range(size)]
         if columns[rank].shape[1] != local_length:
             raise ValueError(f"this rank holds {local_length} tokens, but its columns are {columns[rank].shape[1]}")
-        mask, _ = dense_attention_mask(bounds, columns[rank], total, causal=True)
+        mask, _ = dense_attention_mask(_real_and_padding_spans(padded, real), columns[rank], total, causal=True)
         return cls(group, _key_order(columns), mask[:, 0])
 
     @classmethod
@@ -147,6 +153,16 @@ class CPAttention:
         total = local * size
         columns = [cp_local_columns(cp_layout, None, rows, total, size, r) for r in range(size)]
         return cls(cp_group, _key_order(columns), mask[:, 0])
+
+
+def _real_and_padding_spans(padded: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """Boundaries that make each sequence's real tokens one span and its padding another.
+
+    Example: padded ``[0, 4, 12]`` with real ``[0, 3, 9]``: ``[0, 3, 4, 10, 12]``; the real tokens of a sequence
+    then attend only each other, and its padding only itself (so every query sees at least one key).
+    """
+    real_ends = padded[:-1] + np.diff(real)
+    return np.union1d(padded, real_ends).astype(np.int32)
 
 
 def _key_order(columns: list[np.ndarray]) -> torch.Tensor:

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from hyper_parallel.data.batching.attention_runtime import (
+    THD_FIELDS,
     PackedSeqParams,
+    attention_params,
     dense_attention_mask,
     flex_block_mask,
     packed_seq_params,
@@ -24,6 +26,7 @@ from hyper_parallel.data.batching.build_collate_fn import build_online_text_coll
 from hyper_parallel.data.batching.sequence_boundaries import IndexedBoundaryResolver, OnlineBoundaryResolver
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.batch_parallel import CP_LAYOUTS, cp_local_columns
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 
 CP_SIZES = (1, 2, 4, 8)
 EOD = 1
@@ -291,6 +294,42 @@ def test_packed_seq_params_under_the_thd_layout_mean_the_dense_mask(cp):
             assert torch.equal(thd_mask(params, positions), block_diagonal(mask))
 
 
+def test_packed_seq_params_keep_the_real_and_the_padded_boundaries_apart():
+    """Worked by hand, cp 2 (sequences padded to 4): real lengths 3, 6 and 1, padded to 4, 8 and 4, then a dummy
+    tail sequence of 8 that counts its padding as its own tokens."""
+    padded = torch.tensor([0, 4, 12, 16, 24], dtype=torch.int32)
+    real = torch.tensor([0, 3, 9, 10, 18], dtype=torch.int32)
+    params = packed_seq_params(padded, cu_seq_lens_real=real, cp_size=2)
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 9, 10, 18]
+    assert params.cu_seqlens_q_padded.tolist() == params.cu_seqlens_kv_padded.tolist() == [0, 4, 12, 16, 24]
+    assert params.max_seqlen_q == params.max_seqlen_kv == 8  # the padded maximum, as Transformer Engine expects
+    assert all(getattr(params, name).dtype == torch.int32 for name in THD_FIELDS[1:5])
+    assert attention_params(params)["cu_seqlens_q"] is params.cu_seqlens_q
+    same = packed_seq_params(padded, cp_size=2)  # no per-sequence padding: one tensor for both
+    assert same.cu_seqlens_q is same.cu_seqlens_q_padded and same.cu_seqlens_q.tolist() == padded.tolist()
+
+
+def test_packed_seq_params_of_a_collated_batch_count_its_real_tokens():
+    """From the collator's batch, cp 2, rows a multiple of 32: lengths 5, 1, 8 and 3 are padded to 8, 4, 8 and 4
+    (24 positions), and the 8 of tail padding are a dummy sequence or the end of the last one."""
+    rng = np.random.default_rng(11)
+    samples = [
+        {"input_ids": rng.integers(2, 100, size=n), "labels": rng.integers(2, 100, size=n)} for n in (5, 1, 8, 3)
+    ]
+    expected = {
+        "append_dummy_seq": ([0, 5, 6, 14, 17, 25], [0, 8, 12, 20, 24, 32], 8),
+        "extend_last": ([0, 5, 6, 14, 17], [0, 8, 12, 20, 32], 12),
+    }
+    for tail_padding, (real, padded, longest) in expected.items():
+        collator = build_online_text_collate_fn(
+            layout=DeliveryLayout(cp_size=2, cp_layout="zigzag_thd"), sequence_multiple=32, tail_padding=tail_padding
+        )
+        batch = collator(samples)
+        params = packed_seq_params(batch.cu_seq_lens, cu_seq_lens_real=batch.cu_seq_lens_real, cp_size=2)
+        assert params.cu_seqlens_q.tolist() == real and params.cu_seqlens_q_padded.tolist() == padded
+        assert params.max_seqlen_q == longest
+
+
 def test_packed_seq_params_are_megatron_cores():
     from megatron.core.packed_seq_params import PackedSeqParams as MegatronPackedSeqParams
 
@@ -389,9 +428,17 @@ def test_bad_inputs_are_refused_with_the_rule_and_the_fix():
     with pytest.raises(DataConfigError, match="block_size must be an integer >= 1"):
         flex_block_mask([0, 8], columns, 8, block_size=0)
     with pytest.raises(
-        DataConfigError, match=r"cuts every sequence into 4 chunks, but sequence 1 has 6 tokens .*zigzag_thd"
+        DataConfigError, match=r"cuts every sequence into 4 chunks, but sequence 1 has 6 positions .*pad_sequences"
     ):
         packed_seq_params([0, 4, 10, 14], cp_size=2)
+    with pytest.raises(
+        DataFileError, match=r"packed_seq_params: cu_seq_lens_real \[0, 3, 3, 9\] .*\(no empty sequence\)"
+    ):
+        packed_seq_params([0, 4, 8, 12], cu_seq_lens_real=[0, 3, 3, 9], cp_size=2)
+    with pytest.raises(DataFileError, match="sequence 1 has 5 real tokens .* but only 4 positions"):
+        packed_seq_params([0, 4, 8, 12], cu_seq_lens_real=[0, 3, 8, 9], cp_size=2)
+    with pytest.raises(DataFileError, match="cu_seq_lens_real has 3 entries but cu_seq_lens 4"):
+        packed_seq_params([0, 4, 8, 12], cu_seq_lens_real=[0, 3, 5], cp_size=2)
     with pytest.raises(DataFileError, match="packed_seq_params .* must strictly increase"):
         packed_seq_params([0, 4, 4, 8])
     with pytest.raises(DataFileError, match=r"packed_seq_params: cu_seq_lens must be a 1-D .* shape \[1, 2\]"):

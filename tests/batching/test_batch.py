@@ -78,8 +78,9 @@ def test_sequences_are_views_cut_by_cu_seq_lens():
 def test_the_mapping_view_is_read_only_and_names_what_it_holds():
     batch = indexed_example()
     assert list(batch) == ["input_ids", "labels", "loss_mask", "cu_seq_lens"] and len(batch) == 4
-    assert batch["tokens"] is batch.input_ids and "tokens" in batch and "position_ids" not in batch
-    assert batch.get("attention_mask") is None and set(dict(batch)) == set(batch)
+    assert "position_ids" not in batch and set(dict(batch)) == set(batch)
+    for megatron_name in ("tokens", "attention_mask"):  # converted once, by indexed_batch; no alias here
+        assert megatron_name not in batch and batch.get(megatron_name) is None
     with pytest.raises(KeyError, match=r"'position_ids': the batch has no such field; it holds \['input_ids'"):
         batch["position_ids"]
     with pytest.raises(TypeError):
@@ -96,35 +97,48 @@ def test_optional_fields_and_extras():
         ids,
         [0, 3, 6],
         position_ids=torch.tensor([[0, 1, 2], [0, 1, 2]]),
-        attention_mask=mask,
+        megatron_attention_mask=mask,
+        cu_seq_lens_real=torch.tensor([0, 2, 5], dtype=torch.int32),
         extras={"dataset_id": torch.tensor([4, 7])},
     )
-    assert list(batch) == ["input_ids", "labels", "loss_mask", "cu_seq_lens", "position_ids", "attention_mask"] + [
-        "dataset_id"
+    assert list(batch) == [
+        "input_ids",
+        "labels",
+        "loss_mask",
+        "cu_seq_lens",
+        "cu_seq_lens_real",
+        "position_ids",
+        "megatron_attention_mask",
+        "dataset_id",
     ]
-    assert batch["dataset_id"].tolist() == [4, 7] and batch.attention_mask[0, 0, 0].tolist() == [False, True, True]
+    assert batch["dataset_id"].tolist() == [4, 7]
+    assert batch.megatron_attention_mask[0, 0, 0].tolist() == [False, True, True]  # True = masked out
     assert repr(batch) == (
         "Batch(input_ids=int64[2, 3], labels=int64[2, 3], loss_mask=float32[2, 3], cu_seq_lens=int32[3], "
-        "position_ids=int64[2, 3], attention_mask=bool[2, 1, 3, 3], dataset_id=int64[2])"
+        "cu_seq_lens_real=int32[3], position_ids=int64[2, 3], megatron_attention_mask=bool[2, 1, 3, 3], "
+        "dataset_id=int64[2])"
     )
+    assert batch.cu_seq_lens_real.tolist() == [0, 2, 5] and batch.to("cpu") == batch
+    assert batch != make(ids, ids, [0, 3, 6], position_ids=batch.position_ids, megatron_attention_mask=mask)
 
 
 @pytest.mark.parametrize(
     ("bounds", "problem"),
     [
-        ([0], "must start at 0 and end at the batch's 8 positions"),
-        ([1, 8], "must start at 0"),
-        ([0, 3, 7], "end at the batch's 8 positions"),
-        ([0, 3, 3, 8], "strictly increase, but entry 2 is 3 after 3"),
-        ([0, 5, 2, 8], "strictly increase, but entry 2 is 2 after 5"),
-        ([0, 3, 8], "every row end must be a boundary (no sequence crosses rows), but 4 is not"),
+        ([0], "it must hold at least [0, 8] (one sequence), but has 1 entries"),
+        ([1, 8], "the leading entry must be 0, but it is 1"),
+        ([0, 3, 7], "the last entry must be the token count 8, but it is 7"),
+        ([0, 3, 3, 8], "strictly increase (no empty sequence), but entry 2 is 3 after 3"),
+        ([0, 5, 2, 8], "strictly increase (no empty sequence), but entry 2 is 2 after 5"),
+        ([0, 3, 8], "every row end must be a boundary (no sequence crosses rows of 4), but 4 is not"),
     ],
 )
 def test_malformed_boundaries_are_refused(bounds, problem):
+    """The one boundary rule of ``parallel.delivery_layout.check_cu_seq_lens``, with its wording."""
     with pytest.raises(DataFileError) as error:
         make([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 7, 8]], bounds)
     message = str(error.value)
-    assert f"Batch.cu_seq_lens {bounds}" in message and "for 2 rows of 4" in message and problem in message
+    assert f"Batch.cu_seq_lens {bounds}" in message and "of 8 tokens" in message and problem in message
     assert "build_indexed_collate_fn" in message  # the fix
 
 
@@ -141,9 +155,21 @@ def test_malformed_boundaries_are_refused(bounds, problem):
         ({"cu_seq_lens": torch.tensor([0, 2])}, DataFileError, "Batch.cu_seq_lens must be a 1-D int32 tensor"),
         ({"labels": [[1, 2]]}, DataConfigError, "Batch.labels must be a torch.Tensor, got list"),
         ({"position_ids": torch.zeros(2, 1, dtype=torch.int64)}, DataFileError, "position_ids has shape [2, 1]"),
-        ({"attention_mask": torch.zeros(1, 2, 2, dtype=torch.bool)}, DataFileError, "must be a 4-D bool tensor"),
-        ({"attention_mask": torch.zeros(1, 1, 2, 3, dtype=torch.bool)}, DataFileError, "it must be [1, 1, 2, 2]"),
+        (
+            {"megatron_attention_mask": torch.zeros(1, 2, 2, dtype=torch.bool)},
+            DataFileError,
+            "Batch.megatron_attention_mask must be a 4-D bool tensor",
+        ),
+        (
+            {"megatron_attention_mask": torch.zeros(1, 1, 2, 3, dtype=torch.bool)},
+            DataFileError,
+            "it must be [1, 1, 2, 2]",
+        ),
         ({"extras": {"tokens": torch.zeros(1)}}, DataConfigError, "extra 'tokens' is not a valid name"),
+        ({"extras": {"attention_mask": torch.zeros(1)}}, DataConfigError, "megatron-core's names"),
+        ({"extras": {"cu_seq_lens_real": torch.zeros(1)}}, DataConfigError, "extra 'cu_seq_lens_real' is not"),
+        ({"cu_seq_lens_real": torch.tensor([0, 2])}, DataFileError, "Batch.cu_seq_lens_real must be a 1-D int32"),
+        ({"cu_seq_lens_real": [0, 2]}, DataConfigError, "Batch.cu_seq_lens_real must be a torch.Tensor"),
         ({"extras": {"dataset_id": torch.zeros(2)}}, DataFileError, "extra 'dataset_id' is [2]; an extra must be"),
         ({"extras": {"dataset_id": 3}}, DataFileError, "extra 'dataset_id' is int"),
     ],
@@ -158,6 +184,31 @@ def test_fields_that_break_the_contract_are_refused(change, error, named):
     with pytest.raises(error) as raised:
         Batch(**fields)
     assert named in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("real", "problem"),
+    [
+        (
+            [0, 3, 3, 8],
+            "Batch: cu_seq_lens_real [0, 3, 3, 8] are not sequence boundaries of 8 tokens: it must "
+            "strictly increase (no empty sequence), but entry 2 is 3 after 3",
+        ),
+        ([1, 3, 8], "the leading entry must be 0, but it is 1"),
+        ([0, 3, 5, 7, 8], "cu_seq_lens_real has 5 entries but cu_seq_lens 4; both hold the boundaries of the same 3"),
+        ([0, 5, 6, 7], "sequence 0 has 5 real tokens (cu_seq_lens_real) but only 4 positions (cu_seq_lens)"),
+        ([0, 4, 12, 14], "sequence 1 has 8 real tokens (cu_seq_lens_real) but only 4 positions (cu_seq_lens)"),
+    ],
+)
+def test_real_boundaries_count_at_least_one_and_at_most_the_padded_tokens_of_each_sequence(real, problem):
+    """Physical boundaries ``[0, 4, 8, 16]`` of one row: each sequence's real tokens are 1 to its span's length."""
+    ids = [list(range(16))]
+    fine = make(ids, ids, [0, 4, 8, 16], cu_seq_lens_real=torch.tensor([0, 1, 5, 13], dtype=torch.int32))
+    assert fine.cu_seq_lens_real.tolist() == [0, 1, 5, 13]
+    make(ids, ids, [0, 4, 8, 16], cu_seq_lens_real=torch.tensor([0, 4, 8, 16], dtype=torch.int32))  # no padding
+    with pytest.raises(DataFileError) as error:
+        make(ids, ids, [0, 4, 8, 16], cu_seq_lens_real=torch.tensor(real, dtype=torch.int32))
+    assert problem in str(error.value) and "build_indexed_collate_fn" in str(error.value)
 
 
 def test_equality_pickling_and_moves_keep_the_batch():

@@ -19,13 +19,13 @@ from hyper_parallel.data.batching.build_collate_fn import (
     TextPackingCollator,
     build_indexed_collate_fn,
     build_online_text_collate_fn,
-    sequence_alignment,
 )
 from hyper_parallel.data.batching.build_dataloader import FixedBatchDataLoader
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 
 
@@ -54,84 +54,83 @@ def reference_pack(samples, alignment, pad_id):
     return ids, labels, cu
 
 
-# -- sequence_alignment -------------------------------------------------------------------------------------------
+# -- the row and sequence multiples of a layout -------------------------------------------------------------------
+
+ALIGNMENTS = [
+    ({}, 1),
+    ({"cp_size": 2}, 2),
+    ({"cp_size": 2, "tp_size": 4}, 2),  # tp counts only with sequence parallelism
+    ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True}, 8),
+    ({"tp_size": 4, "sequence_parallel": True}, 4),
+    ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "sequence_multiple": 32}, 32),
+    ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "sequence_multiple": 12}, 24),
+    ({"cp_size": 3, "sequence_multiple": 32}, 96),
+    ({"sequence_multiple": 7}, 7),
+    ({"cp_size": 2, "cp_layout": "contiguous"}, 2),
+    ({"cp_size": 2, "cp_layout": "zigzag"}, 4),  # the zigzag layouts cut rows into 2 * cp chunks
+    ({"cp_size": 4, "cp_layout": "zigzag_thd"}, 8),
+    ({"cp_size": 1, "cp_layout": "zigzag"}, 1),  # one CP rank cuts nothing
+    ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "cp_layout": "zigzag"}, 8),
+    ({"cp_size": 4, "tp_size": 2, "sequence_parallel": True, "cp_layout": "zigzag_thd"}, 8),
+    ({"cp_size": 2, "cp_layout": "zigzag", "sequence_multiple": 3}, 12),
+]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "expected"),
-    [
-        ({}, 1),
-        ({"cp_size": 2}, 2),
-        ({"cp_size": 2, "tp_size": 4}, 2),  # tp counts only with sequence parallelism
-        ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True}, 8),
-        ({"tp_size": 4, "sequence_parallel": True}, 4),
-        ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "sequence_multiple": 32}, 32),
-        ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "sequence_multiple": 12}, 24),
-        ({"cp_size": 3, "sequence_multiple": 32}, 96),
-        ({"sequence_multiple": 7}, 7),
-    ],
-)
-def test_sequence_alignment(kwargs, expected):
-    assert sequence_alignment(**kwargs) == expected
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "expected"),
-    [
-        ({"cp_size": 2, "cp_layout": "contiguous"}, 2),
-        ({"cp_size": 2, "cp_layout": "zigzag"}, 4),
-        ({"cp_size": 4, "cp_layout": "zigzag_thd"}, 8),
-        ({"cp_size": 1, "cp_layout": "zigzag"}, 1),  # one CP rank cuts nothing
-        ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True, "cp_layout": "zigzag"}, 8),
-        ({"cp_size": 4, "tp_size": 2, "sequence_parallel": True, "cp_layout": "zigzag_thd"}, 8),
-        ({"cp_size": 2, "cp_layout": "zigzag", "sequence_multiple": 3}, 12),
-    ],
-)
-def test_the_zigzag_layouts_cut_rows_into_twice_cp_chunks(kwargs, expected):
-    assert sequence_alignment(**kwargs) == expected
-
-
-def test_an_unknown_layout_is_named_with_the_closest():
-    with pytest.raises(DataConfigError, match=r"cp_layout is 'zigzag-thd' \(did you mean 'zigzag_thd'\?\); use one of"):
-        sequence_alignment(cp_size=2, cp_layout="zigzag-thd")
+@pytest.mark.parametrize(("kwargs", "expected"), ALIGNMENTS)
+def test_rows_are_padded_to_the_layouts_row_multiple(kwargs, expected):
+    """The expected multiples are worked out by hand: ``lcm(cp * tp_sp, 2 * cp for zigzag layouts, sequence_multiple)``;
+    the loose keywords and the layout they stand for give the same collator."""
+    sizes = {key: value for key, value in kwargs.items() if key != "sequence_multiple"}
+    multiple = kwargs.get("sequence_multiple", 1)
+    by_keywords = build_online_text_collate_fn(sequence_multiple=multiple, **sizes)
+    by_layout = build_online_text_collate_fn(sequence_multiple=multiple, layout=DeliveryLayout(**sizes))
+    assert by_keywords.alignment == by_layout.alignment == expected
+    cp = sizes.get("cp_size", 1)
+    per_sequence = 2 * cp if sizes.get("cp_layout") == "zigzag_thd" and cp > 1 else 1
+    assert by_keywords.pad_each_sequence_to == by_layout.pad_each_sequence_to == per_sequence
+    lengths = [3, 5, 1, 9]
+    total = sum(-(-n // per_sequence) * per_sequence for n in lengths)
+    assert by_layout(make_samples(lengths)).num_tokens == -(-total // expected) * expected
 
 
 def test_the_builder_pads_each_sequence_for_zigzag_thd():
     """``cp_layout="zigzag_thd"`` with cp 2: rows a multiple of 4, and every sequence too (inside its boundaries);
-    the other layouts pad only the row."""
-    collator = build_online_text_collate_fn(cp_size=2, cp_layout="zigzag_thd")
-    assert (collator.alignment, collator.pad_each_sequence_to) == (4, 4)
+    the other layouts pad only the row, unless the layout turns per-sequence padding on."""
+    collator = build_online_text_collate_fn(layout=DeliveryLayout(cp_size=2, cp_layout="zigzag_thd"))
+    assert (collator.alignment, collator.pad_each_sequence_to, collator.records_real) == (4, 4, True)
     batch = collator(make_samples([3, 2, 5]))
     assert batch.cu_seq_lens.tolist() == [0, 4, 8, 16]
+    assert batch.cu_seq_lens_real.tolist() == [0, 3, 5, 10]
     assert build_online_text_collate_fn(cp_size=2, cp_layout="zigzag").pad_each_sequence_to == 1
     assert build_online_text_collate_fn(cp_size=1, cp_layout="zigzag_thd").pad_each_sequence_to == 1
-
-
-def test_sequence_alignment_is_the_lcm():
-    for cp in (1, 2, 3, 4):
-        for tp in (1, 2, 6):
-            for multiple in (1, 8, 12, 32):
-                got = sequence_alignment(cp_size=cp, tp_size=tp, sequence_parallel=True, sequence_multiple=multiple)
-                assert got == math.lcm(cp * tp, multiple)
-                assert got % (cp * tp) == 0 and got % multiple == 0
+    padded_contiguous = DeliveryLayout(cp_size=4, cp_layout="contiguous", pad_sequences=True)
+    assert build_online_text_collate_fn(layout=padded_contiguous).pad_each_sequence_to == 8
+    unpadded = build_online_text_collate_fn(cp_size=2)
+    assert not unpadded.records_real and unpadded(make_samples([3, 2])).cu_seq_lens_real is None
 
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"cp_size": 0}, ["cp_size must be an integer >= 1, got 0", "set cp_size to the context-parallel size"]),
-        ({"tp_size": -1}, ["tp_size must be an integer >= 1, got -1", "set tp_size to the tensor-parallel size"]),
+        ({"cp_size": 0}, ["cp_size must be an integer >= 1, got 0"]),
+        ({"tp_size": -1}, ["tp_size must be an integer >= 1, got -1"]),
         ({"sequence_multiple": 0}, ["sequence_multiple must be", "got 0", "kernels need", "(1 for none)"]),
-        ({"cp_size": 1.5}, ["cp_size", "1.5", "(1 without context parallelism)"]),
-        ({"cp_size": True}, ["cp_size", "bool True", "context-parallel size"]),
-        ({"sequence_parallel": "yes"}, ["sequence_parallel must be true or false, got 'yes'", "tensor-parallel"]),
+        ({"cp_size": 1.5}, ["cp_size", "1.5"]),
+        ({"cp_size": True}, ["cp_size", "bool True"]),
+        ({"sequence_parallel": "yes"}, ["sequence_parallel must be true or false, got 'yes'"]),
+        ({"cp_layout": "zigzag-thd"}, ["cp_layout is 'zigzag-thd' (did you mean 'zigzag_thd'?); use one of"]),
+        ({"tail_padding": "extend"}, ["tail_padding is 'extend' (did you mean 'extend_last'?)", "append_dummy_seq"]),
+        ({"layout": {"cp_size": 2}}, ["layout must be a DeliveryLayout", "got dict"]),
+        (
+            {"layout": DeliveryLayout(cp_size=2), "cp_size": 2},
+            ["got both a layout (cp 2", "and ['cp_size']", "give either the layout or those keywords"],
+        ),
     ],
 )
-def test_sequence_alignment_rejects_bad_sizes(kwargs, named):
-    """A bad alignment setting is a ``DataConfigError`` naming the setting, the value, what the setting is and its
-    valid values."""
+def test_bad_layout_settings_are_refused(kwargs, named):
+    """A bad layout setting is a ``DataConfigError`` naming the setting and the value."""
     with pytest.raises(DataConfigError) as error:
-        sequence_alignment(**kwargs)
+        build_online_text_collate_fn(**kwargs)
     for text in named:
         assert text in str(error.value)
 
@@ -145,7 +144,8 @@ def test_packing_matches_the_reference(lengths, alignment):
     samples = make_samples(lengths, seed=len(lengths) * 100 + alignment)
     batch = TextPackingCollator(alignment=alignment, pad_token_id=3)(samples)
     assert type(batch) is Batch and set(batch) == {"input_ids", "labels", "loss_mask", "cu_seq_lens"}
-    assert batch.position_ids is None and batch.attention_mask is None and batch.extras == {}
+    assert batch.position_ids is None and batch.megatron_attention_mask is None and batch.extras == {}
+    assert batch.cu_seq_lens_real is None  # no sequence holds padding: the dummy tail is all its own
     ids, labels, cu = reference_pack(samples, alignment, 3)
     assert batch.input_ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
     assert batch.cu_seq_lens.dtype == torch.int32 and batch.loss_mask.dtype == torch.float32
@@ -274,7 +274,7 @@ def test_packing_rejects_bad_batches(samples, match):
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
     [
-        ({"alignment": 0}, "set alignment to the multiple of the packed length, as sequence_alignment("),
+        ({"alignment": 0}, "set alignment to the multiple of the packed length, as DeliveryLayout.row_multiple("),
         ({"alignment": 2.0}, "build_online_text_collate_fn"),
         ({"pad_token_id": -1}, "set pad_token_id to a token id of the vocabulary"),
         ({"pad_token_id": "0"}, "so 0 works"),
@@ -401,17 +401,18 @@ def test_indexed_stacking(attention):
         assert batch.labels[row].tolist() == np.where(trained, sample["labels"], IGNORE_INDEX).tolist()
         assert batch.loss_mask[row].tolist() == sample["loss_mask"].tolist()  # the dataset's mask, unchanged
     if attention:
-        assert batch.attention_mask.shape == (4, 1, 16, 16) and batch.attention_mask.dtype == torch.bool
-        assert torch.equal(batch.attention_mask[2, 0], torch.from_numpy(samples[2]["attention_mask"][0]))
+        mask = batch.megatron_attention_mask  # megatron-core's attention_mask, renamed once, True = masked out
+        assert mask.shape == (4, 1, 16, 16) and mask.dtype == torch.bool and "attention_mask" not in batch
+        assert torch.equal(mask[2, 0], torch.from_numpy(samples[2]["attention_mask"][0]))
     else:
-        assert batch.attention_mask is None and "attention_mask" not in batch
+        assert batch.megatron_attention_mask is None and "megatron_attention_mask" not in batch
 
 
-def test_indexed_names_stay_readable_through_the_mapping_view():
-    """``tokens`` is renamed ``input_ids`` in the collator; ``batch["tokens"]`` and extras still read."""
+def test_megatron_names_are_converted_once_at_the_edge():
+    """``tokens`` is renamed ``input_ids`` in the collator, and only there: the batch has no ``tokens`` key."""
     samples = [make_indexed_sample(8, seed, dataset_id=3) for seed in range(2)]
     batch = build_indexed_collate_fn(eod_token_id=EOD)(samples)
-    assert batch["tokens"] is batch.input_ids and batch["input_ids"] is batch.input_ids
+    assert "tokens" not in batch and batch["input_ids"] is batch.input_ids
     assert batch["dataset_id"].tolist() == [3, 3]
     assert list(batch) == ["input_ids", "labels", "loss_mask", "cu_seq_lens", "position_ids", "dataset_id"]
 
@@ -527,3 +528,71 @@ def test_a_gpt_dataset_batch_keeps_its_masks(tmp_path, tokenizer, caplog):
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         loaded = next(iter(FixedBatchDataLoader(train, micro_batch_size=4)))
     assert torch.equal(loaded.cu_seq_lens, batch.cu_seq_lens) and "no EOD id" not in caplog.text
+
+
+# -- per-sequence padding, tail policies, real boundaries -----------------------------------------------------------
+
+
+def reference_thd_pack(samples, per_sequence, alignment, tail_padding, pad_id):
+    """One sample at a time: each padded at its end to ``per_sequence``, then the row's tail padding as a dummy
+    sequence or at the last sequence's end; the real boundaries count each sequence's real tokens (the dummy's
+    padding counts as its own)."""
+    ids, cu, real = [], [0], [0]
+    for sample in samples:
+        tokens = [int(x) for x in sample["input_ids"]]
+        ids += tokens + [pad_id] * (-len(tokens) % per_sequence)
+        cu.append(len(ids))
+        real.append(real[-1] + len(tokens))
+    tail = -len(ids) % alignment
+    ids += [pad_id] * tail
+    if tail and tail_padding == "append_dummy_seq":
+        cu.append(len(ids))
+        real.append(real[-1] + tail)
+    cu[-1] = len(ids)
+    return ids, cu, real
+
+
+@pytest.mark.parametrize("tail_padding", ["append_dummy_seq", "extend_last"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_per_sequence_padding_records_the_real_boundaries_under_both_tail_policies(tail_padding, cp, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 20, size=int(rng.integers(1, 7))).tolist()
+    samples = make_samples(lengths, seed=seed)
+    layout = DeliveryLayout(cp_size=cp, cp_layout="zigzag_thd")
+    batch = build_online_text_collate_fn(
+        layout=layout, sequence_multiple=16, tail_padding=tail_padding, pad_token_id=5
+    )(samples)
+    ids, cu, real = reference_thd_pack(samples, 2 * cp, math.lcm(2 * cp, 16), tail_padding, 5)
+    assert batch.input_ids[0].tolist() == ids
+    assert batch.cu_seq_lens.tolist() == cu and batch.cu_seq_lens_real.tolist() == real
+    assert batch.trained_tokens == sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in samples)
+    assert all(n % (2 * cp) == 0 for n in np.diff(cu))  # every padded sequence divides into 2 * cp chunks
+
+
+def test_extend_last_adds_the_tail_padding_to_the_last_sequence():
+    """Worked example of the module docstring: alignment 4, lengths 3 and 2."""
+    collator = TextPackingCollator(alignment=4, tail_padding="extend_last", position_ids=True)
+    assert collator.records_real
+    batch = collator(make_samples([3, 2]))
+    assert batch.cu_seq_lens.tolist() == [0, 3, 8] and batch.cu_seq_lens_real.tolist() == [0, 3, 5]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    dummy = TextPackingCollator(alignment=4)(make_samples([3, 2]))
+    assert dummy.cu_seq_lens.tolist() == [0, 3, 5, 8] and dummy.cu_seq_lens_real is None
+    padded = TextPackingCollator(alignment=4, pad_each_sequence_to=4)(make_samples([3, 6]))
+    assert padded.cu_seq_lens.tolist() == [0, 4, 12] and padded.cu_seq_lens_real.tolist() == [0, 3, 9]
+    assert not TextPackingCollator(alignment=1, tail_padding="extend_last").records_real  # nothing to pad
+
+
+def test_the_indexed_collator_refuses_rows_its_layout_cannot_cut():
+    samples = [make_indexed_sample(10, seed) for seed in range(2)]
+    fine = build_indexed_collate_fn(eod_token_id=EOD, layout=DeliveryLayout(cp_size=5))(samples)
+    assert fine.input_ids.shape == (2, 10)
+    collator = build_indexed_collate_fn(eod_token_id=EOD, layout=DeliveryLayout(cp_size=2, cp_layout="zigzag"))
+    with pytest.raises(DataConfigError) as error:
+        collator(samples)
+    message = str(error.value)
+    assert "the Indexed rows hold 10 tokens (seq_length)" in message and "cp 2 (zigzag" in message
+    assert "set data_config.seq_length to a multiple of 4, such as 8 or 12" in message
+    with pytest.raises(DataConfigError, match="layout must be a DeliveryLayout .*got int"):
+        build_indexed_collate_fn(eod_token_id=EOD, layout=2)

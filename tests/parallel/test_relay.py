@@ -33,7 +33,7 @@ FIELDS = (*BROADCAST_FIELDS, "local_cp_size")
 # What each kind of stage takes, written out independently of the relay's ownership table.
 FIRST = {"input_ids", "position_ids"}
 LAST = {"labels", "loss_mask"}
-EVERY = {"cu_seq_lens", "local_cp_size", "attention_mask", "local_columns", "dataset_id"}
+EVERY = {"cu_seq_lens", "cu_seq_lens_real", "local_cp_size", "attention_mask", "local_columns", "dataset_id"}
 MESHES = {
     "PP2xDP2xTP2": ((2, 2, 2), ("pp", "dp", "tp"), ()),
     "PP2xCP2xTP2": ((2, 2, 2), ("pp", "cp", "tp"), ()),

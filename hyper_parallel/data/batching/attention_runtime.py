@@ -3,8 +3,9 @@
 Owns: three pure functions of the global ``cu_seq_lens`` (``batching.sequence_boundaries``) and the global columns a
 CP rank holds (``parallel.batch_parallel.cp_local_columns``): the dense boolean mask of the rank's queries against
 all keys (``dense_attention_mask``, with its sliding-window variant), Megatron-Core's ``PackedSeqParams`` for THD
-kernels (``packed_seq_params``; ``attention_params`` strips the context-parallel groups a micro-batch carries before
-a backend attention call), and a FlexAttention ``BlockMask`` (``flex_block_mask``). Not responsible for: where
+kernels (``packed_seq_params``, with the real and the padded boundaries apart; ``attention_params`` strips the
+context-parallel groups a micro-batch carries before a backend attention call), and a FlexAttention ``BlockMask``
+(``flex_block_mask``). Not responsible for: where
 sequences end, which columns a rank holds, moving tensors between ranks, or running attention.
 
 Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns of each row, in local order):
@@ -16,7 +17,7 @@ Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns
   Transformer Engine's and Megatron-Core's window ``(w, 0)``; without ``causal`` it also keeps ``k <= q + w``
   (window ``(w, w)``). A Hugging Face ``sliding_window`` counts the query itself: ours ``w`` is its ``w + 1``.
 * Dense masks are True where the query **may attend** (``torch.nn.functional.scaled_dot_product_attention``'s
-  convention, the opposite of the batch's megatron-style ``attention_mask``).
+  convention; the batch's ``megatron_attention_mask`` has the opposite polarity, and another name for it).
 
 Every query's visible keys are thus one interval of its row, ``lo <= k <= hi`` (``_key_intervals``); the dense and
 flex masks are built from those two int arrays of ``[R, s]`` entries, so nothing of ``[T, T]`` is ever materialised.
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from hyper_parallel.data.batching.sequence_boundaries import row_boundaries
+from hyper_parallel.data.batching.sequence_boundaries import real_boundaries, row_boundaries
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 
@@ -203,22 +204,30 @@ class PackedSeqParams:
 
     All boundaries are global (over the rows flattened), int32, as Transformer Engine's THD attention takes them
     with context parallelism in the ``zigzag_thd`` layout: every sequence is cut into ``2 * cp`` chunks and each
-    rank passes the global boundaries. Sequences are padded to ``2 * cp`` inside their own boundaries (their padding
-    at their end carries no loss, and causal attention keeps real tokens from seeing it), so the real and padded
-    boundaries are the same physical ones, as Megatron-Core passes them. A Megatron-Core trainer converts with
+    rank passes the global boundaries. The real and the padded boundaries are kept apart, as Megatron-Core and
+    Transformer Engine expect: ``cu_seqlens_q``/``cu_seqlens_kv`` are the cumulative real token counts of the
+    sequences, ``cu_seqlens_q_padded``/``cu_seqlens_kv_padded`` the physical boundaries of the same sequences with
+    their padding (each sequence padded at its end to ``2 * cp``, the tail padding added to the last sequence or
+    one dummy sequence of its own), and ``max_seqlen_q``/``max_seqlen_kv`` the longest padded sequence. Without
+    per-sequence padding the two are one tensor. A Megatron-Core trainer converts with
     ``megatron.core.packed_seq_params.PackedSeqParams(**vars(params))``.
 
-    The packing scheduler (``parallel.data_schedule``) also records which context-parallel group a micro-batch was
-    cut for: ``cp_group`` and ``local_cp_size`` (its size, which dynamic CP chooses per micro-batch) and, with
-    sequence parallelism, ``tp_cp_group``. Attention kernels take only the seven THD fields: pass
-    ``attention_params(params)``. Megatron-Core's class has ``cp_group`` and ``local_cp_size`` but no
-    ``tp_cp_group`` (it takes that group from its process-group collection), so ``vars(params)`` holds
-    ``tp_cp_group`` only when it is set, and the conversion above keeps working without sequence parallelism.
+    Worked example, cp 2 (sequences padded to 4), real lengths 3 and 6: ``cu_seqlens_q = [0, 3, 9]``,
+    ``cu_seqlens_q_padded = [0, 4, 12]``, ``max_seqlen_q = 8``; sequence 1's real tokens are the positions
+    ``[4, 10)`` of the row, and ``[3, 4)`` and ``[10, 12)`` are padding.
+
+    The packing scheduler also records which context-parallel group a micro-batch was cut for: ``cp_group`` and
+    ``local_cp_size`` (its size, which dynamic CP chooses per micro-batch) and, with sequence parallelism,
+    ``tp_cp_group``. Attention kernels take only the seven THD fields: pass ``attention_params(params)``.
+    Megatron-Core's class has ``cp_group`` and ``local_cp_size`` but no ``tp_cp_group`` (it takes that group from
+    its process-group collection), so ``vars(params)`` holds ``tp_cp_group`` only when it is set, and the
+    conversion above keeps working without sequence parallelism.
 
     Attributes:
         qkv_format: ``"thd"``.
-        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: int32 ``[K + 1]`` (one tensor).
-        max_seqlen_q, max_seqlen_kv: the longest sequence.
+        cu_seqlens_q, cu_seqlens_kv: int32 ``[K + 1]`` (one tensor), the cumulative real token counts.
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: int32 ``[K + 1]`` (one tensor), the physical boundaries.
+        max_seqlen_q, max_seqlen_kv: the longest padded sequence.
         cp_group: the CP process group the sequences are cut across, or None (no context parallelism recorded).
         local_cp_size: that group's size (the micro-batch's CP size), or None.
         tp_cp_group: the TP x CP group of that CP group, with sequence parallelism; else None.
@@ -282,37 +291,48 @@ def attention_params(params: PackedSeqParams) -> dict[str, Any]:
 
 
 def packed_seq_params(
-    cu_seq_lens: Any, *, cp_size: int = 1, device: torch.device | str | None = None
+    cu_seq_lens: Any,
+    *,
+    cu_seq_lens_real: Any = None,
+    cp_size: int = 1,
+    device: torch.device | str | None = None,
 ) -> PackedSeqParams:
     """``PackedSeqParams`` of the global boundaries (see the class for the layout they describe).
 
     Args:
-        cu_seq_lens: the batch's global boundaries.
-        cp_size: the context-parallel size; above 1, every sequence must be a multiple of ``2 * cp_size`` long.
-        device: where the boundary tensor is (default CPU).
+        cu_seq_lens: the batch's global physical boundaries, each sequence with its padding (``Batch.cu_seq_lens``).
+        cu_seq_lens_real: the cumulative real token counts of the same sequences (``Batch.cu_seq_lens_real``);
+            None when no sequence is padded (the real boundaries are then ``cu_seq_lens``).
+        cp_size: the context-parallel size; above 1, every padded sequence must be a multiple of ``2 * cp_size``.
+        device: where the boundary tensors are (default CPU).
 
     Raises:
-        DataFileError: the boundaries are not valid (which rule is named).
-        DataConfigError: a sequence does not divide into ``2 * cp_size`` chunks.
+        DataFileError: the boundaries are not valid, or the real ones are not those of the same sequences with at
+            least one and at most their padded number of tokens (which rule is named).
+        DataConfigError: a padded sequence does not divide into ``2 * cp_size`` chunks.
 
-    Example: boundaries ``[0, 4, 12, 16]``, cp 2: ``cu_seqlens_q = [0, 4, 12, 16]``, ``max_seqlen_q = 8``.
+    Example: boundaries ``[0, 4, 12]`` with real ``[0, 3, 9]``, cp 2: ``cu_seqlens_q = [0, 3, 9]``,
+    ``cu_seqlens_q_padded = [0, 4, 12]``, ``max_seqlen_q = 8``.
     """
     cp_size = require_int("cp_size", cp_size, 1)
     if isinstance(cu_seq_lens, torch.Tensor):
         cu_seq_lens = cu_seq_lens.detach().cpu()
     values = np.asarray(cu_seq_lens)
     total = int(values[-1]) if values.ndim == 1 and values.size else 1  # the boundaries' own end; checked below
-    bounds = check_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
-    lengths = np.diff(bounds.numpy())
+    padded = check_cu_seq_lens(cu_seq_lens, max(total, 1), "packed_seq_params")
+    real = padded if cu_seq_lens_real is None else real_boundaries(cu_seq_lens_real, padded, "packed_seq_params")
+    lengths = np.diff(padded.numpy())
     if cp_size > 1 and (bad := np.flatnonzero(lengths % (2 * cp_size))).size:
         raise DataConfigError(
             f"packed_seq_params: with cp_size {cp_size}, THD attention cuts every sequence into {2 * cp_size} chunks, "
-            f"but sequence {bad[0]} has {lengths[bad[0]]} tokens ({bad.size} of {lengths.size} do not divide); pad "
-            f"every sequence to a multiple of {2 * cp_size} (cp_layout zigzag_thd makes the collator do it)"
+            f"but sequence {bad[0]} has {lengths[bad[0]]} positions ({bad.size} of {lengths.size} do not divide); pad "
+            f"every sequence to a multiple of {2 * cp_size} (a layout with pad_sequences makes the collator do it)"
         )
-    bounds = bounds.to(torch.device("cpu" if device is None else device))
+    device = torch.device("cpu" if device is None else device)
+    padded = padded.to(device)
+    real = padded if cu_seq_lens_real is None else real.to(device)
     longest = int(lengths.max())
-    return PackedSeqParams("thd", bounds, bounds, bounds, bounds, longest, longest)
+    return PackedSeqParams("thd", real, real, padded, padded, longest, longest)
 
 
 # -- FlexAttention -------------------------------------------------------------------------------------------------

@@ -13,17 +13,26 @@ Conventions (the package README's "batch contract" section has the worked exampl
   EOD inputs under ``eod_mask_loss``).
 * ``loss_mask``: float32 ``[R, T]``, 1.0 where a loss is taken, 0.0 elsewhere; always ``labels != IGNORE_INDEX``,
   because it is computed from the labels here.
-* ``cu_seq_lens``: int32 ``[K + 1]``, the boundaries of the K sequences over the rows flattened one after
+* ``cu_seq_lens``: int32 ``[K + 1]``, the physical boundaries of the K sequences over the rows flattened one after
   another: a leading 0, strictly increasing, ending at ``R * T``; every row end is a boundary, so no sequence
-  crosses rows. Padding is part of a sequence too (the Online tail padding is a sequence of its own).
-* ``position_ids`` (int64 ``[R, T]``) and ``attention_mask`` (bool ``[R, 1, T, T]``, megatron-core's polarity:
-  True = masked out, the query may not see that key): present only when asked for, None otherwise.
+  crosses rows. Padding is part of a sequence too (a sequence's own padding at its end; the Online tail padding
+  is a dummy sequence of its own, or the end of the last sequence).
+* ``cu_seq_lens_real``: int32 ``[K + 1]``, the cumulative real token counts of the same K sequences (Transformer
+  Engine's ``cu_seqlens`` beside ``cu_seq_lens`` as its ``cu_seqlens_padded``): sequence ``k`` holds
+  ``cu_seq_lens_real[k + 1] - cu_seq_lens_real[k]`` real tokens, at least one and at most its padded length, at
+  the start of its span. None when the collator pads no sequence (the real boundaries are then ``cu_seq_lens``).
+  A dummy tail sequence counts its padding as its real tokens (it carries no loss and attends only itself).
+* ``position_ids`` (int64 ``[R, T]``) and ``megatron_attention_mask`` (bool ``[R, 1, T, T]``, megatron-core's
+  polarity: True = masked out, the query may not see that key): present only when asked for, None otherwise. The
+  name ``attention_mask`` is kept for the opposite polarity, the ``model_inputs`` mask ``ParallelBatch``
+  delivers (True = may attend).
 * ``extras``: any other per-sample field of the dataset, stacked with the rows as its first dimension
   (``dataset_id`` of blends, int64 ``[R]``).
 
 A ``Batch`` is also a read-only mapping over the fields that are present (then the extras), so
-``batch["input_ids"]``, ``"position_ids" in batch`` and ``dict(batch)`` work, and ``batch["tokens"]`` is an alias of
-``input_ids`` for readers written for megatron-core's samples. New code reads the attributes.
+``batch["input_ids"]``, ``"position_ids" in batch`` and ``dict(batch)`` work. It has no megatron-core key names
+(``tokens``, ``attention_mask``): a megatron-style dict is converted once, by ``build_collate_fn.indexed_batch``.
+New code reads the attributes.
 """
 
 from __future__ import annotations
@@ -32,16 +41,25 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from hyper_parallel.data.batching.sequence_boundaries import real_boundaries
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 
 __all__ = ["Batch"]
 
-_TENSOR_FIELDS = ("input_ids", "labels", "loss_mask", "cu_seq_lens", "position_ids", "attention_mask")
-_ALIASES = {"tokens": "input_ids"}
+_TENSOR_FIELDS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "cu_seq_lens",
+    "cu_seq_lens_real",
+    "position_ids",
+    "megatron_attention_mask",
+)
+_MEGATRON_KEYS = ("tokens", "attention_mask")  # converted by indexed_batch; never a field or an extra here
 _FIX = "build batches with TextPackingCollator or build_indexed_collate_fn, which follow the contract"
 
 
@@ -56,9 +74,10 @@ class Batch(Mapping):
     Attributes:
         input_ids: int64 ``[R, T]`` token ids.
         labels: int64 ``[R, T]`` targets, ``IGNORE_INDEX`` where no loss is taken.
-        cu_seq_lens: int32 ``[K + 1]`` sequence boundaries over the flattened rows.
+        cu_seq_lens: int32 ``[K + 1]`` sequence boundaries over the flattened rows, padding included.
         position_ids: int64 ``[R, T]`` or None.
-        attention_mask: bool ``[R, 1, T, T]`` (True = masked out) or None.
+        megatron_attention_mask: bool ``[R, 1, T, T]`` (True = masked out) or None.
+        cu_seq_lens_real: int32 ``[K + 1]`` cumulative real token counts of the same sequences, or None.
         extras: other per-sample fields, each a tensor whose first dimension is R.
         loss_mask: float32 ``[R, T]``, ``labels != IGNORE_INDEX``; computed, not passed.
 
@@ -72,7 +91,8 @@ class Batch(Mapping):
     labels: torch.Tensor
     cu_seq_lens: torch.Tensor
     position_ids: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None
+    megatron_attention_mask: torch.Tensor | None = None
+    cu_seq_lens_real: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_mask: torch.Tensor = field(init=False)
 
@@ -125,8 +145,7 @@ class Batch(Mapping):
     # -- the read-only mapping view -----------------------------------------------------------------------------
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        name = _ALIASES.get(key, key)
-        value = getattr(self, name, None) if name in _TENSOR_FIELDS else self.extras.get(name)
+        value = getattr(self, key, None) if key in _TENSOR_FIELDS else self.extras.get(key)
         if value is None:
             raise KeyError(f"{key!r}: the batch has no such field; it holds {list(self)}")
         return value
@@ -176,18 +195,20 @@ def _check(batch: Batch) -> None:
                 f"Batch.{name} has shape {list(value.shape)} but input_ids has {list(ids.shape)}; they must match "
                 f"(one entry per position); {_FIX}"
             )
-    if batch.attention_mask is not None:
-        mask = _tensor("attention_mask", batch.attention_mask, torch.bool, 4)
+    if batch.megatron_attention_mask is not None:
+        mask = _tensor("megatron_attention_mask", batch.megatron_attention_mask, torch.bool, 4)
         if tuple(mask.shape) != (rows, 1, width, width):
             raise DataFileError(
-                f"Batch.attention_mask has shape {list(mask.shape)}; for input_ids of shape {list(ids.shape)} it must "
-                f"be {[rows, 1, width, width]} (one [T, T] mask per row, True = masked out); {_FIX}"
+                f"Batch.megatron_attention_mask has shape {list(mask.shape)}; for input_ids of shape "
+                f"{list(ids.shape)} it must be {[rows, 1, width, width]} (one [T, T] mask per row, True = masked "
+                f"out); {_FIX}"
             )
     for name, value in batch.extras.items():
-        if not isinstance(name, str) or name in _TENSOR_FIELDS or name in _ALIASES or name == "extras":
+        if not isinstance(name, str) or name in _TENSOR_FIELDS or name in _MEGATRON_KEYS or name == "extras":
             raise DataConfigError(
                 f"Batch extra {name!r} is not a valid name: extras must be strings other than the contract's fields "
-                f"{[*_TENSOR_FIELDS, *_ALIASES]}; rename the dataset's field"
+                f"{list(_TENSOR_FIELDS)} and megatron-core's names {list(_MEGATRON_KEYS)} (indexed_batch converts "
+                "those); rename the dataset's field"
             )
         if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != rows:
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -195,30 +216,8 @@ def _check(batch: Batch) -> None:
                 f"Batch extra {name!r} is {shape}; an extra must be a tensor with one entry per row ({rows}); give it "
                 "one numeric value or array per sample"
             )
-    _check_boundaries(_tensor("cu_seq_lens", batch.cu_seq_lens, torch.int32, 1), rows, width)
-
-
-def _check_boundaries(bounds: torch.Tensor, rows: int, width: int) -> None:
-    """``bounds`` starts at 0, strictly increases, ends at ``rows * width`` and holds every row end."""
-    values = bounds.detach().cpu().numpy()  # no copy on CPU, where collators build batches
-    total = rows * width
-    problem = ""
-    if len(values) < 2 or values[0] != 0 or values[-1] != total:
-        problem = f"it must start at 0 and end at the batch's {total} positions"
-    elif (steps := np.diff(values) <= 0).any():
-        at = int(np.argmax(steps)) + 1
-        problem = f"it must strictly increase, but entry {at} is {values[at]} after {values[at - 1]}"
-    elif rows > 1 and len(missing := _absent(np.arange(width, total, width), values)):
-        problem = f"every row end must be a boundary (no sequence crosses rows), but {missing[0]} is not"
-    if problem:
-        shown = values.tolist() if len(values) <= 12 else [*values[:6].tolist(), "...", *values[-5:].tolist()]
-        raise DataFileError(
-            f"Batch.cu_seq_lens {shown} is not a list of sequence boundaries for {rows} rows of {width}: {problem}; "
-            f"{_FIX}"
-        )
-
-
-def _absent(wanted: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """The entries of ``wanted`` missing from the sorted ``values`` (a binary search each)."""
-    found = values[np.minimum(np.searchsorted(values, wanted), len(values) - 1)]
-    return wanted[found != wanted]
+    bounds = check_cu_seq_lens(
+        _tensor("cu_seq_lens", batch.cu_seq_lens, torch.int32, 1), rows * width, "Batch.cu_seq_lens", row_length=width
+    )
+    if batch.cu_seq_lens_real is not None:
+        real_boundaries(_tensor("cu_seq_lens_real", batch.cu_seq_lens_real, torch.int32, 1), bounds, "Batch")

@@ -3,20 +3,25 @@
 Owns: turning the samples of one micro-batch into a ``Batch`` (``batching.batch``: the one contract both paths
 follow, documented with a worked example in the package README). Online ``ModelSample``s (``input_ids`` and
 already-shifted ``labels``) are concatenated into a single ``[1, packed_length]`` row with ``cu_seq_lens`` marking
-the sequence boundaries for variable-length attention; the row is padded at its tail to the multiple that
-context/tensor parallelism (and the attention kernels) need, and that padding is recorded as one extra synthetic
-sequence with ``IGNORE_INDEX`` labels, so that it attends only to itself; for the ``zigzag_thd`` context-parallel
-layout each sample is also padded at its own end to a multiple of ``2 * cp`` (``pad_each_sequence_to``), inside its
-sequence. Indexed samples, already of equal length,
-are stacked into ``[micro_batch_size, seq_length]`` rows; their ``tokens`` become ``input_ids`` here (the one
-place the name changes), their labels become ``IGNORE_INDEX`` where the dataset's loss mask is 0, and their
-``cu_seq_lens`` end a sequence after each EOD and at each row end (``batching.sequence_boundaries``). Not responsible
-for: choosing which samples form a batch (the samplers in ``parallel``), splitting the packed row across
+the sequence boundaries for variable-length attention. The row is padded at its tail to the multiple that the
+delivery layout (``parallel.delivery_layout.DeliveryLayout.row_multiple``, and the attention kernels) needs; that
+padding, with ``IGNORE_INDEX`` labels, is one extra dummy sequence (``tail_padding="append_dummy_seq"``, so that it
+attends only to itself) or the end of the last sequence (``"extend_last"``). With per-sequence padding (the
+layout's ``sequence_multiple``, ``2 * cp`` for ``zigzag_thd``) each sample is also padded at its own end, inside
+its sequence; whenever a sequence can hold padding, the batch's ``cu_seq_lens_real`` count its real tokens beside
+the padded ``cu_seq_lens``. Indexed samples, already of equal length, are stacked into ``[micro_batch_size,
+seq_length]`` rows; megatron-core's names become the contract's here, once (``tokens`` to ``input_ids``,
+``attention_mask`` to ``megatron_attention_mask``), their labels become ``IGNORE_INDEX`` where the dataset's loss
+mask is 0, and their ``cu_seq_lens`` end a sequence after each EOD and at each row end
+(``batching.sequence_boundaries``): the one place Indexed boundaries are computed. Not responsible for: choosing
+which samples form a batch (the samplers in ``parallel``), the layout's arithmetic, splitting the packed row across
 context-parallel ranks, or tokenization.
 
 Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens plus 3 pad tokens (labels
 ``IGNORE_INDEX``) and ``cu_seq_lens = [0, 3, 5, 8]``; with lengths 3 and 1 it holds 4 tokens and
-``cu_seq_lens = [0, 3, 4]``.
+``cu_seq_lens = [0, 3, 4]``. With ``"extend_last"`` the first row gives ``cu_seq_lens = [0, 3, 8]`` and
+``cu_seq_lens_real = [0, 3, 5]``. Per-sequence padding to 4 with lengths 3 and 6 (alignment 4): ``cu_seq_lens =
+[0, 4, 12]``, ``cu_seq_lens_real = [0, 3, 9]``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel.batch_parallel import CP_LAYOUTS
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = [
@@ -44,69 +49,16 @@ __all__ = [
     "TextPackingCollator",
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
+    "check_row_length",
+    "TAIL_PADDING_POLICIES",
     "indexed_batch",
-    "sequence_alignment",
 ]
 
 logger = get_logger(__name__)
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
-
-
-def sequence_alignment(
-    *,
-    cp_size: int = 1,
-    tp_size: int = 1,
-    sequence_parallel: bool = False,
-    sequence_multiple: int = 1,
-    cp_layout: str = "contiguous",
-) -> int:
-    """Return the multiple every packed row length must be padded to.
-
-    Context parallelism splits the row into ``cp_size`` parts (``2 * cp_size`` chunks for the zigzag layouts);
-    sequence parallelism further splits each rank's part across the ``tp_size`` tensor-parallel ranks. An extra
-    multiple required by the kernels (e.g. 32) is combined with that by least common multiple, so every constraint
-    holds at once.
-
-    Args:
-        cp_size: context-parallel size.
-        tp_size: tensor-parallel size; counts only with ``sequence_parallel``.
-        sequence_parallel: whether activations are split along the sequence across tensor-parallel ranks.
-        sequence_multiple: any further multiple the row length must satisfy.
-        cp_layout: how ``ParallelBatch`` cuts rows across CP ranks (``parallel.batch_parallel.CP_LAYOUTS``).
-
-    Returns:
-        ``lcm(cp_size * tp_size if sequence_parallel else cp_size, 2 * cp_size for zigzag layouts when cp_size > 1,
-        sequence_multiple)``.
-
-    Raises:
-        DataConfigError: a size is not a positive integer, ``sequence_parallel`` is not a bool, or the layout is
-            unknown.
-
-    Example:
-        ``cp_size=2, tp_size=4, sequence_parallel=True`` gives 8; adding ``sequence_multiple=32`` gives 32, and
-        ``sequence_multiple=12`` gives 24. ``cp_size=2, cp_layout="zigzag"`` gives 4.
-    """
-    cp = _setting(cp_size, "cp_size", "the context-parallel size of the trainer (1 without context parallelism)")
-    if cp_layout not in CP_LAYOUTS:
-        close = difflib.get_close_matches(str(cp_layout), CP_LAYOUTS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise DataConfigError(
-            f"cp_layout is {cp_layout!r}{hint}; use one of {', '.join(CP_LAYOUTS)}, the layout of the get_batch node"
-        )
-    chunks = 2 * cp if cp_layout != "contiguous" and cp > 1 else cp
-    tp = _setting(tp_size, "tp_size", "the tensor-parallel size of the trainer (1 without tensor parallelism)")
-    multiple = _setting(
-        sequence_multiple, "sequence_multiple", "a multiple the attention kernels need, such as 32 (1 for none)"
-    )
-    if not isinstance(sequence_parallel, bool | np.bool_):
-        raise DataConfigError(
-            f"sequence_parallel must be true or false, got {sequence_parallel!r} ({type(sequence_parallel).__name__});"
-            " set it as the trainer does: true when activations are split along the sequence across tensor-parallel"
-            " ranks"
-        )
-    return math.lcm(cp * tp if sequence_parallel else cp, chunks, multiple)
+TAIL_PADDING_POLICIES = ("append_dummy_seq", "extend_last")  # Megatron-Core's thd_tail_padding_policy
 
 
 def _setting(value, name: str, meaning: str, minimum: int = 1) -> int:
@@ -148,6 +100,18 @@ def _field(sample: Any, key: str, index: int) -> np.ndarray:
     return array
 
 
+def _tail_padding(value: Any) -> str:
+    if isinstance(value, str) and value in TAIL_PADDING_POLICIES:
+        return value
+    close = difflib.get_close_matches(str(value), TAIL_PADDING_POLICIES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise DataConfigError(
+        f"tail_padding is {value!r}{hint}; use 'append_dummy_seq' (the row's tail padding is one dummy sequence of "
+        "its own) or 'extend_last' (it is added to the last sequence's padded end), Megatron-Core's "
+        "thd_tail_padding_policy"
+    )
+
+
 class TextPackingCollator:
     """Pack Online samples into one ``[1, packed_length]`` row with ``cu_seq_lens`` boundaries: a ``Batch``.
 
@@ -160,29 +124,41 @@ class TextPackingCollator:
         position_ids: also return ``position_ids``, restarting at 0 at every sequence (the padding included).
         pad_each_sequence_to: every sample is padded at its end to a multiple of this, inside its own sequence
             (``2 * cp_size`` for the ``zigzag_thd`` context-parallel layout; 1 for none).
+        tail_padding: ``"append_dummy_seq"`` or ``"extend_last"`` (``TAIL_PADDING_POLICIES``).
+        records_real: the batches carry ``cu_seq_lens_real``: a sequence may hold padding (per-sequence padding,
+            or the tail padding extending the last sequence). Decided here, so every batch has the same fields.
     """
 
     def __init__(
-        self, *, alignment: int = 1, pad_token_id: int = 0, position_ids: bool = False, pad_each_sequence_to: int = 1
+        self,
+        *,
+        alignment: int = 1,
+        pad_token_id: int = 0,
+        position_ids: bool = False,
+        pad_each_sequence_to: int = 1,
+        tail_padding: str = "append_dummy_seq",
     ) -> None:
         """Validate and store the settings.
 
         Args:
-            alignment: multiple of the packed length, usually from ``sequence_alignment``.
+            alignment: multiple of the packed length, usually a layout's ``row_multiple``.
             pad_token_id: a valid token id (``>= 0``); it is never trained on, but it goes through the embedding.
             pad_each_sequence_to: multiple of every sequence's length; the padding of a sequence is at its end,
                 with ``pad_token_id`` inputs and ``IGNORE_INDEX`` labels, and belongs to that sequence in
                 ``cu_seq_lens``. ``alignment`` must be a multiple of it, so that the tail padding is one too.
+            tail_padding: where the row's tail padding goes: one dummy sequence of its own (which counts its
+                padding as its real tokens in ``cu_seq_lens_real``: it carries no loss and attends only itself),
+                or the end of the last sequence (whose real length is unchanged).
 
         Raises:
             DataConfigError: a setting is not a non-negative integer, the alignment or ``pad_each_sequence_to``
-                is 0, or the alignment is not a multiple of ``pad_each_sequence_to``.
+                is 0, the alignment is not a multiple of ``pad_each_sequence_to``, or the tail policy is unknown.
         """
         self.alignment = _setting(
             alignment,
             "alignment",
-            "the multiple of the packed length, as sequence_alignment(cp_size=..., tp_size=..., sequence_parallel=..., "
-            "sequence_multiple=...) computes it (build_online_text_collate_fn does)",
+            "the multiple of the packed length, as DeliveryLayout.row_multiple(extra=sequence_multiple) computes it "
+            "(build_online_text_collate_fn does)",
         )
         self.pad_token_id = _setting(
             pad_token_id,
@@ -204,11 +180,14 @@ class TextPackingCollator:
                 "so the tail padding would be a sequence of another multiple; set alignment to "
                 f"{math.lcm(self.alignment, self.pad_each_sequence_to)} (their least common multiple)"
             )
+        self.tail_padding = _tail_padding(tail_padding)
+        self.records_real = self.pad_each_sequence_to > 1 or (self.tail_padding == "extend_last" and self.alignment > 1)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id}, "
-            f"position_ids={self.position_ids}, pad_each_sequence_to={self.pad_each_sequence_to})"
+            f"position_ids={self.position_ids}, pad_each_sequence_to={self.pad_each_sequence_to}, "
+            f"tail_padding={self.tail_padding!r})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
@@ -220,25 +199,14 @@ class TextPackingCollator:
 
         Returns:
             A ``Batch``: ``input_ids``, ``labels`` and ``loss_mask`` ``[1, packed_length]``; ``cu_seq_lens`` int32
-            ``[K + 1]``, or ``[K + 2]`` when tail padding was added (the padding is its own final sequence).
+            ``[K + 1]``, or ``[K + 2]`` when a dummy tail sequence was added; ``cu_seq_lens_real`` of as many
+            entries when ``records_real``, else None.
 
         Raises:
             DataFileError: the batch is empty, or a sample is not a mapping, lacks a field, has a field that is
                 not 1-D integer, is empty, or has ``input_ids`` and ``labels`` of different lengths.
         """
-        if len(samples) == 0:
-            raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to pack")
-        inputs, labels = [], []
-        for index, sample in enumerate(samples):
-            ids, targets = _field(sample, "input_ids", index), _field(sample, "labels", index)
-            if len(ids) != len(targets):
-                raise DataFileError(
-                    f"sample {index} of the batch has {len(ids)} input_ids but {len(targets)} labels; labels "
-                    "must be shifted in place (one per input id, IGNORE_INDEX where there is no loss)"
-                )
-            inputs.append(ids)
-            labels.append(targets)
-
+        inputs, labels = _online_fields(samples)
         lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
         padded = lengths + -lengths % self.pad_each_sequence_to  # each sequence's length with its own padding
         total = int(padded.sum())
@@ -249,11 +217,12 @@ class TextPackingCollator:
                 f"the packed row would hold {packed_length} tokens, more than cu_seq_lens (int32) can address; "
                 "use a smaller micro-batch"
             )
+        dummy = pad > 0 and self.tail_padding == "append_dummy_seq"
+        cu_seq_lens = _cumulative(padded, dummy)
+        cu_seq_lens[-1] = packed_length  # the tail padding ends the dummy sequence, or the last one
         # One allocation per output; every padding is written by ``full`` and the samples by one concatenate.
         input_row = np.full(packed_length, self.pad_token_id, dtype=np.int64)
         label_row = np.full(packed_length, IGNORE_INDEX, dtype=np.int64)
-        cu_seq_lens = np.zeros(len(lengths) + 1 + (pad > 0), dtype=np.int32)
-        np.cumsum(padded, out=cu_seq_lens[1 : len(lengths) + 1])
         if total == lengths.sum():
             np.concatenate(inputs, out=input_row[:total])
             np.concatenate(labels, out=label_row[:total])
@@ -264,53 +233,107 @@ class TextPackingCollator:
             where = np.arange(int(lengths.sum())) + shift
             input_row[where] = np.concatenate(inputs)
             label_row[where] = np.concatenate(labels)
-        if pad:
-            cu_seq_lens[-1] = packed_length
+        real = None
+        if self.records_real:
+            real = _cumulative(lengths, dummy)
+            if dummy:
+                real[-1] += pad  # the dummy sequence counts its padding as its real tokens
         positions = positions_within_sequences(cu_seq_lens) if self.position_ids else None
         return Batch(
             input_ids=torch.from_numpy(input_row).unsqueeze(0),
             labels=torch.from_numpy(label_row).unsqueeze(0),
             cu_seq_lens=torch.from_numpy(cu_seq_lens),
+            cu_seq_lens_real=None if real is None else torch.from_numpy(real),
             position_ids=None if positions is None else torch.from_numpy(positions).unsqueeze(0),
         )
+
+
+def _online_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The samples' ``input_ids`` and ``labels``, checked to be non-empty and of equal lengths."""
+    if len(samples) == 0:
+        raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to pack")
+    inputs, labels = [], []
+    for index, sample in enumerate(samples):
+        ids, targets = _field(sample, "input_ids", index), _field(sample, "labels", index)
+        if len(ids) != len(targets):
+            raise DataFileError(
+                f"sample {index} of the batch has {len(ids)} input_ids but {len(targets)} labels; labels "
+                "must be shifted in place (one per input id, IGNORE_INDEX where there is no loss)"
+            )
+        inputs.append(ids)
+        labels.append(targets)
+    return inputs, labels
+
+
+def _cumulative(lengths: np.ndarray, dummy: bool) -> np.ndarray:
+    """int32 ``[0, cumsum(lengths)...]``, with one more entry (a copy of the last) for a dummy sequence."""
+    bounds = np.zeros(len(lengths) + 1 + dummy, dtype=np.int32)
+    np.cumsum(lengths, out=bounds[1 : len(lengths) + 1])
+    bounds[len(lengths) + 1 :] = bounds[len(lengths)]
+    return bounds
+
+
+def _layout(layout: DeliveryLayout | None, loose: dict[str, Any]) -> DeliveryLayout:
+    """The delivery layout: ``layout``, or one built from the loose CP/TP keywords; both is an error."""
+    given = {name: value for name, value in loose.items() if value is not None}
+    if layout is None:
+        return DeliveryLayout(**given)
+    if not isinstance(layout, DeliveryLayout):
+        raise DataConfigError(
+            f"layout must be a DeliveryLayout (hyper_parallel.data.parallel.delivery_layout), got "
+            f"{type(layout).__name__}; build it once from the parallel context and pass it"
+        )
+    if given:
+        raise DataConfigError(
+            f"build_online_text_collate_fn got both a layout ({layout.describe()}) and {sorted(given)}; the layout "
+            "holds the CP and TP sizes and the CP layout, so give either the layout or those keywords, not both"
+        )
+    return layout
 
 
 def build_online_text_collate_fn(
     tokenizer: Any = None,
     *,
-    cp_size: int = 1,
-    tp_size: int = 1,
-    sequence_parallel: bool = False,
+    layout: DeliveryLayout | None = None,
     sequence_multiple: int = 1,
     pad_token_id: int | None = None,
     position_ids: bool = False,
-    cp_layout: str = "contiguous",
+    tail_padding: str = "append_dummy_seq",
+    cp_size: int | None = None,
+    tp_size: int | None = None,
+    sequence_parallel: bool | None = None,
+    cp_layout: str | None = None,
 ) -> TextPackingCollator:
-    """Build the packing collator of the Online path for a parallel layout.
+    """Build the packing collator of the Online path for a delivery layout.
 
     Args:
         tokenizer: optional; its ``pad_token_id`` is the padding id when ``pad_token_id`` is not given.
-        cp_size, tp_size, sequence_parallel, sequence_multiple, cp_layout: see ``sequence_alignment``;
-            ``cp_layout="zigzag_thd"`` with ``cp_size > 1`` also pads every sequence to a multiple of
-            ``2 * cp_size`` (``pad_each_sequence_to``). ``build_dataloaders`` passes the sizes and the
-            ``get_batch`` node's layout.
+        layout: the ``DeliveryLayout`` the batches are delivered in: rows are padded to
+            ``layout.row_multiple(extra=sequence_multiple)`` and every sequence to ``layout.sequence_multiple()``
+            (``2 * cp`` with per-sequence padding). None: the layout of the loose keywords below.
+        sequence_multiple: a further multiple of the row length the kernels need, such as 32 (1 for none).
         pad_token_id: explicit padding id; otherwise the tokenizer's, otherwise 0 (the padding carries no loss
             and is its own sequence in ``cu_seq_lens``, so any valid id works). With a tokenizer, it must lie in its
             vocabulary: the padding goes through the embedding.
         position_ids: also return ``position_ids`` that restart at every sequence of the packed row.
+        tail_padding: ``"append_dummy_seq"`` or ``"extend_last"`` (``TextPackingCollator``).
+        cp_size, tp_size, sequence_parallel, cp_layout: a convenience for ``layout=DeliveryLayout(...)`` with
+            these fields (its defaults for the others); not together with ``layout``.
 
     Returns:
         A picklable ``TextPackingCollator``.
 
     Raises:
-        DataConfigError: a size or the padding id is invalid, or the padding id is past the tokenizer's vocabulary.
+        DataConfigError: a size, the layout or the padding id is invalid, both a layout and loose keywords are
+            given, or the padding id is past the tokenizer's vocabulary.
+
+    Example: ``build_online_text_collate_fn(layout=DeliveryLayout(cp_size=2, cp_layout="zigzag_thd"))`` pads
+    every sequence to 4 and every row to 4; ``sequence_multiple=32`` makes rows a multiple of 32.
     """
-    alignment = sequence_alignment(
-        cp_size=cp_size,
-        tp_size=tp_size,
-        sequence_parallel=sequence_parallel,
-        sequence_multiple=sequence_multiple,
-        cp_layout=cp_layout,
+    loose = {"cp_size": cp_size, "tp_size": tp_size, "sequence_parallel": sequence_parallel, "cp_layout": cp_layout}
+    layout = _layout(layout, loose)
+    multiple = _setting(
+        sequence_multiple, "sequence_multiple", "a multiple the attention kernels need, such as 32 (1 for none)"
     )
     tokens = None if tokenizer is None else read_tokenizer(tokenizer)
     if pad_token_id is None and tokens is not None:
@@ -318,10 +341,11 @@ def build_online_text_collate_fn(
     if pad_token_id is None:
         pad_token_id = 0
     collator = TextPackingCollator(
-        alignment=alignment,
+        alignment=layout.row_multiple(extra=multiple),
         pad_token_id=pad_token_id,
         position_ids=position_ids,
-        pad_each_sequence_to=2 * cp_size if cp_layout == "zigzag_thd" and cp_size > 1 else 1,
+        pad_each_sequence_to=layout.sequence_multiple(),
+        tail_padding=tail_padding,
     )
     check_pad_token_id(collator.pad_token_id, tokens, "collate_fn")
     return collator
@@ -407,26 +431,36 @@ class IndexedStackingCollator:
     the loss mask is 0 (padding, EOD inputs under ``eod_mask_loss``, batch-padding samples), so the batch's
     ``loss_mask`` equals the dataset's; ``cu_seq_lens`` end a sequence after each EOD input and at each row end,
     the rule of megatron-core's ``reset_position_ids``/``reset_attention_mask``, and after an EOD label not followed
-    by the EOD input (``sequence_boundaries.eod_sequence_ends``, the rule ``get_batch`` uses too); the attention
-    mask keeps megatron-core's polarity (True = masked out); other fields go to ``Batch.extras``. Picklable (plain
-    attributes only), so it can be handed to ``DataLoader`` workers.
+    by the EOD input (``sequence_boundaries.eod_sequence_ends``, the rule ``get_batch`` uses too): the one place
+    the Indexed boundaries are computed; the attention mask keeps megatron-core's polarity (True = masked out) as
+    ``megatron_attention_mask``; other fields go to ``Batch.extras``. With a ``layout``, rows the layout cannot cut
+    are refused at the first batch (the row length is the dataset's ``seq_length``, so no sample is read to check
+    it beforehand). Picklable (plain attributes only), so it can be handed to ``DataLoader`` workers.
 
     Attributes:
         eod_token_id: the EOD id that ends a sequence; None makes each row one sequence.
+        layout: the ``DeliveryLayout`` the rows are delivered in, or None (no check of the row length).
     """
 
-    def __init__(self, *, eod_token_id: int | None = None) -> None:
-        """Validate and store the EOD id.
+    def __init__(self, *, eod_token_id: int | None = None, layout: DeliveryLayout | None = None) -> None:
+        """Validate and store the EOD id and the layout.
 
         Raises:
-            DataConfigError: ``eod_token_id`` is given and is not a non-negative integer.
+            DataConfigError: ``eod_token_id`` is given and is not a non-negative integer, or ``layout`` is not a
+                ``DeliveryLayout``.
         """
         if eod_token_id is not None:
             eod_token_id = _setting(eod_token_id, "eod_token_id", "the tokenizer's EOD (EOS) token id", minimum=0)
+        if layout is not None and not isinstance(layout, DeliveryLayout):
+            raise DataConfigError(
+                f"layout must be a DeliveryLayout (hyper_parallel.data.parallel.delivery_layout), got "
+                f"{type(layout).__name__}; build it once from the parallel context and pass it"
+            )
         self.eod_token_id = eod_token_id
+        self.layout = layout
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(eod_token_id={self.eod_token_id})"
+        return f"{type(self).__name__}(eod_token_id={self.eod_token_id}, layout={self.layout})"
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
         """Stack ``samples`` into one ``Batch``.
@@ -434,15 +468,39 @@ class IndexedStackingCollator:
         Raises:
             DataFileError: the batch is empty, a sample is None or not a mapping, the samples' fields differ or
                 lack ``tokens``/``labels``/``loss_mask``, or a field's shape differs from sample 0's.
+            DataConfigError: the layout cannot cut rows of this length (naming ``seq_length`` and valid ones).
         """
-        return indexed_batch(_stack(samples), eod_token_id=self.eod_token_id)
+        batch = indexed_batch(_stack(samples), eod_token_id=self.eod_token_id)
+        if self.layout is not None:
+            check_row_length(batch.input_ids.shape[1], self.layout)
+        return batch
+
+
+def check_row_length(seq_length: int, layout: DeliveryLayout) -> None:
+    """Refuse Indexed rows of ``seq_length`` tokens that ``layout`` cannot cut (not a multiple of its row multiple).
+
+    Raises:
+        DataConfigError: naming ``seq_length``, the layout and the nearest valid lengths.
+    """
+    multiple = layout.row_multiple()
+    if seq_length % multiple == 0:
+        return
+    lower = seq_length - seq_length % multiple
+    such_as = " or ".join(str(value) for value in (lower, lower + multiple) if value > 0)
+    raise DataConfigError(
+        f"the Indexed rows hold {seq_length} tokens (seq_length), but the delivery layout ({layout.describe()}) cuts "
+        f"rows into multiples of {multiple}; set data_config.seq_length to a multiple of {multiple}, such as "
+        f"{such_as}"
+    )
 
 
 def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Batch:
     """The ``Batch`` of Indexed samples already stacked into ``[B, S]`` tensors (megatron-core's batch dict).
 
-    The one place where ``tokens`` becomes ``input_ids`` and the labels become ``IGNORE_INDEX`` where the loss
-    mask is 0; used by ``IndexedStackingCollator`` and by readers handed a plain megatron-style dict.
+    The edge where a megatron-style dict becomes the batch contract, once: ``tokens`` becomes ``input_ids``,
+    ``attention_mask`` (True = masked out) becomes ``megatron_attention_mask``, and the labels become
+    ``IGNORE_INDEX`` where the loss mask is 0; used by ``IndexedStackingCollator`` and by readers handed a plain
+    megatron-style dict.
 
     Args:
         stacked: ``tokens``, ``labels``, ``loss_mask`` ``[B, S]`` tensors, optional ``position_ids`` and
@@ -467,7 +525,7 @@ def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Ba
         labels=labels,
         cu_seq_lens=indexed_cu_seq_lens(tokens, labels, eod_token_id),
         position_ids=stacked.pop("position_ids", None),
-        attention_mask=stacked.pop("attention_mask", None),
+        megatron_attention_mask=stacked.pop("attention_mask", None),
         extras=stacked,
     )
 
@@ -483,18 +541,22 @@ def _eod_of(tokenizer: Any) -> int:
     return eod
 
 
-def build_indexed_collate_fn(tokenizer: Any = None, *, eod_token_id: int | None = None) -> IndexedStackingCollator:
+def build_indexed_collate_fn(
+    tokenizer: Any = None, *, eod_token_id: int | None = None, layout: DeliveryLayout | None = None
+) -> IndexedStackingCollator:
     """Build the collator of the Indexed path (``IndexedStackingCollator``; picklable).
 
     Args:
         tokenizer: its EOD id (``eod``, else ``eos_token_id``) ends the sequences of ``cu_seq_lens``, unless
             ``eod_token_id`` is given. ``build_dataloaders`` passes the pipeline's tokenizer.
         eod_token_id: explicit EOD id.
+        layout: the ``DeliveryLayout`` the rows are delivered in; rows it cannot cut are refused at the first
+            batch. None: no check.
 
-    Without either, each row is one sequence, and a warning says so.
+    Without an EOD id, each row is one sequence, and a warning says so.
 
     Raises:
-        DataConfigError: the EOD id is invalid, or a tokenizer without an EOD/EOS id is given.
+        DataConfigError: the EOD id or the layout is invalid, or a tokenizer without an EOD/EOS id is given.
     """
     if eod_token_id is None and tokenizer is not None:
         eod_token_id = _eod_of(tokenizer)
@@ -503,4 +565,4 @@ def build_indexed_collate_fn(tokenizer: Any = None, *, eod_token_id: int | None 
             "the Indexed collator has no EOD id: cu_seq_lens mark row ends only, so each row is one sequence; "
             "pass the tokenizer (build_dataloaders does) or eod_token_id to build_indexed_collate_fn"
         )
-    return IndexedStackingCollator(eod_token_id=eod_token_id)
+    return IndexedStackingCollator(eod_token_id=eod_token_id, layout=layout)

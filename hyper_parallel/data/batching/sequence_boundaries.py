@@ -2,9 +2,11 @@
 
 Owns: the validated int32 ``cu_seq_lens`` that the parallel delivery step (``batching.get_batch``) shards, broadcasts
 and builds attention metadata from; the Indexed path's rule for where a sequence ends (``eod_sequence_ends``, the
-one rule the Indexed collator uses too, so a batch's ``cu_seq_lens`` and ``IndexedBoundaryResolver`` agree); the
-checks every boundary list passes (``check_cu_seq_lens``) and each position's sequence span within its row
-(``row_boundaries``). Not responsible for: turning "ends here" marks into boundaries (``indexed.ltor_fields.
+one rule the Indexed collator uses too, so a batch's ``cu_seq_lens`` and ``IndexedBoundaryResolver`` agree); each
+position's sequence span within its row (``row_boundaries``); and the real boundaries of padded sequences
+(``real_boundaries``: the cumulative real token counts of the same sequences, Transformer Engine's ``cu_seqlens``
+beside its ``cu_seqlens_padded``). The one rule every boundary list follows is ``parallel.delivery_layout.
+check_cu_seq_lens``. Not responsible for: turning "ends here" marks into boundaries (``indexed.ltor_fields.
 cu_seq_lens_from_ends``), cutting rows across context-parallel ranks (``parallel.batch_parallel``), or the masks
 built from the boundaries (``batching.attention_runtime``).
 
@@ -57,6 +59,7 @@ __all__ = [
     "OnlineBoundaryResolver",
     "eod_sequence_ends",
     "indexed_cu_seq_lens",
+    "real_boundaries",
     "row_boundaries",
 ]
 
@@ -87,6 +90,45 @@ def row_boundaries(cu_seq_lens: Any, rows: int, row_length: int) -> tuple[np.nda
     starts = np.repeat(bounds[:-1], lengths).reshape(rows, row_length) - offsets
     ends = np.repeat(bounds[1:], lengths).reshape(rows, row_length) - offsets
     return starts, ends
+
+
+def _own_end(cu_seq_lens: Any) -> int:
+    """The last entry of 1-D boundaries (1 when there is none), for checking them against their own end."""
+    if isinstance(cu_seq_lens, torch.Tensor):
+        cu_seq_lens = cu_seq_lens.detach().cpu()
+    values = np.asarray(cu_seq_lens)
+    return max(int(values[-1]), 1) if values.ndim == 1 and values.size and values.dtype.kind in "iu" else 1
+
+
+def real_boundaries(cu_seq_lens_real: Any, cu_seq_lens: torch.Tensor, where: str) -> torch.Tensor:
+    """``cu_seq_lens_real`` as int32, once checked to count the real tokens of the sequences of ``cu_seq_lens``.
+
+    ``cu_seq_lens`` are the physical (padded) boundaries, already checked; ``cu_seq_lens_real`` are the cumulative
+    real token counts of the same sequences: the one boundary rule (a leading 0, strictly increasing, so no
+    sequence without a real token), as many entries, and each real length at most its padded length.
+
+    Raises:
+        DataFileError: naming the rule broken, the sequence and both lengths.
+
+    Example: padded ``[0, 4, 12]`` with real ``[0, 3, 8]``: sequence 0 holds 3 real tokens and 1 padding, sequence
+    1 holds 5 and 3; real ``[0, 5, 8]`` is refused (5 real tokens in a sequence of 4).
+    """
+    real = check_cu_seq_lens(cu_seq_lens_real, _own_end(cu_seq_lens_real), f"{where}: cu_seq_lens_real")
+    padded = cu_seq_lens.detach().cpu().numpy().astype(np.int64)
+    if real.numel() != len(padded):
+        raise DataFileError(
+            f"{where}: cu_seq_lens_real has {real.numel()} entries but cu_seq_lens {len(padded)}; both hold the "
+            f"boundaries of the same {len(padded) - 1} sequences (real tokens, and with their padding); {_FIX}"
+        )
+    real_lengths, padded_lengths = np.diff(real.cpu().numpy().astype(np.int64)), np.diff(padded)
+    if (over := np.flatnonzero(real_lengths > padded_lengths)).size:
+        at = int(over[0])
+        raise DataFileError(
+            f"{where}: sequence {at} has {real_lengths[at]} real tokens (cu_seq_lens_real) but only "
+            f"{padded_lengths[at]} positions (cu_seq_lens); a sequence's padding is added to its real tokens, never "
+            f"taken from them; {_FIX}"
+        )
+    return real
 
 
 # -- the Indexed rule ----------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _row_divides(layout: str, row_length: int, cp_size: int, divisor: int) -> No
     raise DataConfigError(
         f"the {layout} CP layout cuts every row into {parts}, but the row length {row_length} is not a multiple "
         f"of {divisor}; align the rows to a multiple of {divisor} (the collator's alignment: "
-        f"build_online_text_collate_fn(cp_size=...), or a seq_length that {divisor} divides){other}"
+        f"build_online_text_collate_fn(layout=...), or a seq_length that {divisor} divides){other}"
     )
 
 
@@ -240,6 +240,7 @@ BROADCAST_FIELDS = (
     "position_ids",
     "local_columns",
     "cu_seq_lens",
+    "cu_seq_lens_real",
     "attention_mask",
     "dataset_id",
 )
