@@ -141,7 +141,7 @@ def test_packed_params_are_global_in_the_zigzag_thd_layout(cp):
             model_inputs, loss_inputs = get_batch(iterator)
             expected = expected_fields(
                 batch.input_ids.tolist(), batch.labels.tolist(), batch.cu_seq_lens.tolist(), cp=cp, rank=rank,
-                layout=layout,
+                layout=layout, pad=0,
             )  # fmt: skip
             check_rank(model_inputs, loss_inputs, expected, "packed", None)
 

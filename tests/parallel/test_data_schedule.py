@@ -15,6 +15,7 @@ import functools
 import inspect
 import math
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -281,6 +282,7 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
         assert all(run["steps"][step]["after"] == "StopIteration" for run in runs)
         seen: dict[int, int] = {}
         labels = expected_tokens(case, dp, step)
+        sequence_lengths = Counter((token - 1) // OFFSETS for token in labels)  # every token of a sequence, once
         stride, pp = dp * cp * tp, dims.get("pp", 1)
         for rank, (run, (_, _, tp_rank, pp_rank, _)) in enumerate(zip(runs, places, strict=True)):
             for m, batch in enumerate(run["steps"][step]["micro_batches"]):
@@ -295,6 +297,7 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
                 check_micro_batch(batch, config, tp, allowed, rank)
                 if tp_rank or pp_rank:
                     continue
+                check_real_lengths(runs, batch, step, m, sequence_lengths)
                 for token, label in zip(batch["tokens"][0], batch["labels"][0], strict=True):
                     if token:
                         seen[token] = seen.get(token, 0) + 1
@@ -319,6 +322,17 @@ def thd_metadata(batch: dict) -> dict:
     return {name: batch[name] for name in ("cu", "cu_dtype", "max_seqlen", "format", "local_cp_size")}
 
 
+def check_real_lengths(runs, batch: dict, step: int, m: int, sequence_lengths: Counter) -> None:
+    """``cu_seqlens_q`` counts each packed sequence's real tokens: the lengths of the sequences whose tokens the CP
+    group holds, plus at most one padding sequence at the tail."""
+    group = [runs[member]["steps"][step]["micro_batches"][m]["tokens"][0] for member in batch["cp_group"]]
+    held = {(token - 1) // OFFSETS for tokens in group for token in tokens if token}
+    real = Counter(np.diff(batch["cu"][0]).tolist())
+    wanted = Counter(sequence_lengths[sequence] for sequence in held)
+    assert not wanted - real, f"real lengths {sorted(real.elements())} lack {sorted((wanted - real).elements())}"
+    assert real.total() - wanted.total() <= 1, "at most one tail padding sequence"
+
+
 def without_groups(batch: dict) -> dict:
     return {name: value for name, value in batch.items() if name not in ("cp_group", "tp_cp_group")}
 
@@ -333,10 +347,12 @@ def check_micro_batch(batch: dict, config: dict, tp: int, allowed, rank: int) ->
     else:
         assert local % effective_alignment(config, c, tp) == 0 and local <= MAX_SEQLEN
     assert batch["format"] == "thd" and batch["cu_dtype"] == "torch.int32"
-    bounds = batch["cu"][0]
-    assert all(cu == bounds for cu in batch["cu"]) and bounds[0] == 0 and bounds[-1] == c * local
+    real, kv_real, bounds, kv_padded = batch["cu"]  # cu_seqlens_q/kv count real tokens, *_padded the layout
+    assert kv_real == real and kv_padded == bounds and bounds[0] == 0 and bounds[-1] == c * local
     lengths = np.diff(bounds)
-    assert (lengths > 0).all() and batch["max_seqlen"] == [int(lengths.max())] * 2
+    assert (lengths > 0).all() and batch["max_seqlen"] == [int(lengths.max())] * 2, "max_seqlen: the padded maximum"
+    real_lengths = np.diff(real)
+    assert len(real) == len(bounds) and (real_lengths >= 1).all() and (real_lengths <= lengths).all()
     if c > 1:
         assert (lengths % (2 * c) == 0).all()
     members = sorted(batch["cp_group"])
@@ -589,7 +605,7 @@ def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3,
     for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2, dp2_tp2_pp2):
         for report in reports:
             kind, message = report["zero_spans"]["error"]
-            assert kind == "DataFileError" and "it must strictly increase, but entry 2 is 2 after 2" in message
+            assert kind == "DataFileError" and "it must strictly increase (no empty sequence)" in message
             if report["place"][2] or report["place"][3]:  # a TP peer or a later PP stage
                 assert "(the data rank) failed to schedule the step" in message
 

@@ -97,7 +97,7 @@ ATTENTION_MODES = ("dense", "packed", "flex", "none")
 MODEL_INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "swa_mask", "packed_seq_params")
 LOSS_INPUT_KEYS = ("labels", "loss_mask")
 # What a data rank relays (each PP stage receives the fields it owns, PIPELINE_FIELD_OWNERS); the rest is rebuilt.
-_SENT = ("input_ids", "labels", "loss_mask", "cu_seq_lens", "local_cp_size", "local_shape")
+_SENT = ("input_ids", "labels", "loss_mask", "cu_seq_lens", "cu_seq_lens_real", "local_cp_size", "local_shape")
 _OUTCOME = ("outcome",)  # a scheduled step's count and statistics
 
 
@@ -475,6 +475,8 @@ class ParallelBatch:
             local, _ = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
         sent = {**local, "cu_seq_lens": cu_seq_lens, "local_shape": shape}
+        if batch.cu_seq_lens_real is not None:  # the real tokens of padded sequences (thd: cu_seqlens_q/kv)
+            sent["cu_seq_lens_real"] = batch.cu_seq_lens_real
         if size is not None:
             sent["local_cp_size"] = torch.tensor([size], dtype=torch.int64)
         return sent
@@ -525,7 +527,7 @@ class ParallelBatch:
         columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
         device = self.device
         model_inputs = {
-            **self._attention(bounds, columns, row_length, group, cp_size),
+            **self._attention(bounds, received.get("cu_seq_lens_real"), columns, row_length, group, cp_size),
             "input_ids": self._on_device(received.get("input_ids")),
             "labels": self._on_device(received.get("labels")),
             "position_ids": None,
@@ -545,7 +547,7 @@ class ParallelBatch:
     def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(self.device)
 
-    def _attention(self, bounds: np.ndarray, columns: np.ndarray, row_length: int, group, cp_size: int) -> dict:
+    def _attention(self, bounds: np.ndarray, real, columns: np.ndarray, row_length: int, group, cp_size: int) -> dict:
         """``attention_mask``, ``swa_mask`` and ``packed_seq_params`` of the attention mode (the others None)."""
         attention_mask = swa_mask = packed = None
         if self.attention_mode == "dense":
@@ -558,7 +560,7 @@ class ParallelBatch:
                 device=self.device,
             )  # fmt: skip
         elif self.attention_mode == "packed":
-            packed = packed_seq_params(bounds, cp_size=cp_size, device=self.device)
+            packed = packed_seq_params(bounds, cu_seq_lens_real=real, cp_size=cp_size, device=self.device)
             if self.pg_collection is not None:
                 packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
         return {"attention_mask": attention_mask, "swa_mask": swa_mask, "packed_seq_params": packed}

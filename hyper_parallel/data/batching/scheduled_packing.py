@@ -95,7 +95,10 @@ def pack_group(
             f"{row} of its row (local_length {local} x cp_size {cp}); the schedule and local_packed_length disagree"
         )
     packed = TextPackingCollator(alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple)(samples)
-    return Batch(input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens, extras=extras)
+    return Batch(
+        input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens,
+        cu_seq_lens_real=packed.cu_seq_lens_real, extras=extras,
+    )  # fmt: skip
 
 
 # -- fetching a step ------------------------------------------------------------------------------------------------
