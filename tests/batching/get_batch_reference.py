@@ -88,6 +88,7 @@ def expected_fields(
     eod_mask_loss: bool = False,
     eod: int | None = None,
     pad: int | None = None,
+    real: list[int] | None = None,
 ) -> dict:
     """Every field one rank must hold, as nested lists: input_ids, labels, position_ids, loss_mask, the dense
     ``attention_mask`` and ``swa_mask`` (``[R][1][s][T]``), the local columns, and the ``PackedSeqParams`` fields."""
@@ -108,7 +109,8 @@ def expected_fields(
         out["attention_mask"].append([[[may_attend(spans, q, k, causal, None) for k in range(width)] for q in columns]])
         out["swa_mask"].append([[[may_attend(spans, q, k, causal, window) for k in range(width)] for q in columns]])
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    real = real_bounds(input_ids, bounds, pad) if pad is not None else bounds
+    if real is None:  # the real boundaries: given (the collator's, tested beside it), or from the trailing pad ids
+        real = real_bounds(input_ids, bounds, pad) if pad is not None else bounds
     out["packed_seq_params"] = {
         "qkv_format": "thd",
         "cu_seqlens_q": real,

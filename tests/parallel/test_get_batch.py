@@ -170,6 +170,7 @@ def check_against_reference(get_batch, reader, model_inputs, loss_inputs) -> Non
         ids, labels, bounds, cp=get_batch.context.cp_size, rank=get_batch.context.cp_rank, layout=get_batch.cp_layout,
         causal=get_batch.causal, window=get_batch.sliding_window, reset_position_ids=get_batch.reset_position_ids,
         eod_mask_loss=get_batch.eod_mask_loss, eod=get_batch.eod_token_id,
+        real=None if reader.cu_seq_lens_real is None else reader.cu_seq_lens_real.tolist(),
     )  # fmt: skip
     check_rank(model_inputs, loss_inputs, expected, get_batch.attention_mode, get_batch.sliding_window)
 
