@@ -209,8 +209,11 @@ def cp_rank_slice(rank: int, world_size: int, groups: ProcessGroupCollection) ->
     bounds = torch.tensor([0, 8, 12], dtype=torch.int32)
     batch = {"tokens": torch.arange(12)[None], "labels": torch.arange(12)[None] + 100, "cu_seq_lens": bounds}
     static = get_batch_on_this_cp_rank(batch, groups.cp)
-    legacy = get_batch_on_this_cp_rank({**batch, "hybrid_cp_group": groups.cp})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        legacy = get_batch_on_this_cp_rank({**batch, "hybrid_cp_group": groups.cp})
     return {
+        "legacy_warnings": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)],
         "static": static["tokens"].tolist(),
         "legacy": legacy["tokens"].tolist(),
         "labels": static["labels"].tolist(),
@@ -664,6 +667,9 @@ def test_get_batch_on_this_cp_rank_cuts_the_static_group_and_honours_hybrid_cp_g
         cut = report["cp_slice"]
         assert cut["static"] == cut["legacy"] == [expected[report["place"][1]]]
         assert cut["labels"] == [[t + 100 for t in expected[report["place"][1]]]] and cut["cu"] == [0, 8, 12]
+        assert [message.split(";")[0] for message in cut["legacy_warnings"]] == [
+            "the batch key hybrid_cp_group is deprecated"
+        ]
 
 
 # -- one process: keywords and validation --------------------------------------------------------------------------
