@@ -68,7 +68,7 @@ from hyper_parallel.data.batching.scheduled_packing import exchange_sequences, f
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns
+from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns, stage_fields
 from hyper_parallel.data.parallel.data_schedule_utils import (
     FlopsStats,
     PackingSchedulerConfig,
@@ -212,6 +212,10 @@ class ParallelBatch:
             ``local_cp_size`` is cut across that group (default with the ``dynamic_cp`` scheduler:
             ``pg_collection.dynamic_cp``).
         mtp_stages: PP stages that also get ``input_ids`` and ``position_ids`` (multi-token prediction).
+
+    Attributes:
+        layout: the ``DeliveryLayout`` of every delivered batch, decided here once (hand it to the collator).
+        stage_fields: the relayed fields this PP stage receives (``batch_parallel.stage_fields``).
         device: where the returned tensors are (and where the relay runs: ``"cuda"`` with NCCL).
 
     Raises:
@@ -256,6 +260,7 @@ class ParallelBatch:
         self.context = self._context(parallel_context)
         self.scheduler = self._scheduler(scheduler)
         self._group_of = self._dynamic_groups(dynamic_cp_group_func)
+        self.stage_fields = stage_fields(_SENT, self.context.pp_rank, self.context.pp_size, mtp_stages=mtp_stages)
         self.mtp_stages = tuple(mtp_stages)
         self.layout = self._layout(cp_layout)
         self.cp_layout = self.layout.cp_layout
