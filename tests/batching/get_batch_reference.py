@@ -61,6 +61,19 @@ def may_attend(spans, query: int, key: int, causal: bool, window: int | None) ->
     return same and (not causal or key <= query) and (window is None or abs(query - key) <= window)
 
 
+def real_bounds(input_ids: list[list[int]], bounds: list[int], pad: int) -> list[int]:
+    """The cumulative real token counts: per sequence, its tokens before the trailing ``pad`` ids; a sequence of
+    padding alone counts all of its positions (it attends only itself and carries no loss)."""
+    flat = [token for row in input_ids for token in row]
+    real = [0]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        count = end - start
+        while count and flat[start + count - 1] == pad:
+            count -= 1
+        real.append(real[-1] + (count or end - start))
+    return real
+
+
 def expected_fields(
     input_ids: list[list[int]],
     labels: list[list[int]],
@@ -74,6 +87,8 @@ def expected_fields(
     reset_position_ids: bool = False,
     eod_mask_loss: bool = False,
     eod: int | None = None,
+    pad: int | None = None,
+    real: list[int] | None = None,
 ) -> dict:
     """Every field one rank must hold, as nested lists: input_ids, labels, position_ids, loss_mask, the dense
     ``attention_mask`` and ``swa_mask`` (``[R][1][s][T]``), the local columns, and the ``PackedSeqParams`` fields."""
@@ -94,10 +109,12 @@ def expected_fields(
         out["attention_mask"].append([[[may_attend(spans, q, k, causal, None) for k in range(width)] for q in columns]])
         out["swa_mask"].append([[[may_attend(spans, q, k, causal, window) for k in range(width)] for q in columns]])
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if real is None:  # the real boundaries: given (the collator's, tested beside it), or from the trailing pad ids
+        real = real_bounds(input_ids, bounds, pad) if pad is not None else bounds
     out["packed_seq_params"] = {
         "qkv_format": "thd",
-        "cu_seqlens_q": bounds,
-        "cu_seqlens_kv": bounds,
+        "cu_seqlens_q": real,
+        "cu_seqlens_kv": real,
         "cu_seqlens_q_padded": bounds,
         "cu_seqlens_kv_padded": bounds,
         "max_seqlen_q": max(lengths),

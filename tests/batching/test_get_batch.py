@@ -9,6 +9,7 @@ the conventions of docs/distributed.md, sharing no code with the library). The m
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,10 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from hyper_parallel.data.batching import ParallelBatch
-from hyper_parallel.data.batching.build_collate_fn import IndexedStackingCollator, TextPackingCollator
+from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.build_collate_fn import IndexedStackingCollator, TextPackingCollator, indexed_batch
+from hyper_parallel.data.batching.get_batch import LOSS_INPUT_KEYS, MODEL_INPUT_KEYS, SOURCE_TYPES
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
 from .get_batch_reference import check_rank, expected_fields, indexed_boundaries
 
@@ -135,7 +141,7 @@ def test_packed_params_are_global_in_the_zigzag_thd_layout(cp):
             model_inputs, loss_inputs = get_batch(iterator)
             expected = expected_fields(
                 batch.input_ids.tolist(), batch.labels.tolist(), batch.cu_seq_lens.tolist(), cp=cp, rank=rank,
-                layout=layout,
+                layout=layout, pad=0,
             )  # fmt: skip
             check_rank(model_inputs, loss_inputs, expected, "packed", None)
 
@@ -209,14 +215,17 @@ def test_attention_of_the_local_queries_equals_attention_on_each_document(mode, 
 # -- the sources' shapes ------------------------------------------------------------------------------------------
 
 
-def test_a_megatron_style_dict_gives_what_the_indexed_collator_gives():
-    """A plain ``default_collate`` dict (``tokens``, labels with 0 at padding, ``loss_mask``) is renamed once: the
-    outputs equal those of the Indexed collator's Batch of the same samples."""
+def test_a_megatron_style_dict_is_converted_once_at_the_edge():
+    """The stage takes Batches only: a plain ``default_collate`` dict (``tokens``, labels with 0 at padding,
+    ``loss_mask``) is refused naming the one converter, and converted by it gives what the Indexed collator's Batch
+    of the same samples gives."""
     samples = indexed_samples(2, 16, np.random.default_rng(3))
     stacked = torch.utils.data.default_collate(samples)
     before = stacked["labels"].clone()
-    get_batch = ParallelBatch("indexed", eod_token_id=EOD, attention_mode="dense")
-    from_dict = get_batch(iter([stacked]))
+    get_batch = ParallelBatch("indexed", attention_mode="dense")
+    with pytest.raises(DataFileError, match=r"received a dict.*indexed_batch"):
+        get_batch(iter([stacked]))
+    from_dict = get_batch(iter([indexed_batch(stacked, eod_token_id=EOD)]))
     from_batch = get_batch(iter([IndexedStackingCollator(eod_token_id=EOD)(samples)]))
     for got, wanted in zip(from_dict, from_batch, strict=True):
         assert list(got) == list(wanted)
@@ -225,10 +234,11 @@ def test_a_megatron_style_dict_gives_what_the_indexed_collator_gives():
     assert (from_dict[1]["labels"][stacked["loss_mask"] == 0] == IGNORE_INDEX).all()
 
 
-def _all_eod_samples(rows: int, columns: int) -> dict:
-    """A megatron-style batch whose inputs are all EOD, its labels the next EOD, the loss taken everywhere."""
-    tokens = torch.full((rows, columns), EOD, dtype=torch.long)
-    return {"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(rows, columns)}
+def _all_eod_samples(rows: int, columns: int, tokens: torch.Tensor | None = None) -> Batch:
+    """A batch whose inputs are all EOD (or ``tokens``), its labels the next EOD, the loss taken everywhere."""
+    tokens = torch.full((rows, columns), EOD, dtype=torch.long) if tokens is None else tokens
+    stacked = {"tokens": tokens, "labels": torch.full_like(tokens, EOD), "loss_mask": torch.ones(rows, columns)}
+    return indexed_batch(stacked, eod_token_id=EOD)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -242,8 +252,9 @@ def test_a_micro_batch_without_a_loss_token_is_refused_before_it_is_cut(rows):
             get_batch(iter([_all_eod_samples(rows, 16)]))
     with pytest.raises(DataFileError, match="or set eod_mask_loss to false"):
         at_rank(2, 0, source_type="indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([_all_eod_samples(rows, 16)]))
-    mixed = _all_eod_samples(rows, 16)
-    mixed["tokens"][-1, 5] = 7
+    tokens = torch.full((rows, 16), EOD, dtype=torch.long)
+    tokens[-1, 5] = 7
+    mixed = _all_eod_samples(rows, 16, tokens)
     _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD, eod_mask_loss=True)(iter([mixed]))
     assert loss_inputs["loss_mask"].sum() == 1
     _, loss_inputs = ParallelBatch("indexed", eod_token_id=EOD)(iter([_all_eod_samples(rows, 16)]))
@@ -253,7 +264,7 @@ def test_a_micro_batch_without_a_loss_token_is_refused_before_it_is_cut(rows):
 def test_a_batch_of_another_kind_is_refused_with_the_fix():
     with pytest.raises(DataFileError, match=r"received a list.*build_online_text_collate_fn"):
         ParallelBatch("online")(iter([[1, 2, 3]]))
-    with pytest.raises(DataFileError, match=r"received a dict.*megatron-style dict with tokens"):
+    with pytest.raises(DataFileError, match=r"received a dict.*convert a megatron-style dict once"):
         ParallelBatch("online")(iter([{"tokens": torch.zeros(1, 4, dtype=torch.long)}]))
 
 
@@ -277,8 +288,6 @@ def test_the_outputs_are_on_the_device():
 def test_a_broken_boundary_list_is_refused_naming_the_rule():
     batch = online_batches(1, "contiguous", count=1)[0]
     broken = {"input_ids": batch.input_ids, "labels": batch.labels, "cu_seq_lens": torch.tensor([0, 3, 3, 99])}
-    from hyper_parallel.data.batching.batch import Batch
-
     with pytest.raises(DataFileError, match="cu_seq_lens"):
         ParallelBatch("online")(iter([Batch(**broken)]))
 
@@ -302,8 +311,7 @@ def test_a_broken_boundary_list_is_refused_naming_the_rule():
             r"no effect with attention_mode 'packed'.*window_size=\(8, 0\)",
         ),
         ({"sliding_window": 8, "attention_mode": "none"}, r"no effect with attention_mode 'none'"),
-        ({"source_type": "indexed", "eod_token_id": None}, r"eod_token_id is not set, but indexed boundaries need it"),
-        ({"eod_mask_loss": True}, r"eod_token_id is not set, but eod_mask_loss need"),
+        ({"eod_mask_loss": True}, r"eod_token_id is not set, but eod_mask_loss needs it"),
         ({"eod_token_id": -1}, r"eod_token_id must be an integer >= 0, got -1"),
         ({"parallel_context": object()}, r"parallel_context must be a DataLoaderParallelContext"),
     ],
@@ -314,18 +322,82 @@ def test_bad_settings_are_named_with_the_fix(settings, message):
         ParallelBatch(settings.pop("source_type"), **settings)
 
 
-def test_layouts_the_attention_mode_or_source_cannot_use_are_refused():
+def test_layouts_the_attention_mode_cannot_use_are_refused_and_the_source_type_decides_nothing():
     with pytest.raises(
         DataConfigError, match=r"attention_mode 'packed' with cp_size 2 needs cp_layout 'zigzag_thd', got"
     ):
         at_rank(2, 0, source_type="online", attention_mode="packed", cp_layout="zigzag")
-    with pytest.raises(DataConfigError, match=r"'zigzag_thd' with cp_size 2 needs every sequence padded.*indexed"):
-        at_rank(2, 1, source_type="indexed", cp_layout="zigzag_thd", eod_token_id=EOD)
     at_rank(2, 0, source_type="online", attention_mode="packed", cp_layout="zigzag_thd")
     ParallelBatch("online", attention_mode="packed")  # one CP rank: every layout holds the whole row
-    ParallelBatch("indexed", cp_layout="zigzag_thd", eod_token_id=EOD)
+    # Indexed rows cut at EOD tokens do not divide into 2 * cp chunks: the batch's own boundaries say so.
+    with pytest.raises(DataConfigError, match=r"zigzag_thd CP layout cuts every sequence into 2\*cp_size=4"):
+        at_rank(2, 1, source_type="indexed", cp_layout="zigzag_thd")(iter(indexed_batches(seed=5)))
+    for source_type in SOURCE_TYPES:  # the same batch gives the same outputs whatever the source type says
+        get_batch = ParallelBatch(source_type, attention_mode="packed")
+        assert repr(get_batch(iter(online_batches(1, "contiguous", count=1)))) == repr(
+            ParallelBatch("online", attention_mode="packed")(iter(online_batches(1, "contiguous", count=1)))
+        )
+
+
+def test_the_layout_is_decided_once_from_the_context():
+    layout = at_rank(4, 1, cp_layout="zigzag_thd", sequence_parallel=True).layout
+    assert layout == DeliveryLayout(cp_size=4, cp_layout="zigzag_thd", sequence_parallel=True)
+    assert layout.sequence_multiple() == 8 and layout.pad_sequences
 
 
 def test_repr_names_the_settings_and_the_ranks():
     text = repr(at_rank(4, 3, source_type="online", cp_layout="zigzag", attention_mode="flex"))
     assert "source_type='online'" in text and "cp_layout='zigzag'" in text and "cp=3/4" in text and "tp=0/1" in text
+
+
+# -- scheduled steps (one process; the gloo meshes are in tests/parallel/test_data_schedule.py) -------------------
+
+
+def scheduled(**settings) -> ParallelBatch:
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=32, **settings)
+    return ParallelBatch(attention_mode="packed", scheduler=config, pg_collection=ProcessGroupCollection())
+
+
+def test_a_scheduled_step_delivers_every_token_once_with_the_same_keys():
+    """``schedule`` plans one step; ``len(step)`` micro-batches come out of ``get_batch(step)`` and of iterating it,
+    with the keys of every other mode, then ``StopIteration``; every real token of the step arrives once."""
+    batches = online_batches(1, "contiguous", count=4, seed=7)
+    wanted = sorted(t for batch in batches for t in batch.input_ids[0].tolist() if t)  # ids 3..49; 0 pads
+    get_batch = scheduled()
+    iterator = iter(batches)
+    seen = []
+    for _ in range(2):
+        step = get_batch.schedule(iterator, 2)
+        assert len(step) == step.num_micro_batches == step.stats.num_micro_batches >= 1
+        first = get_batch(step)
+        rest = list(step)
+        assert len(rest) == len(step) - 1
+        for model_inputs, loss_inputs in [first, *rest]:
+            assert tuple(model_inputs) == MODEL_INPUT_KEYS and tuple(loss_inputs) == LOSS_INPUT_KEYS
+            params = model_inputs["packed_seq_params"]
+            assert params.local_cp_size == 1 and params.cp_group is None
+            ids = model_inputs["input_ids"][0]
+            seen += ids[ids != 0].tolist()
+        with pytest.raises(StopIteration):
+            next(step)
+    with pytest.raises(StopIteration):
+        get_batch.schedule(iterator, 2)
+    assert sorted(seen) == wanted
+
+
+def test_the_layout_takes_the_schedulers_alignment():
+    layout = scheduled(pad_packed_seq_alignment=8, mxfp8=True).layout
+    assert layout == DeliveryLayout(cp_layout="zigzag_thd", alignment=8, mxfp8=True, max_seqlen_per_rank=32)
+    assert layout.local_multiple() == 32
+
+
+def test_a_scheduler_needs_its_groups_and_a_plain_stage_cannot_plan():
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=32)
+    with pytest.raises(DataConfigError, match=r"needs their groups: pass pg_collection"):
+        ParallelBatch(scheduler=config)
+    with pytest.raises(DataConfigError, match=r"pg_collection.dynamic_cp, which is empty"):
+        ParallelBatch(scheduler=replace(config, scheduler="dynamic_cp"), pg_collection=ProcessGroupCollection())
+    with pytest.raises(DataConfigError, match=r"scheduler must be a PackingSchedulerConfig, got dict"):
+        ParallelBatch(scheduler={"max_seqlen_per_dp_cp_rank": 32}, pg_collection=ProcessGroupCollection())
+    with pytest.raises(DataConfigError, match=r"has no scheduler, so it cannot plan a step"):
+        ParallelBatch().schedule(iter([]), 1)

@@ -36,10 +36,10 @@ from parallel.launch import launch
 from torch.distributed.device_mesh import init_device_mesh
 
 from hyper_parallel.data.batching.attention_runtime import packed_seq_params
+from hyper_parallel.data.batching.data_schedule import get_batch_on_this_rank_for_sequence_packing, wrap_data_iterator
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.parallel.batch_parallel import cp_local_columns
-from hyper_parallel.data.parallel.data_schedule import get_batch_on_this_rank_for_sequence_packing, wrap_data_iterator
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the model of the training example

@@ -15,19 +15,22 @@ import functools
 import inspect
 import math
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
+from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
-from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError, DataFileError
-from hyper_parallel.data.parallel.data_schedule import (
+from hyper_parallel.data.batching.data_schedule import (
     get_batch_on_this_cp_rank,
     get_batch_on_this_rank_for_sequence_packing,
     wrap_data_iterator,
 )
+from hyper_parallel.data.batching.get_batch import LOSS_INPUT_KEYS, MODEL_INPUT_KEYS, ParallelBatch
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 from parallel.launch import launch
@@ -86,6 +89,54 @@ def members(group) -> list[int]:
     return [torch.distributed.get_rank()] if group is None else torch.distributed.get_process_group_ranks(group)
 
 
+def listed(tensor):
+    """A delivered field as lists; None for a field this PP stage does not own."""
+    return None if tensor is None else tensor.tolist()
+
+
+def micro_batch_record(batch: dict) -> dict:
+    """What the test checks of one delivered micro-batch, from Megatron's keys."""
+    params = batch["packed_seq_params"]
+    return {
+        **{name: listed(batch[name]) for name in ("tokens", "labels", "loss_mask", "position_ids")},
+        "cu": [
+            getattr(params, name).tolist()
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+        ],
+        "cu_dtype": str(params.cu_seqlens_q.dtype),
+        "max_seqlen": [params.max_seqlen_q, params.max_seqlen_kv],
+        "format": params.qkv_format,
+        "local_cp_size": params.local_cp_size,
+        "cp_group": members(params.cp_group),
+        "tp_cp_group": None if params.tp_cp_group is None else members(params.tp_cp_group),
+    }
+
+
+def stage_case(case: dict, groups: ProcessGroupCollection) -> dict:
+    """The same case through ``ParallelBatch`` itself: ``schedule`` once per step, then iterate the step."""
+    config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
+    get_batch = ParallelBatch(
+        attention_mode="packed", cp_layout="zigzag_thd", reset_position_ids=True, scheduler=config,
+        pg_collection=groups, sequence_parallel=config.sequence_parallel,
+    )  # fmt: skip
+    iterator = loader(case, groups.dp_rank) if groups.is_data_rank else None
+    steps = []
+    while len(steps) <= case["steps"]:
+        try:
+            step = get_batch.schedule(iterator, case["num_microbatches"])
+        except StopIteration:
+            return {"steps": steps, "stopped": True}
+        micro_batches = []
+        for model_inputs, loss_inputs in step:  # our keys, mapped to Megatron's here in the test
+            assert set(model_inputs) == set(MODEL_INPUT_KEYS) and set(loss_inputs) == set(LOSS_INPUT_KEYS)
+            fields = {"tokens": model_inputs["input_ids"], "position_ids": model_inputs["position_ids"],
+                      "labels": loss_inputs["labels"], "loss_mask": loss_inputs["loss_mask"],
+                      "packed_seq_params": model_inputs["packed_seq_params"]}  # fmt: skip
+            micro_batches.append(micro_batch_record(fields))
+        steps.append({"count": len(step), "stats": step.stats.as_tensor().tolist(), "micro_batches": micro_batches})
+    return {"steps": steps, "stopped": False}
+
+
 def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
     """Every step of one case: the scheduler's outcome and each micro-batch this rank receives."""
     config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
@@ -103,22 +154,7 @@ def run_case(case: dict, groups: ProcessGroupCollection) -> dict:
             batch = get_batch_on_this_rank_for_sequence_packing(
                 wrapped, pg_collection=groups, dynamic_cp=dynamic, sequence_parallel=config.sequence_parallel, **stage
             )
-            params = batch["packed_seq_params"]
-            micro_batches.append(
-                {
-                    **{name: batch[name].tolist() for name in ("tokens", "labels", "loss_mask", "position_ids")},
-                    "cu": [
-                        getattr(params, name).tolist()
-                        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-                    ],
-                    "cu_dtype": str(params.cu_seqlens_q.dtype),
-                    "max_seqlen": [params.max_seqlen_q, params.max_seqlen_kv],
-                    "format": params.qkv_format,
-                    "local_cp_size": params.local_cp_size,
-                    "cp_group": members(params.cp_group),
-                    "tp_cp_group": None if params.tp_cp_group is None else members(params.tp_cp_group),
-                }
-            )
+            micro_batches.append(micro_batch_record(batch))
         try:
             get_batch_on_this_rank_for_sequence_packing(wrapped, pg_collection=groups, dynamic_cp=dynamic, **stage)
             after = "another micro-batch"
@@ -140,15 +176,15 @@ def error_case(case: dict, groups: ProcessGroupCollection) -> dict:
             yield item
 
     try:
-        config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=MAX_SEQLEN, **case["config"])
+        settings = {"max_seqlen_per_dp_cp_rank": MAX_SEQLEN, **case["config"]}
+        config = PackingSchedulerConfig(**settings | case.get("config_by_position", {}).get(str(groups.position), {}))
+        count = case.get("microbatches_by_position", {}).get(str(groups.position), case.get("num_microbatches", 2))
         chosen = (
             groups
             if case.get("groups", "full") == "full"
             else ProcessGroupCollection(tp=groups.tp, pp=groups.pp, dp=groups.dp, cp=groups.cp)
         )
-        wrap_data_iterator(
-            counted() if groups.is_data_rank else None, config, case.get("num_microbatches", 2), pg_collection=chosen
-        )
+        wrap_data_iterator(counted() if groups.is_data_rank else None, config, count, pg_collection=chosen)
     except (DataConfigError, DataFileError, StopIteration) as error:
         return {"error": [type(error).__name__, str(error)], "reads": len(reads)}
     return {"error": None, "reads": len(reads)}
@@ -156,18 +192,11 @@ def error_case(case: dict, groups: ProcessGroupCollection) -> dict:
 
 def case_items(case: dict, dp_rank: int):
     kind = case["items"]
-    if kind == "zero_spans":  # a Megatron-style mapping whose boundaries hold only zero-length spans
-        yield {
-            "tokens": torch.zeros(1, 0, dtype=torch.int64),
-            "labels": torch.zeros(1, 0, dtype=torch.int64),
-            "cu_seqlens": torch.zeros(3, dtype=torch.int32),
-        }
-    elif kind == "bad_on_1" and dp_rank == 1:
-        yield {
-            "tokens": torch.ones(1, 4, dtype=torch.int64),
-            "labels": torch.ones(1, 4, dtype=torch.int64),
-            "cu_seqlens": torch.tensor([0, 3], dtype=torch.int32),
-        }
+    if kind == "zero_spans":  # boundaries with a zero-length span: the batch contract refuses them when read
+        ones = torch.ones(1, 4, dtype=torch.int64)
+        yield Batch(input_ids=ones, labels=ones, cu_seq_lens=torch.tensor([0, 2, 2, 4], dtype=torch.int32))
+    elif kind == "bad_on_1" and dp_rank == 1:  # a Megatron-style dict: the stage takes Batches only
+        yield {"tokens": torch.ones(1, 4, dtype=torch.int64), "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32)}
     elif kind == "oversize":
         length = 4 * MAX_SEQLEN + 1
         yield TextPackingCollator()([{"input_ids": np.arange(1, length + 1), "labels": np.arange(length)}])
@@ -180,8 +209,11 @@ def cp_rank_slice(rank: int, world_size: int, groups: ProcessGroupCollection) ->
     bounds = torch.tensor([0, 8, 12], dtype=torch.int32)
     batch = {"tokens": torch.arange(12)[None], "labels": torch.arange(12)[None] + 100, "cu_seq_lens": bounds}
     static = get_batch_on_this_cp_rank(batch, groups.cp)
-    legacy = get_batch_on_this_cp_rank({**batch, "hybrid_cp_group": groups.cp})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        legacy = get_batch_on_this_cp_rank({**batch, "hybrid_cp_group": groups.cp})
     return {
+        "legacy_warnings": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)],
         "static": static["tokens"].tolist(),
         "legacy": legacy["tokens"].tolist(),
         "labels": static["labels"].tolist(),
@@ -199,6 +231,10 @@ def grid_worker(rank: int, world_size: int, *, shape, names, sizes, cases, error
             report[name] = run_case(case, groups)
         except (DataConfigError, DataFileError) as error:
             report[name] = {"failed": [type(error).__name__, str(error)]}
+    for name, case in cases.items():
+        report[f"{name}@stage"] = stage_case(case, groups)
+    first = next(iter(cases.values()))
+    report["evaluation"] = [run_case(first, groups) for _ in range(2)]  # two evaluations, fresh iterators
     for name, case in errors.items():
         report[name] = error_case(case, groups)
     if extra:
@@ -249,14 +285,22 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
         assert all(run["steps"][step]["after"] == "StopIteration" for run in runs)
         seen: dict[int, int] = {}
         labels = expected_tokens(case, dp, step)
+        sequence_lengths = Counter((token - 1) // OFFSETS for token in labels)  # every token of a sequence, once
+        stride, pp = dp * cp * tp, dims.get("pp", 1)
         for rank, (run, (_, _, tp_rank, pp_rank, _)) in enumerate(zip(runs, places, strict=True)):
             for m, batch in enumerate(run["steps"][step]["micro_batches"]):
-                peer = runs[rank - tp_rank - pp_rank * dp * cp * tp]["steps"][step]["micro_batches"][m]
-                assert without_groups(batch) == without_groups(peer), "TP and PP peers receive identical tensors"
+                peer = runs[rank - tp_rank]["steps"][step]["micro_batches"][m]
+                assert without_groups(batch) == without_groups(peer), "TP peers receive identical tensors"
+                check_stage_fields(batch, pp_rank, pp)
+                first = runs[rank - pp_rank * stride]["steps"][step]["micro_batches"][m]
+                last = runs[rank + (pp - 1 - pp_rank) * stride]["steps"][step]["micro_batches"][m]
+                assert thd_metadata(batch) == thd_metadata(first), "every PP stage gets the same THD metadata"
+                batch = batch | {name: first[name] for name in FIRST_STAGE} | {name: last[name] for name in LAST_STAGE}
                 assert rank in batch["cp_group"]
                 check_micro_batch(batch, config, tp, allowed, rank)
                 if tp_rank or pp_rank:
                     continue
+                check_real_lengths(runs, batch, step, m, sequence_lengths)
                 for token, label in zip(batch["tokens"][0], batch["labels"][0], strict=True):
                     if token:
                         seen[token] = seen.get(token, 0) + 1
@@ -264,6 +308,32 @@ def check_case(reports: list[dict], name: str, case: dict, dims: dict, allowed: 
         assert sorted(seen.values()) == [1] * len(seen), "a valid token arrived twice"
         assert seen.keys() == labels.keys(), f"step {step}: every valid token arrives"
         check_groups_hold_one_micro_batch(runs, places, step, cp)
+
+
+FIRST_STAGE = ("tokens", "position_ids")  # PP stage 0 (and MTP stages) only
+LAST_STAGE = ("labels", "loss_mask")  # the last PP stage only
+
+
+def check_stage_fields(batch: dict, pp_rank: int, pp: int) -> None:
+    """Megatron's pipeline field ownership: the first stage tokens and positions, the last labels and loss mask,
+    the middle stages only the THD metadata (the others are None)."""
+    for names, owned in ((FIRST_STAGE, pp_rank == 0), (LAST_STAGE, pp_rank == pp - 1)):
+        assert all((batch[name] is not None) == owned for name in names), (pp_rank, names)
+
+
+def thd_metadata(batch: dict) -> dict:
+    return {name: batch[name] for name in ("cu", "cu_dtype", "max_seqlen", "format", "local_cp_size")}
+
+
+def check_real_lengths(runs, batch: dict, step: int, m: int, sequence_lengths: Counter) -> None:
+    """``cu_seqlens_q`` counts each packed sequence's real tokens: the lengths of the sequences whose tokens the CP
+    group holds, plus at most one padding sequence at the tail."""
+    group = [runs[member]["steps"][step]["micro_batches"][m]["tokens"][0] for member in batch["cp_group"]]
+    held = {(token - 1) // OFFSETS for tokens in group for token in tokens if token}
+    real = Counter(np.diff(batch["cu"][0]).tolist())
+    wanted = Counter(sequence_lengths[sequence] for sequence in held)
+    assert not wanted - real, f"real lengths {sorted(real.elements())} lack {sorted((wanted - real).elements())}"
+    assert real.total() - wanted.total() <= 1, "at most one tail padding sequence"
 
 
 def without_groups(batch: dict) -> dict:
@@ -280,10 +350,12 @@ def check_micro_batch(batch: dict, config: dict, tp: int, allowed, rank: int) ->
     else:
         assert local % effective_alignment(config, c, tp) == 0 and local <= MAX_SEQLEN
     assert batch["format"] == "thd" and batch["cu_dtype"] == "torch.int32"
-    bounds = batch["cu"][0]
-    assert all(cu == bounds for cu in batch["cu"]) and bounds[0] == 0 and bounds[-1] == c * local
+    real, kv_real, bounds, kv_padded = batch["cu"]  # cu_seqlens_q/kv count real tokens, *_padded the layout
+    assert kv_real == real and kv_padded == bounds and bounds[0] == 0 and bounds[-1] == c * local
     lengths = np.diff(bounds)
-    assert (lengths > 0).all() and batch["max_seqlen"] == [int(lengths.max())] * 2
+    assert (lengths > 0).all() and batch["max_seqlen"] == [int(lengths.max())] * 2, "max_seqlen: the padded maximum"
+    real_lengths = np.diff(real)
+    assert len(real) == len(bounds) and (real_lengths >= 1).all() and (real_lengths <= lengths).all()
     if c > 1:
         assert (lengths % (2 * c) == 0).all()
     members = sorted(batch["cp_group"])
@@ -339,6 +411,10 @@ GRIDS = {
             "oversize": SMALL | {"items": "oversize", "config": {}},
             "no_dynamic_groups": SMALL | {"items": "normal", "groups": "static", "config": {"scheduler": "dynamic_cp"}},
             "zero_microbatches": SMALL | {"items": "normal", "config": {}, "num_microbatches": 0},
+            "other_microbatches": SMALL
+            | {"items": "normal", "config": {}, "microbatches_by_position": {"2": 3, "3": 3}},
+            "other_limit": SMALL
+            | {"items": "normal", "config": {}, "config_by_position": {"3": {"max_seqlen_per_dp_cp_rank": 128}}},
         },
         "extra": True,
     },
@@ -386,10 +462,32 @@ GRIDS = {
         "shape": (2, 2),
         "names": ("pp", "cp"),
         "sizes": (1, 2),
-        "dims": {"dp": 1, "cp": 2, "tp": 1},
+        "dims": {"dp": 1, "cp": 2, "tp": 1, "pp": 2},
         "cases": {
             "dp_balanced": BASE | {"seed": 41, "config": {"scheduler": "dp_balanced"}},
+            "dp_balanced_vpp": BASE | {"seed": 43, "config": {"scheduler": "dp_balanced", "vpp_size": 2}},
             "dynamic_cp": DYNAMIC_BASE | {"seed": 42, "longest": 2 * MAX_SEQLEN, "config": {"scheduler": "dynamic_cp"}},
+        },
+        "errors": {
+            "zero_spans": SMALL | {"items": "zero_spans", "config": {}},
+            "other_scheduler": SMALL
+            | {"items": "normal", "config": {}, "config_by_position": {"1": {"scheduler": "compute_balanced"}}},
+        },
+    },
+    "dp2_tp2_pp2": {
+        "world_size": 8,
+        "shape": (2, 2, 2),
+        "names": ("pp", "dp", "tp"),
+        "sizes": (1, 2),
+        "dims": {"dp": 2, "cp": 1, "tp": 2, "pp": 2},
+        "cases": {
+            "dp_balanced_vpp": BASE
+            | {
+                "seed": 51,
+                "longest": MAX_SEQLEN - 4,
+                "config": {"scheduler": "dp_balanced", "vpp_size": 2, "microbatch_group_size_per_vp_stage": 2},
+            },
+            "dynamic_cp_sp": BASE | {"seed": 52, "config": {"scheduler": "dynamic_cp", "sequence_parallel": True}},
         },
         "errors": {"zero_spans": SMALL | {"items": "zero_spans", "config": {}}},
     },
@@ -455,6 +553,20 @@ def test_dp3_a_rank_without_data_still_gets_work(dp3, name):
         assert any(token for batch in batches for token in batch["tokens"][0]), "DP rank 2 fetched nothing yet works"
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2_pp2(tmp_path_factory):
+    return run_grid(tmp_path_factory.mktemp("dp2_tp2_pp2"), GRIDS["dp2_tp2_pp2"])
+
+
+@pytest.mark.parametrize("name", list(GRIDS["dp2_tp2_pp2"]["cases"]))
+def test_dp2_tp2_pp2_stages_own_their_fields_with_vpp_and_dynamic_cp(dp2_tp2_pp2, name):
+    """Eight processes: TP peers identical, the first stage tokens and positions, the last labels and loss mask,
+    every valid token once; VPP micro-batch counts a multiple of the stage group, dynamic CP over DP ranks."""
+    grid = GRIDS["dp2_tp2_pp2"]
+    allowed = grid["sizes"] if name.startswith("dynamic") else (1,)
+    check_case(dp2_tp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
+
+
 @pytest.mark.parametrize("name", list(GRIDS["cp2_pp2"]["cases"]))
 def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     grid = GRIDS["cp2_pp2"]
@@ -462,12 +574,43 @@ def test_cp2_pp2_every_stage_gets_the_same_micro_batches(cp2_pp2, name):
     check_case(cp2_pp2, name, grid["cases"][name], grid["dims"], allowed)
 
 
-def test_an_empty_global_batch_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
-    for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2):
-        errors = {tuple(report["zero_spans"]["error"]) for report in reports}
-        assert len(errors) == 1, errors
-        kind, message = errors.pop()
-        assert kind == "DataFileError" and "the global batch holds no sequence" in message
+ALL_GRIDS = ("dp2_cp2", "dp2_cp2_tp2", "dp3", "cp2_pp2", "dp2_tp2_pp2")
+
+
+@pytest.mark.parametrize("grid", ALL_GRIDS)
+def test_parallel_batch_and_the_megatron_views_deliver_the_same_micro_batches(request, grid):
+    """``ParallelBatch.schedule`` iterated directly gives, rank by rank, exactly what ``wrap_data_iterator`` and
+    ``get_batch_on_this_rank_for_sequence_packing`` give for the same input."""
+    for report in request.getfixturevalue(grid):
+        for name in GRIDS[grid]["cases"]:
+            views = report[name]
+            direct = report[f"{name}@stage"]
+            assert direct["stopped"] and views["stopped"]
+            steps = [{key: value for key, value in step.items() if key != "after"} for step in views["steps"]]
+            assert direct["steps"] == steps, (grid, name, report["place"])
+
+
+@pytest.mark.parametrize("grid", ALL_GRIDS)
+def test_evaluation_ends_on_every_rank_at_once_and_can_run_again(request, grid):
+    """One wrap_data_iterator call per evaluation iteration; when the data ends, StopIteration reaches every DP
+    rank, TP peer and PP stage in the same call, and a second evaluation over fresh iterators delivers the same."""
+    reports = request.getfixturevalue(grid)
+    first = next(iter(GRIDS[grid]["cases"]))
+    for report in reports:
+        passes = report["evaluation"]
+        assert all(run["stopped"] for run in passes)
+        assert passes[0] == passes[1] == report[first]
+    assert len({len(report["evaluation"][0]["steps"]) for report in reports}) == 1
+
+
+def test_a_zero_length_span_fails_alike_on_every_rank(dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2, dp2_tp2_pp2):
+    """Every data rank raises its own reader's error; its TP peers and PP stages raise the same type, naming it."""
+    for reports in (dp2_cp2, dp2_cp2_tp2, dp3, cp2_pp2, dp2_tp2_pp2):
+        for report in reports:
+            kind, message = report["zero_spans"]["error"]
+            assert kind == "DataFileError" and "it must strictly increase (no empty sequence)" in message
+            if report["place"][2] or report["place"][3]:  # a TP peer or a later PP stage
+                assert "(the data rank) failed to schedule the step" in message
 
 
 def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2):
@@ -475,9 +618,29 @@ def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2)
         kind, message = report["bad_on_1"]["error"]
         assert kind == "DataFileError"
         if report["place"][0] == 1:
-            assert "cu_seq_lens [0, 3] must start at 0, never decrease, and end at the 4 tokens" in message
+            assert "micro-batch 0 of this step is a dict; the packing scheduler takes Batches" in message
+            assert "indexed_batch" in message
         else:
             assert "DP rank 1 failed to read its micro-batches" in message
+
+
+@pytest.mark.parametrize(
+    ("grid", "case", "expected"),
+    [
+        ("dp2_cp2", "other_microbatches", "disagree on num_microbatches (num_microbatches: DP 0 CP 0 2, DP 0 CP 1 2, "
+         "DP 1 CP 0 3, DP 1 CP 1 3)"),
+        ("dp2_cp2", "other_limit", "disagree on max_seqlen_per_dp_cp_rank (max_seqlen_per_dp_cp_rank: DP 0 CP 0 64, "
+         "DP 0 CP 1 64, DP 1 CP 0 64, DP 1 CP 1 128)"),
+        ("cp2_pp2", "other_scheduler", "disagree on scheduler (scheduler: DP 0 CP 0 'dp_balanced', DP 0 CP 1 "
+         "'compute_balanced')"),
+    ],
+)  # fmt: skip
+def test_ranks_that_disagree_raise_the_same_error_everywhere_before_delivering(request, grid, case, expected):
+    """A rank of the DP x CP domain with another num_microbatches or scheduler field fails the step on every rank
+    (TP peers and PP stages included), naming the field and each rank's value, instead of hanging."""
+    for report in request.getfixturevalue(grid):
+        kind, message = report[case]["error"]
+        assert kind == "DataConfigError" and expected in message and "build every rank from the same config" in message
 
 
 def test_a_sequence_too_long_for_every_cp_size_fails_on_every_rank(dp2_cp2):
@@ -504,6 +667,9 @@ def test_get_batch_on_this_cp_rank_cuts_the_static_group_and_honours_hybrid_cp_g
         cut = report["cp_slice"]
         assert cut["static"] == cut["legacy"] == [expected[report["place"][1]]]
         assert cut["labels"] == [[t + 100 for t in expected[report["place"][1]]]] and cut["cu"] == [0, 8, 12]
+        assert [message.split(";")[0] for message in cut["legacy_warnings"]] == [
+            "the batch key hybrid_cp_group is deprecated"
+        ]
 
 
 # -- one process: keywords and validation --------------------------------------------------------------------------

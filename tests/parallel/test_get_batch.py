@@ -170,6 +170,7 @@ def check_against_reference(get_batch, reader, model_inputs, loss_inputs) -> Non
         ids, labels, bounds, cp=get_batch.context.cp_size, rank=get_batch.context.cp_rank, layout=get_batch.cp_layout,
         causal=get_batch.causal, window=get_batch.sliding_window, reset_position_ids=get_batch.reset_position_ids,
         eod_mask_loss=get_batch.eod_mask_loss, eod=get_batch.eod_token_id,
+        real=None if reader.cu_seq_lens_real is None else reader.cu_seq_lens_real.tolist(),
     )  # fmt: skip
     check_rank(model_inputs, loss_inputs, expected, get_batch.attention_mode, get_batch.sliding_window)
 
@@ -351,6 +352,8 @@ def test_a_readers_failure_raises_on_every_rank_of_its_tp_group_and_the_others_g
     assert values[source]["error"].startswith("DataFileError: record 9 of ")
     assert "field 'text' holds list, expected a string" in values[source]["error"]
     relayed = values[peer]["error"]
-    prefix = f"DataFileError: global rank {source} (TP rank 0) failed to read the next batch (DataFileError: record 9"
+    prefix = (
+        f"DataFileError: global rank {source} (the data rank) failed to read the next batch (DataFileError: record 9"
+    )
     assert relayed.startswith(prefix) and relayed.endswith(f"see rank {source}'s log"), relayed
     assert values[other] == values[other_peer] == {"steps": 6, "ended": True}

@@ -1,30 +1,57 @@
-"""ParallelBatch: one collated micro-batch to ``(model_inputs, loss_inputs)`` on every rank of a DP x CP x TP mesh.
+"""ParallelBatch: the one delivery stage, ``(model_inputs, loss_inputs)`` on every rank of a DP x CP x TP x PP mesh.
 
-Owns: the last step of the pipeline. On a data rank (TP rank 0 of its (DP, CP) coordinate) it pulls the next
-batch, normalises it to the batch contract (an Indexed megatron-style dict is renamed in ``indexed_batch``, the one
-place), resolves the global sequence boundaries, keeps this CP rank's columns (``CPBatchSharder``) and broadcasts
-the CP-local tokens and labels with the global ``cu_seq_lens`` to its TP peers (``TPBatchBroadcaster``). Every
-rank then builds the same position ids, loss mask and attention metadata from those, so TP peers agree without
-sending them. The end of the data, and a failure of the reader, reach every rank of the TP group in the same call.
-Not responsible for: reading files or choosing samples (the loaders), the layouts' arithmetic and the collectives
-(``parallel.batch_parallel``), where sequences end (``batching.sequence_boundaries``), the masks themselves
-(``batching.attention_runtime``).
+Owns: the last step of the pipeline, in two modes with one output.
 
-Outputs, for ``R`` rows of ``T`` tokens and ``s = T // cp`` local columns (docs/distributed.md states the
-conventions once)::
+* Plain: ``get_batch(data_iterator)``. On a data rank (TP rank 0 of PP stage 0 of its (DP, CP) coordinate) it
+  pulls the next ``Batch``, keeps this CP rank's columns (``CPBatchSharder``) and relays the CP-local tokens and
+  labels with the checked global ``cu_seq_lens`` to its TP peers and PP stages.
+* Scheduled (a ``scheduler=PackingSchedulerConfig``): once per step on every rank, ``step =
+  get_batch.schedule(data_iterator, num_microbatches)`` fetches the step's micro-batches on the data ranks, all-gathers
+  one header over the DP x CP domain (failures, counts, and ``num_microbatches`` and every scheduler field, compared
+  so that ranks that disagree raise the same ``DataConfigError``), plans the step (``plan``: the planner of
+  ``parallel.data_schedule_utils``, arithmetic on lengths), packs this rank's groups
+  (``batching.scheduled_packing``) and relays the plan's count and statistics. ``len(step)``, ``step.stats`` are the
+  same on every rank; ``get_batch(step)`` (or ``next(step)``, or iterating the step) delivers the next scheduled
+  micro-batch, cut across its own CP group (dynamic CP), exactly as the plain mode delivers a batch.
+
+Every rank then builds the same position ids, loss mask and attention metadata from what it received, so peers
+agree without sending them. The end of the data and a reader's failure reach every rank of the TP group and every
+PP stage in the same call (``_relay``, the one place that moves a data rank's outcome). The layout of every batch is
+decided once, as ``.layout`` (a ``DeliveryLayout``), which the pipeline hands to the collator and the loaders.
+``source_type`` is accepted for the design's configs; nothing depends on it: every boundary is the ``Batch``'s
+``cu_seq_lens``, computed once by the collator (``build_collate_fn.indexed_batch`` converts a megatron-style dict, at
+the edge). Not responsible for: reading files or choosing samples (the loaders), the layouts' arithmetic and the
+collectives (``parallel``), the schedule's algorithms (``parallel.data_schedule_utils``), packing groups
+(``batching.scheduled_packing``), the masks themselves (``batching.attention_runtime``), Megatron's names and keys
+(``batching.data_schedule``).
+
+Outputs, for ``R`` rows of ``T`` tokens and ``s = T // c`` local columns (``c`` the batch's CP size; docs/
+distributed.md states the conventions once)::
 
     model_inputs = {"input_ids": [R, s], "labels": [R, s], "position_ids": [R, s],
                     "attention_mask": bool [R, 1, s, T] (dense: True = may attend) | BlockMask (flex) | None,
                     "swa_mask": bool [R, 1, s, T] (dense with sliding_window) | None,
                     "packed_seq_params": PackedSeqParams (packed) | None}
     loss_inputs = {"labels": [R, s], "loss_mask": float32 [R, s]}
+
+With pipeline parallelism each stage gets the fields it owns, the others are None under the same keys: the first
+stage (and ``mtp_stages``) ``input_ids`` and ``position_ids``, the last stage ``labels`` and ``loss_mask``, every
+stage the attention metadata.
+
+Example (every rank)::
+
+    get_batch = ParallelBatch(attention_mode="packed", cp_layout="zigzag_thd", scheduler=config, pg_collection=groups)
+    step = get_batch.schedule(iter(loader) if groups.is_data_rank else None, num_microbatches=8)
+    for model_inputs, loss_inputs in step:
+        ...
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -37,20 +64,31 @@ from hyper_parallel.data.batching.attention_runtime import (
     packed_seq_params,
 )
 from hyper_parallel.data.batching.batch import Batch
-from hyper_parallel.data.batching.build_collate_fn import indexed_batch
-from hyper_parallel.data.batching.sequence_boundaries import IndexedBoundaryResolver, OnlineBoundaryResolver
+from hyper_parallel.data.batching.scheduled_packing import exchange_sequences, fetch_sequences, pack_rank_groups
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel.batch_parallel import (
-    CP_LAYOUTS,
-    CPBatchSharder,
-    TPBatchBroadcaster,
-    cp_local_columns,
+from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns, stage_fields
+from hyper_parallel.data.parallel.data_schedule_utils import (
+    FlopsStats,
+    PackingSchedulerConfig,
+    Schedule,
+    build_schedule,
+    schedule_stats,
 )
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
+from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
-__all__ = ["ATTENTION_MODES", "MODEL_INPUT_KEYS", "LOSS_INPUT_KEYS", "SOURCE_TYPES", "ParallelBatch"]
+__all__ = [
+    "ATTENTION_MODES",
+    "LOSS_INPUT_KEYS",
+    "MODEL_INPUT_KEYS",
+    "SOURCE_TYPES",
+    "ParallelBatch",
+    "ScheduledStep",
+    "dynamic_group_lookup",
+]
 
 logger = get_logger(__name__)
 
@@ -58,7 +96,9 @@ SOURCE_TYPES = ("online", "indexed")
 ATTENTION_MODES = ("dense", "packed", "flex", "none")
 MODEL_INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "swa_mask", "packed_seq_params")
 LOSS_INPUT_KEYS = ("labels", "loss_mask")
-_SENT = ("input_ids", "labels", "cu_seq_lens")  # what the data rank sends its TP peers; the rest is rebuilt
+# What a data rank relays (each PP stage receives the fields it owns, PIPELINE_FIELD_OWNERS); the rest is rebuilt.
+_SENT = ("input_ids", "labels", "loss_mask", "cu_seq_lens", "cu_seq_lens_real", "local_cp_size", "local_shape")
+_OUTCOME = ("outcome",)  # a scheduled step's count and statistics
 
 
 def _shape_of(value: Any) -> str:
@@ -88,86 +128,149 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+# -- where this rank sits -------------------------------------------------------------------------------------------
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    dist = _dist()
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _local_cp_size(batch: Batch) -> int | None:
+    value = batch.extras.get("local_cp_size")
+    if value is None:
+        return None
+    return require_int("the batch's local_cp_size", int(torch.as_tensor(value).reshape(-1)[0]), 1, DataFileError)
+
+
+class ScheduledStep:
+    """One scheduled step on this rank: its micro-batch count and statistics, and the delivery of each micro-batch.
+
+    Built by ``ParallelBatch.schedule`` on every rank. ``next(step)`` (or ``get_batch(step)``, or iterating it)
+    delivers the next micro-batch as ``(model_inputs, loss_inputs)``; after ``len(step)`` micro-batches it raises
+    ``StopIteration`` on every rank.
+
+    Attributes:
+        num_micro_batches: the step's micro-batch count, the same on every rank.
+        stats: the step's ``FlopsStats``, the same on every rank.
+        micro_batches: the data rank's packed ``Batch`` es (``[1, P]`` each, with the extra ``local_cp_size``); None
+            on the other ranks.
+    """
+
+    def __init__(self, stage: ParallelBatch, micro_batches: list[Batch] | None, count: int, stats: FlopsStats):
+        self.num_micro_batches, self.stats, self.micro_batches = count, stats, micro_batches
+        self._stage = stage
+        self._batches = None if micro_batches is None else iter(micro_batches)
+
+    def __len__(self) -> int:
+        return self.num_micro_batches
+
+    def __iter__(self) -> ScheduledStep:
+        return self
+
+    def __next__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self._stage.deliver(self._batches)
+
+    def packed_iterator(self) -> Iterator[Batch] | None:
+        """A fresh iterator over the data rank's packed micro-batches (None elsewhere), for ``deliver``."""
+        return None if self.micro_batches is None else iter(self.micro_batches)
+
+
 class ParallelBatch:
     """Deliver each micro-batch as ``(model_inputs, loss_inputs)`` on every rank: ``get_batch(data_iterator)``.
 
     Args:
-        source_type: ``"online"`` (the packing collator's ``cu_seq_lens``) or ``"indexed"`` (boundaries after each
-            EOD token and at each row end).
-        parallel_context: this rank's ``DataLoaderParallelContext``; None is a single process.
+        source_type: ``"online"`` or ``"indexed"``, as the design's configs write it; every boundary comes from the
+            ``Batch``'s ``cu_seq_lens`` whatever it is.
+        parallel_context: this rank's ``DataLoaderParallelContext``; None is a single process (or the context of
+            ``pg_collection``).
         attention_mode: ``"dense"`` (a bool mask of the local queries against all keys), ``"packed"``
             (``PackedSeqParams`` for THD kernels), ``"flex"`` (a FlexAttention ``BlockMask``) or ``"none"``.
-        cp_layout: which columns each CP rank holds: ``"contiguous"``, ``"zigzag"`` or ``"zigzag_thd"``; with
+        cp_layout: which columns each CP rank holds: ``"contiguous"`` (the default), ``"zigzag"`` or ``"zigzag_thd"``
+            (with a scheduler, its ``cp_partition_mode`` decides, and a different ``cp_layout`` is refused); with
             more than one CP rank, ``"packed"`` needs ``"zigzag_thd"`` (the layout Transformer Engine's THD
-            attention expects), which needs Online batches whose sequences are padded to ``2 * cp``.
+            attention expects), which needs every sequence padded to ``2 * cp`` (the Online collator does).
         causal: queries see only keys at or before their own column.
         sliding_window: ``w``, with dense or flex attention: a query also sees only itself and the ``w`` keys
-            before it (``query - w <= key``; and ``key <= query + w`` without ``causal``), Transformer Engine's
-            window ``(w, 0)``; a Hugging Face ``sliding_window`` counts the query too, so it is ``w + 1``. None for
-            no window.
+            before it (Transformer Engine's window ``(w, 0)``; a Hugging Face ``sliding_window`` is ``w + 1``).
         reset_position_ids: position ids restart at 0 at every sequence (else the global columns).
         eod_mask_loss: the loss mask is also 0 where the input is the EOD token.
-        eod_token_id: the EOD id; needed by indexed sources and by ``eod_mask_loss``.
-        device: where the returned tensors are (and where the TP broadcast runs: ``"cuda"`` with NCCL).
+        eod_token_id: the EOD id; needed by ``eod_mask_loss``.
+        sequence_parallel: the CP-local part is split again over the TP ranks (the layout's alignment; with
+            ``pg_collection``, ``packed_seq_params.tp_cp_group``).
+        scheduler: the packing scheduler's settings: ``schedule`` plans, packs and delivers each step.
+        pg_collection: this rank's groups (covering PP, and the dynamic CP groups); needed by ``scheduler``.
+        dynamic_cp_group_func: runtime CP size -> this rank's group of that size: a micro-batch carrying a
+            ``local_cp_size`` is cut across that group (default with the ``dynamic_cp`` scheduler:
+            ``pg_collection.dynamic_cp``).
+        mtp_stages: PP stages that also get ``input_ids`` and ``position_ids`` (multi-token prediction).
+
+    Attributes:
+        layout: the ``DeliveryLayout`` of every delivered batch, decided here once (hand it to the collator).
+        stage_fields: the relayed fields this PP stage receives (``batch_parallel.stage_fields``).
+        device: where the returned tensors are (and where the relay runs: ``"cuda"`` with NCCL).
 
     Raises:
         DataConfigError: an unknown name (with the closest one), a flag that is not a bool, a window that is not a
-            positive integer, a missing ``eod_token_id``, or a layout that the attention mode cannot use.
+            positive integer, a missing ``eod_token_id``, a layout the attention mode cannot use, or a scheduler
+            without the groups it needs.
     """
 
     def __init__(
         self,
-        source_type: str,
+        source_type: str = "online",
         *,
         parallel_context: DataLoaderParallelContext | None = None,
         attention_mode: str = "dense",
-        cp_layout: str = "contiguous",
+        cp_layout: str | None = None,
         causal: bool = True,
         sliding_window: int | None = None,
         reset_position_ids: bool = False,
         eod_mask_loss: bool = False,
         eod_token_id: int | None = None,
+        sequence_parallel: bool = False,
+        scheduler: PackingSchedulerConfig | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        dynamic_cp_group_func: Callable[[int], Any] | None = None,
+        mtp_stages: Sequence[int] = (),
         device: torch.device | str = "cpu",
     ) -> None:
         self.source_type = _choice("source_type", source_type, SOURCE_TYPES, "the kind of loader feeding it")
         self.attention_mode = _choice(
             "attention_mode", attention_mode, ATTENTION_MODES, "the attention metadata the model takes"
         )
-        self.cp_layout = _choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
+        if cp_layout is not None:
+            _choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
         self.causal = _flag("causal", causal)
         self.reset_position_ids = _flag("reset_position_ids", reset_position_ids)
         self.eod_mask_loss = _flag("eod_mask_loss", eod_mask_loss)
+        self.sequence_parallel = _flag("sequence_parallel", sequence_parallel)
         self.sliding_window = self._window(sliding_window)
         self.eod_token_id = self._eod(eod_token_id)
         self.device = torch.device(device)
-        context = parallel_context if parallel_context is not None else DataLoaderParallelContext.standalone()
-        if not isinstance(context, DataLoaderParallelContext):
-            raise DataConfigError(
-                f"parallel_context must be a DataLoaderParallelContext (from_mesh, from_groups or standalone), got "
-                f"{type(context).__name__}"
-            )
-        self.context = context
+        self.pg_collection = self._collection(pg_collection)
+        self.context = self._context(parallel_context)
+        self.scheduler = self._scheduler(scheduler)
+        self._group_of = self._dynamic_groups(dynamic_cp_group_func)
+        self.stage_fields = stage_fields(_SENT, self.context.pp_rank, self.context.pp_size, mtp_stages=mtp_stages)
+        self.mtp_stages = tuple(mtp_stages)
+        self.layout = self._layout(cp_layout)
+        self.cp_layout = self.layout.cp_layout
         self._check_layout()
-        if self.source_type == "online":
-            self._resolve = OnlineBoundaryResolver()
-        else:
-            self._resolve = IndexedBoundaryResolver(self.eod_token_id)
-        self._sharder = CPBatchSharder(context.cp_size, context.cp_rank, self.cp_layout)
-        self._broadcaster = TPBatchBroadcaster(context.tp_group, context.tp_src, device=self.device)
+        self._sharder = CPBatchSharder(self.context.cp_size, self.context.cp_rank, self.cp_layout)
+        self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
-        reads = "reads the loader" if context.is_data_rank else f"receives global rank {context.tp_src}'s batches"
-        logger.info(
-            "ParallelBatch: %s source, %s attention, CP rank %d of %d (%s layout), TP rank %d of %d, %s, on %s",
-            self.source_type,
-            self.attention_mode,
-            context.cp_rank,
-            context.cp_size,
-            self.cp_layout,
-            context.tp_rank,
-            context.tp_size,
-            reads,
-            self.device,
-        )
+        self._log_start()
+
+    # -- settings --------------------------------------------------------------------------------------------------
 
     def _window(self, sliding_window: Any) -> int | None:
         if sliding_window is None:
@@ -190,31 +293,119 @@ class ParallelBatch:
     def _eod(self, eod_token_id: Any) -> int | None:
         if eod_token_id is not None:
             return require_int("eod_token_id", eod_token_id, 0)
-        needs = [why for why, needed in (("indexed boundaries", self.source_type == "indexed"),
-                                         ("eod_mask_loss", self.eod_mask_loss)) if needed]  # fmt: skip
-        if needs:
+        if self.eod_mask_loss:
             raise DataConfigError(
-                f"eod_token_id is not set, but {' and '.join(needs)} need it; set eod_token_id to the tokenizer's "
-                "EOD (EOS) id, or build the pipeline with a tokenizer (build_dataloaders offers its EOD id)"
+                "eod_token_id is not set, but eod_mask_loss needs it; set eod_token_id to the tokenizer's EOD (EOS) "
+                "id, or build the pipeline with a tokenizer (build_dataloaders offers its EOD id)"
             )
         return None
 
+    @staticmethod
+    def _collection(pg_collection: Any) -> ProcessGroupCollection | None:
+        if pg_collection is None or isinstance(pg_collection, ProcessGroupCollection):
+            return pg_collection
+        raise DataConfigError(
+            f"pg_collection must be a ProcessGroupCollection (ProcessGroupCollection.from_mesh), got "
+            f"{type(pg_collection).__name__}"
+        )
+
+    def _context(self, parallel_context: Any) -> DataLoaderParallelContext:
+        if parallel_context is None:
+            if self.pg_collection is not None:
+                return self.pg_collection.parallel_context()
+            return DataLoaderParallelContext.standalone()
+        if not isinstance(parallel_context, DataLoaderParallelContext):
+            raise DataConfigError(
+                f"parallel_context must be a DataLoaderParallelContext (from_mesh, from_groups or standalone), got "
+                f"{type(parallel_context).__name__}"
+            )
+        return parallel_context
+
+    def _scheduler(self, scheduler: Any) -> PackingSchedulerConfig | None:
+        if scheduler is None:
+            return None
+        if not isinstance(scheduler, PackingSchedulerConfig):
+            raise DataConfigError(
+                f"scheduler must be a PackingSchedulerConfig, got {type(scheduler).__name__}; build one with "
+                "PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=...)"
+            )
+        if self.pg_collection is None:
+            raise DataConfigError(
+                "a scheduler re-schedules every step over the DP x CP ranks, so it needs their groups: pass "
+                "pg_collection=ProcessGroupCollection.from_mesh(mesh, dynamic_cp_sizes=...)"
+            )
+        if scheduler.scheduler == "dynamic_cp" and not self.pg_collection.dynamic_cp:
+            raise DataConfigError(
+                "the dynamic_cp scheduler chooses among the runtime CP sizes of pg_collection.dynamic_cp, which is "
+                "empty; build the collection with ProcessGroupCollection.from_mesh(mesh, dynamic_cp_sizes=(1, 2, ...))"
+            )
+        return scheduler
+
+    def _dynamic_groups(self, group_func: Any) -> Callable[[int], Any] | None:
+        if group_func is not None:
+            if not callable(group_func):
+                raise DataConfigError(
+                    "dynamic_cp_group_func must be callable (runtime CP size -> group), got "
+                    f"{type(group_func).__name__}"
+                )
+            return group_func
+        if self.scheduler is not None and self.scheduler.scheduler == "dynamic_cp":
+            return dynamic_group_lookup(self.pg_collection.dynamic_cp, "dynamic_cp")
+        return None
+
+    def _layout(self, cp_layout: str | None) -> DeliveryLayout:
+        """The one layout value: from the scheduler config when there is one (its ``cp_partition_mode`` decides the
+        CP layout), else from ``cp_layout`` (default contiguous)."""
+        config, context = self.scheduler, self.context
+        if config is None:
+            return DeliveryLayout(
+                cp_size=context.cp_size, cp_layout=cp_layout or "contiguous", tp_size=context.tp_size,
+                sequence_parallel=self.sequence_parallel,
+            )  # fmt: skip
+        layout = config.layout(cp_size=context.cp_size, tp_size=context.tp_size)
+        if cp_layout is not None and cp_layout != layout.cp_layout:
+            raise DataConfigError(
+                f"cp_layout {cp_layout!r} contradicts the scheduler's cp_partition_mode {config.cp_partition_mode!r} "
+                f"(the {layout.cp_layout} layout); set one of them, the scheduler's decides the layout"
+            )
+        return replace(layout, sequence_parallel=layout.sequence_parallel or self.sequence_parallel)
+
     def _check_layout(self) -> None:
-        cp = self.context.cp_size
-        if cp == 1:
-            return
-        if self.attention_mode == "packed" and self.cp_layout != "zigzag_thd":
+        cp = max(self.context.cp_size, *(self.pg_collection.dynamic_cp_sizes if self._group_of else (1,)))
+        if cp > 1 and self.attention_mode == "packed" and self.cp_layout != "zigzag_thd":
             raise DataConfigError(
                 f"attention_mode 'packed' with cp_size {cp} needs cp_layout 'zigzag_thd', got {self.cp_layout!r}: "
                 "THD attention with context parallelism (Transformer Engine) expects every sequence cut in 2 * cp "
                 "chunks. Set cp_layout: zigzag_thd, or use attention_mode dense or flex"
             )
-        if self.cp_layout == "zigzag_thd" and self.source_type == "indexed":
+        if self.scheduler is not None and cp > 1 and self.cp_layout == "zigzag":
             raise DataConfigError(
-                f"cp_layout 'zigzag_thd' with cp_size {cp} needs every sequence padded to a multiple of {2 * cp}, "
-                "which Indexed rows (documents cut at EOD tokens) are not; use cp_layout contiguous or zigzag for "
-                "indexed sources"
+                "the packing scheduler packs whole sequences per CP group, which the row-wise zigzag layout cannot "
+                "cut; use cp_layout zigzag_thd (Megatron's) or contiguous"
             )
+
+    def _relay_of(self, field_names: tuple[str, ...]) -> BatchRelay:
+        """The one way a data rank's outcome reaches its TP peers and PP stages (each stage its own fields)."""
+        return BatchRelay(self.context, field_names, mtp_stages=self.mtp_stages, device=self.device)
+
+    def _log_start(self) -> None:
+        context = self.context
+        reads = "reads the loader" if context.is_data_rank else f"receives global rank {context.tp_src}'s batches"
+        logger.info(
+            "ParallelBatch: %s attention, CP rank %d of %d (%s layout), TP rank %d of %d, PP stage %d of %d, %s, "
+            "%s, on %s",
+            self.attention_mode,
+            context.cp_rank,
+            context.cp_size,
+            self.cp_layout,
+            context.tp_rank,
+            context.tp_size,
+            context.pp_rank,
+            context.pp_size,
+            "scheduled" if self.scheduler is not None else "as loaded",
+            reads,
+            self.device,
+        )
 
     def __repr__(self) -> str:
         context = self.context
@@ -222,35 +413,78 @@ class ParallelBatch:
             f"{type(self).__name__}(source_type={self.source_type!r}, attention_mode={self.attention_mode!r}, "
             f"cp_layout={self.cp_layout!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
             f"reset_position_ids={self.reset_position_ids}, eod_mask_loss={self.eod_mask_loss}, "
-            f"eod_token_id={self.eod_token_id}, device={str(self.device)!r}, cp={context.cp_rank}/{context.cp_size}, "
-            f"tp={context.tp_rank}/{context.tp_size})"
+            f"eod_token_id={self.eod_token_id}, scheduler={getattr(self.scheduler, 'scheduler', None)!r}, "
+            f"device={str(self.device)!r}, cp={context.cp_rank}/{context.cp_size}, "
+            f"tp={context.tp_rank}/{context.tp_size}, pp={context.pp_rank}/{context.pp_size})"
         )
 
-    # -- one step -------------------------------------------------------------------------------------------------
+    # -- one micro-batch -------------------------------------------------------------------------------------------
 
-    def __call__(self, data_iterator: Iterator | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The next micro-batch on this rank: ``(model_inputs, loss_inputs)``.
+    def __call__(self, data_iterator: Iterator | ScheduledStep | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The next micro-batch on this rank: ``(model_inputs, loss_inputs)``, this PP stage's fields.
 
         Args:
-            data_iterator: the loader's iterator (``iter(loader)``) on data ranks; other ranks may pass None.
+            data_iterator: the loader's iterator (``iter(loader)``) on data ranks, other ranks may pass None; or the
+                step ``schedule`` returned (its next micro-batch, on every rank).
 
         Raises:
-            StopIteration: the data rank's iterator is exhausted; every rank of its TP group raises it in the same
-                call.
+            StopIteration: the data rank's iterator (or the step) is exhausted; every rank of its TP group and every
+                PP stage raises it in the same call.
             DataFileError, DataConfigError: the batch breaks the contract, or its boundaries cannot be cut into this
-                layout; a reader's error is raised on the data rank and on its TP peers.
+                layout; a reader's error is raised on the data rank and on its TP peers and PP stages.
         """
-        sent = None
-        if self.context.is_data_rank:
-            try:
-                sent = self._read(data_iterator)
-            except Exception as error:
-                self._broadcaster.broadcast_failure("read the next batch", error)  # the TP peers raise it too
-                raise
-        received = self._broadcaster.broadcast(sent)
+        if isinstance(data_iterator, ScheduledStep):
+            return next(data_iterator)
+        return self.deliver(data_iterator)
+
+    def deliver(self, data_iterator: Iterator | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Read the next ``Batch`` on the data rank, relay it, and build this rank's outputs (see ``__call__``)."""
+        if self._relay is None:
+            self._relay = self._relay_of(_SENT)
+        received = self._relay.relay(lambda: self._read(data_iterator))
         if received is None:
             raise StopIteration
         return self._build(received)
+
+    def _read(self, data_iterator: Iterator | None) -> dict[str, torch.Tensor] | None:
+        """On the data rank: the CP-local fields and the global boundaries of the next batch; None at the end."""
+        if data_iterator is None or not isinstance(data_iterator, Iterator):
+            raise DataConfigError(
+                f"get_batch on a data rank (TP rank 0 of PP stage 0) needs the loader's iterator, got "
+                f"{type(data_iterator).__name__}; call get_batch(iter(loader)) with one iterator kept across steps"
+            )
+        try:
+            batch = next(data_iterator)
+        except StopIteration:
+            return None
+        if not isinstance(batch, Batch):
+            raise DataFileError(
+                f"get_batch received a {type(batch).__name__} from the loader; it takes a Batch (the collators' "
+                "output). Use build_online_text_collate_fn or build_indexed_collate_fn as the loader's collate_fn, "
+                "or convert a megatron-style dict once with build_collate_fn.indexed_batch"
+            )
+        self._check_loss_tokens(batch)
+        rows, row_length = batch.input_ids.shape
+        cu_seq_lens = check_cu_seq_lens(
+            batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
+        )
+        size = _local_cp_size(batch)
+        _, cp_size, cp_rank = self._cp_group(size)
+        loss_mask = batch.labels >= 0
+        if self.eod_mask_loss:
+            loss_mask &= batch.input_ids != self.eod_token_id
+        fields = {"input_ids": batch.input_ids, "labels": batch.labels, "loss_mask": loss_mask}
+        if (cp_size, cp_rank) == (self.context.cp_size, self.context.cp_rank):
+            local, _ = self._sharder.shard(fields, cu_seq_lens)
+        else:
+            local, _ = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
+        shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
+        sent = {**local, "cu_seq_lens": cu_seq_lens, "local_shape": shape}
+        if batch.cu_seq_lens_real is not None:  # the real tokens of padded sequences (thd: cu_seqlens_q/kv)
+            sent["cu_seq_lens_real"] = batch.cu_seq_lens_real
+        if size is not None:
+            sent["local_cp_size"] = torch.tensor([size], dtype=torch.int64)
+        return sent
 
     def _check_loss_tokens(self, batch: Batch) -> None:
         """Under ``eod_mask_loss``, which masks the EOD inputs here, refuse a micro-batch left without a token that
@@ -264,44 +498,62 @@ class ParallelBatch:
             "documents that hold only EOD tokens from the data, or set eod_mask_loss to false"
         )
 
-    def _read(self, data_iterator: Iterator | None) -> dict[str, torch.Tensor] | None:
-        """On the data rank: the CP-local fields and the global boundaries of the next batch; None at the end."""
-        if data_iterator is None or not isinstance(data_iterator, Iterator):
+    def _cp_group(self, local_cp_size: int | None) -> tuple[Any, int, int]:
+        """``(group, size, rank)`` a micro-batch of ``local_cp_size`` (None: the static one) is cut across."""
+        if local_cp_size is not None and self._group_of is not None:
+            group = self._group_of(local_cp_size)
+            size, rank = _group_size_rank(group)
+        else:
+            group, size, rank = self.context.cp_group, self.context.cp_size, self.context.cp_rank
+        if local_cp_size is not None and local_cp_size != size:
             raise DataConfigError(
-                f"get_batch on a data rank (tp_rank 0) needs the loader's iterator, got {type(data_iterator).__name__}"
-                "; call get_batch(iter(loader)) with one iterator kept across steps"
+                f"the micro-batch was packed for a CP size of {local_cp_size}, but its CP group holds {size} ranks; "
+                "under dynamic CP pass dynamic_cp=True (the scheduler 'dynamic_cp'), otherwise the static CP group "
+                "the scheduler packed for"
             )
-        try:
-            batch = next(data_iterator)
-        except StopIteration:
-            return None
-        batch = self._as_batch(batch)
-        self._check_loss_tokens(batch)
-        cu_seq_lens = self._resolve(batch)
-        local, _ = self._sharder.shard({"input_ids": batch.input_ids, "labels": batch.labels}, cu_seq_lens)
-        return {**local, "cu_seq_lens": cu_seq_lens}
+        return group, size, rank
 
-    def _as_batch(self, batch: Any) -> Batch:
-        if isinstance(batch, Batch):
-            return batch
-        if self.source_type == "indexed" and isinstance(batch, Mapping) and "tokens" in batch:
-            return indexed_batch(batch, eod_token_id=self.eod_token_id)
-        raise DataFileError(
-            f"get_batch received a {type(batch).__name__} from the loader; it takes a Batch (the collators' "
-            "output) or, for indexed sources, a megatron-style dict with tokens, labels and loss_mask. Use "
-            "build_online_text_collate_fn or build_indexed_collate_fn as the loader's collate_fn"
-        )
+    def _tp_cp_group(self, size: int) -> Any:
+        groups = self.pg_collection
+        if groups is None or not self.layout.sequence_parallel:
+            return None
+        if self._group_of is not None:
+            return dynamic_group_lookup(groups.dynamic_tp_cp, "dynamic_tp_cp")(size)
+        return groups.tp_cp
 
     def _build(self, received: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every rank: position ids, loss mask and attention metadata from the local tokens and global boundaries."""
-        input_ids, labels, cu_seq_lens = (received[name] for name in _SENT)
-        rows, local = input_ids.shape
-        row_length = local * self.context.cp_size
+        """Every rank: its stage's fields, with position ids and attention metadata rebuilt from the global
+        boundaries; a field this PP stage does not own is None."""
+        cu_seq_lens, local_cp_size = received["cu_seq_lens"], received.get("local_cp_size")
+        group, cp_size, cp_rank = self._cp_group(None if local_cp_size is None else int(local_cp_size[0]))
+        rows, local = received["local_shape"].tolist()
+        row_length = local * cp_size
         bounds = cu_seq_lens.cpu().numpy()
-        columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, self.context.cp_size, self.context.cp_rank)
-        loss_mask = labels >= 0
-        if self.eod_mask_loss:
-            loss_mask &= input_ids != self.eod_token_id
+        columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
+        device = self.device
+        model_inputs = {
+            **self._attention(bounds, received.get("cu_seq_lens_real"), columns, row_length, group, cp_size),
+            "input_ids": self._on_device(received.get("input_ids")),
+            "labels": self._on_device(received.get("labels")),
+            "position_ids": None,
+        }
+        if "input_ids" in received:  # the first stage (and the MTP stages) embed the tokens at their positions
+            model_inputs["position_ids"] = torch.from_numpy(self._positions(bounds, columns, row_length)).to(device)
+        mask = received.get("loss_mask")
+        loss_inputs = {
+            "labels": model_inputs["labels"],
+            "loss_mask": None if mask is None else mask.to(device, torch.float32),
+        }
+        model_inputs = {name: model_inputs[name] for name in MODEL_INPUT_KEYS}
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_shapes(model_inputs, row_length, cp_size, cp_rank)
+        return model_inputs, loss_inputs
+
+    def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device)
+
+    def _attention(self, bounds: np.ndarray, real, columns: np.ndarray, row_length: int, group, cp_size: int) -> dict:
+        """``attention_mask``, ``swa_mask`` and ``packed_seq_params`` of the attention mode (the others None)."""
         attention_mask = swa_mask = packed = None
         if self.attention_mode == "dense":
             attention_mask, swa_mask = dense_attention_mask(
@@ -313,39 +565,28 @@ class ParallelBatch:
                 device=self.device,
             )  # fmt: skip
         elif self.attention_mode == "packed":
-            packed = packed_seq_params(bounds, cp_size=self.context.cp_size, device=self.device)
-        device = self.device
-        model_inputs = {
-            "input_ids": input_ids.to(device),
-            "labels": labels.to(device),
-            "position_ids": torch.from_numpy(self._positions(bounds, columns, row_length)).to(device),
-            "attention_mask": attention_mask,
-            "swa_mask": swa_mask,
-            "packed_seq_params": packed,
-        }
-        loss_inputs = {"labels": model_inputs["labels"], "loss_mask": loss_mask.to(device, torch.float32)}
-        if logger.isEnabledFor(logging.DEBUG):
-            self._log_shapes(model_inputs, row_length)
-        return model_inputs, loss_inputs
+            packed = packed_seq_params(bounds, cu_seq_lens_real=real, cp_size=cp_size, device=self.device)
+            if self.pg_collection is not None:
+                packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
+        return {"attention_mask": attention_mask, "swa_mask": swa_mask, "packed_seq_params": packed}
 
-    def _log_shapes(self, model_inputs: dict[str, Any], row_length: int) -> None:
+    def _log_shapes(self, model_inputs: dict[str, Any], row_length: int, cp_size: int, cp_rank: int) -> None:
         """Log the delivered shapes at the first batch and whenever they change, never per batch."""
         shapes = tuple((name, _shape_of(value)) for name, value in model_inputs.items())
         if shapes == self._shapes:
             return
         first, self._shapes = self._shapes is None, shapes
-        context = self.context
         logger.debug(
             "get_batch %s: %s; rows of %d tokens, %d columns on CP rank %d of %d (%s), TP rank %d of %d",
             "first batch" if first else "shapes changed",
             ", ".join(f"{name} {shape}" for name, shape in shapes),
             row_length,
-            row_length // context.cp_size,
-            context.cp_rank,
-            context.cp_size,
+            row_length // cp_size,
+            cp_rank,
+            cp_size,
             self.cp_layout,
-            context.tp_rank,
-            context.tp_size,
+            self.context.tp_rank,
+            self.context.tp_size,
         )
 
     def _positions(self, bounds: np.ndarray, columns: np.ndarray, row_length: int) -> np.ndarray:
@@ -354,3 +595,114 @@ class ParallelBatch:
             return np.ascontiguousarray(columns, dtype=np.int64)
         within = positions_within_sequences(bounds).reshape(len(columns), row_length)
         return np.take_along_axis(within, columns, axis=1)
+
+    # -- one scheduled step ------------------------------------------------------------------------------------------
+
+    def plan(self, lengths: np.ndarray) -> Schedule:
+        """The schedule of a step's sequences from their lengths in global id order (the same on every rank)."""
+        config, groups = self._require_scheduler(), self.pg_collection
+        vpp_size = config.vpp_size or 1
+        vpp_group = (config.microbatch_group_size_per_vp_stage or groups.pp_size) if vpp_size > 1 else 1
+        return build_schedule(
+            config,
+            np.asarray(lengths, dtype=np.int64),
+            layout=self.layout,
+            dp_size=groups.dp_size,
+            dynamic_cp_sizes=groups.dynamic_cp_sizes if config.scheduler == "dynamic_cp" else (),
+            vpp_group=vpp_group,
+        )
+
+    def schedule(self, data_iterator: Iterator | None, num_microbatches: int) -> ScheduledStep:
+        """Fetch, plan, pack and relay one step; every rank gets the same count and statistics.
+
+        Args:
+            data_iterator: on data ranks, the loader's iterator (``Batch`` es of the Online collator, alignment 1:
+                the scheduler pads); the CP ranks of a DP replica must yield identical micro-batches. Ignored
+                elsewhere.
+            num_microbatches: how many micro-batches each data rank fetches (fewer when its data ends).
+
+        Raises:
+            StopIteration: every DP rank's iterator was exhausted before yielding anything, on every rank (the end
+                of an evaluation).
+            DataConfigError: ranks that disagree on ``num_microbatches`` or a scheduler field (the same message on
+                every rank, naming the field and the values per rank), or a sequence no allowed CP size can hold.
+            DataFileError: the step holds no sequence, or a micro-batch is malformed (a DP rank whose own micro-batch
+                is malformed raises its own error, the others name it).
+        """
+        config = self._require_scheduler()
+        num_microbatches = require_int("num_microbatches", num_microbatches, 1)
+        packed: list[Batch] = []
+
+        def produce() -> dict[str, torch.Tensor] | None:
+            step = self._exchange(data_iterator, num_microbatches)
+            if step is None:
+                return None
+            schedule = self.plan(step.lengths)
+            packed.extend(pack_rank_groups(schedule, step, position=self._position, layout=self.layout,
+                                           pad_token_id=config.pad_token_id))  # fmt: skip
+            stats = schedule_stats(schedule, step.lengths, config, layout=self.layout)
+            count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
+            return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}
+
+        outcome = self._relay_of(_OUTCOME).relay(produce, "schedule the step")
+        if outcome is None:
+            raise StopIteration
+        values = outcome["outcome"].cpu()
+        micro_batches = packed if self.context.is_data_rank else None
+        return ScheduledStep(self, micro_batches, int(values[0]), FlopsStats.from_tensor(values[1:]))
+
+    def _exchange(self, data_iterator: Iterator | None, count: int):
+        try:
+            fetched = fetch_sequences(data_iterator, count)
+        except Exception as error:
+            fetched = error
+        group, size = self._domain()
+        return exchange_sequences(
+            fetched,
+            config=self.scheduler,
+            num_microbatches=count,
+            domain_group=group,
+            domain_size=size,
+            dp_group=self.context.dp_group,
+            dp_size=self.context.dp_size,
+            position=self._position,
+            cp_size=self.context.cp_size,
+        )
+
+    @property
+    def _position(self) -> int:
+        """This rank's place in the DP x CP domain: ``dp_rank * cp_size + cp_rank``."""
+        return self.context.dp_rank * self.context.cp_size + self.context.cp_rank
+
+    def _domain(self) -> tuple[Any, int]:
+        """The DP x CP group of this rank's (TP, PP) coordinate, which the step header is gathered over."""
+        size = self.context.dp_size * self.context.cp_size
+        group = self.pg_collection.dp_cp
+        if group is None and size > 1:
+            raise DataConfigError(
+                "the packing scheduler gathers over the DP x CP ranks, but the collection has no dp_cp group; build "
+                "it with ProcessGroupCollection.from_mesh"
+            )
+        return group, size
+
+    def _require_scheduler(self) -> PackingSchedulerConfig:
+        if self.scheduler is None:
+            raise DataConfigError(
+                "this ParallelBatch has no scheduler, so it cannot plan a step; build it with "
+                "scheduler=PackingSchedulerConfig(...) and pg_collection=..., or call get_batch(iterator)"
+            )
+        return self.scheduler
+
+
+def dynamic_group_lookup(groups: Mapping[int, Any], name: str) -> Callable[[int], Any]:
+    """Runtime CP size -> group from ``pg_collection.<name>``, refusing a size without a group (naming it)."""
+
+    def lookup(size: int):
+        if size not in groups:
+            raise DataConfigError(
+                f"the micro-batch uses a runtime CP size of {size}, but pg_collection.{name} has groups of sizes "
+                f"{sorted(groups)} only; create that size's groups (from_mesh(mesh, dynamic_cp_sizes=...))"
+            )
+        return groups[size]
+
+    return lookup

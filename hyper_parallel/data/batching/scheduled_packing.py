@@ -1,14 +1,20 @@
-"""Packing the scheduler's planned groups into batches.
+"""One scheduled step's data on the data ranks: fetch, exchange over DP, and pack the planned groups into batches.
 
-Owns: ``pack_group``, which turns one planned group's sequences into the packed ``Batch`` its ranks share (each
-sequence padded for CP inside its own boundaries, one padding sequence filling the row). Not responsible for:
-planning which sequences share a group (``parallel.scheduling``), moving sequences between ranks or cutting the row
-over CP ranks (``parallel.data_schedule``, ``parallel.batch_parallel``).
+Owns: reading a step's micro-batches into sequences (``fetch_sequences``: each ``Batch`` split at its checked
+``cu_seq_lens``), the step header every data rank of the DP x CP domain all-gathers (its failure, its counts, its
+``num_microbatches`` and a digest of every scheduler field, compared so that ranks that disagree fail alike instead
+of duplicating data or hanging), the DP exchange of the sequences themselves, and packing this rank's planned groups
+into ``Batch`` es (``pack_group``: each sequence padded for CP inside its own boundaries, one padding sequence
+filling the row; ``pack_rank_groups``). Not responsible for: planning which sequences share a group
+(``parallel.scheduling``), the alignment arithmetic (``parallel.delivery_layout``), relaying the outcome to TP peers
+and PP stages or cutting a row over CP ranks (``batching.get_batch``, ``parallel.batch_parallel``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -16,13 +22,19 @@ import torch
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError, require_int
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout, check_cu_seq_lens
 
-__all__ = ["pack_group"]
+__all__ = ["FetchedStep", "exchange_sequences", "fetch_sequences", "pack_group", "pack_rank_groups"]
 
 
 def pack_group(
-    sequences: Sequence[tuple[torch.Tensor, torch.Tensor]], *, cp_size: int, local_length: int, pad_token_id: int
+    sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    cp_size: int,
+    local_length: int,
+    pad_token_id: int,
+    pad_each_sequence_to: int | None = None,
 ) -> Batch:
     """One group's sequences packed into the ``[1, P]`` row its ranks share, ``P = cp_size * local_length``.
 
@@ -35,6 +47,8 @@ def pack_group(
         cp_size: the group's CP size.
         local_length: every rank's CP-local length (``local_packed_length``; even when ``cp_size > 1``).
         pad_token_id: the padding's input id.
+        pad_each_sequence_to: the multiple each sequence is padded to (``DeliveryLayout.sequence_multiple``); None
+            is ``2 * cp_size`` above one CP rank (``zigzag_thd``), else 1.
 
     Returns:
         A ``Batch`` with ``input_ids``/``labels`` ``[1, P]``, ``cu_seq_lens`` int32 and the extra
@@ -50,7 +64,11 @@ def pack_group(
     """
     cp = require_int("cp_size", cp_size, 1)
     local = require_int("local_length", local_length, 1)
-    multiple = 2 * cp if cp > 1 else 1
+    multiple = (
+        (2 * cp if cp > 1 else 1)
+        if pad_each_sequence_to is None
+        else require_int("pad_each_sequence_to", pad_each_sequence_to, 1)
+    )
     if local * cp % multiple:
         raise DataConfigError(
             f"local_length {local} with cp_size {cp} gives a row of {local * cp} tokens, not a multiple of "
@@ -77,4 +95,226 @@ def pack_group(
             f"{row} of its row (local_length {local} x cp_size {cp}); the schedule and local_packed_length disagree"
         )
     packed = TextPackingCollator(alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple)(samples)
-    return Batch(input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens, extras=extras)
+    return Batch(
+        input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens,
+        cu_seq_lens_real=packed.cu_seq_lens_real, extras=extras,
+    )  # fmt: skip
+
+
+# -- fetching a step ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchedStep:
+    """The sequences of a step's micro-batches, their rows flattened one after another.
+
+    Attributes:
+        items: how many micro-batches were read (fewer than asked when the data ended).
+        input_ids, labels: int64 ``[N]``, every sequence's tokens in order.
+        lengths: int64 ``[K]``, each sequence's length (every one at least 1).
+    """
+
+    items: int
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    lengths: np.ndarray
+
+    @classmethod
+    def empty(cls) -> FetchedStep:
+        nothing = torch.zeros(0, dtype=torch.int64)
+        return cls(0, nothing, nothing, np.zeros(0, np.int64))
+
+
+def _sequences(batch: object, where: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    if not isinstance(batch, Batch):
+        raise DataFileError(
+            f"{where} is a {type(batch).__name__}; the packing scheduler takes Batches (the collators' output). "
+            "Convert a megatron-style dict once with build_collate_fn.indexed_batch, or use "
+            "build_online_text_collate_fn as the loader's collate_fn"
+        )
+    ids, labels = batch.input_ids.reshape(-1).to(torch.int64), batch.labels.reshape(-1).to(torch.int64)
+    bounds = check_cu_seq_lens(
+        batch.cu_seq_lens, ids.numel(), f"{where}'s cu_seq_lens", row_length=int(batch.input_ids.shape[-1])
+    )
+    return ids, labels, np.diff(bounds.numpy()).astype(np.int64)
+
+
+def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
+    """Read up to ``count`` micro-batches (``Batch`` es) and split them into sequences at their boundaries.
+
+    Raises:
+        DataConfigError: ``data_iterator`` is not an iterator.
+        DataFileError: an item is not a ``Batch``, or its ``cu_seq_lens`` break the one rule (``check_cu_seq_lens``:
+            zero-length spans are refused).
+    """
+    if not isinstance(data_iterator, Iterator):
+        raise DataConfigError(
+            f"the packing scheduler on a data rank (TP rank 0 of PP stage 0) needs the loader's iterator, got "
+            f"{type(data_iterator).__name__}; pass iter(loader), kept across steps"
+        )
+    parts = []
+    for item in data_iterator:
+        parts.append(_sequences(item, f"micro-batch {len(parts)} of this step"))
+        if len(parts) == count:
+            break
+    if not parts:
+        return FetchedStep.empty()
+    ids, labels, lengths = zip(*parts, strict=True)
+    return FetchedStep(len(parts), torch.cat(ids), torch.cat(labels), np.concatenate(lengths))
+
+
+# -- the step header and the DP exchange ----------------------------------------------------------------------------
+
+_HEADER = ("failed", "items", "sequences", "tokens", "position", "num_microbatches")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _digest(value: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")
+
+
+def _setting_values(config: object, num_microbatches: int) -> dict[str, object]:
+    """What ranks of one step must agree on: ``num_microbatches`` and every field of the scheduler config."""
+    return {"num_microbatches": num_microbatches, **{f.name: getattr(config, f.name) for f in fields(config)}}
+
+
+def _all_gather(group, size: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` of every rank of ``group``, stacked along a new first dimension."""
+    if size == 1:
+        return tensor[None]
+    gathered = [torch.empty_like(tensor) for _ in range(size)]
+    _dist().all_gather(gathered, tensor, group=group)
+    return torch.stack(gathered)
+
+
+def _all_gather_varying(group, tensor: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Every rank's ``[F, widths[r]]`` tensor, concatenated along the last dimension in rank order."""
+    padded = torch.zeros(tensor.shape[0], max(widths), dtype=tensor.dtype)
+    padded[:, : tensor.shape[1]] = tensor
+    gathered = _all_gather(group, len(widths), padded)
+    return torch.cat([part[:, :width] for part, width in zip(gathered, widths, strict=True)], dim=1)
+
+
+def _check_agreement(headers: torch.Tensor, settings: dict[str, object], group, cp_size: int) -> None:
+    """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ (every rank decides from
+    the same gathered digests, so they all make the second, naming, gather or none do)."""
+    digests = headers[:, len(_HEADER) :]
+    if (digests == digests[0]).all():
+        return
+    values: list = [None] * headers.shape[0]
+    _dist().all_gather_object(values, {name: repr(value) for name, value in settings.items()}, group=group)
+    names = list(settings)
+    differing = [names[i] for i in torch.nonzero((digests != digests[0]).any(dim=0)).flatten().tolist()]
+    places = [divmod(int(p), cp_size) for p in headers[:, 4].tolist()]
+    per_rank = "; ".join(
+        f"{name}: "
+        + ", ".join(f"DP {dp} CP {cp} {value[name]}" for (dp, cp), value in zip(places, values, strict=True))
+        for name in differing
+    )
+    raise DataConfigError(
+        f"the packing scheduler's ranks disagree on {', '.join(differing)} ({per_rank}); every DP x CP rank of a step "
+        "must schedule with the same PackingSchedulerConfig and num_microbatches, or sequences would be duplicated "
+        "and the ranks would run different micro-batch counts; build every rank from the same config"
+    )
+
+
+def exchange_sequences(
+    fetched: FetchedStep | BaseException,
+    *,
+    config: object,
+    num_microbatches: int,
+    domain_group,
+    domain_size: int,
+    dp_group,
+    dp_size: int,
+    position: int,
+    cp_size: int,
+) -> FetchedStep | None:
+    """Every DP rank's sequences of the step, in global id order; None when no DP rank read anything.
+
+    Every data rank of the DP x CP domain calls it once per step: one all-gather of a fixed-size header (failure,
+    counts, position, ``num_microbatches`` and one digest per scheduler field), then, when every rank read its
+    micro-batches and agrees, the lengths and tokens over DP.
+
+    Args:
+        fetched: this rank's ``fetch_sequences``, or the error it raised.
+        config: the scheduler config (a dataclass) whose every field the ranks must agree on.
+        num_microbatches: the micro-batches each rank was asked for.
+        domain_group, domain_size: the DP x CP group of the header; dp_group, dp_size: the group of the exchange.
+        position: this rank's ``dp_rank * cp_size + cp_rank``; cp_size: the static CP size (to name ranks).
+
+    Raises:
+        The rank's own error on that rank; ``DataFileError`` naming the failed DP rank on the others; the same
+        ``DataConfigError`` on every rank when their settings differ; ``DataFileError`` when the step holds no
+        sequence.
+    """
+    settings = _setting_values(config, num_microbatches)
+    error = fetched if isinstance(fetched, BaseException) else None
+    step = FetchedStep.empty() if error is not None else fetched
+    counts = [error is not None, step.items, step.lengths.size, step.input_ids.numel(), position, num_microbatches]
+    header = torch.tensor(counts + [_digest(value) for value in settings.values()], dtype=torch.int64)
+    headers = _all_gather(domain_group, domain_size, header).reshape(domain_size, -1)
+    failed = sorted({int(p) // cp_size for p in headers[headers[:, 0] != 0, 4].tolist()})
+    if error is not None:
+        raise error
+    if failed:
+        raise DataFileError(
+            f"DP rank {failed[0]} failed to read its micro-batches for the packing scheduler (DP ranks {failed} "
+            f"failed); see DP rank {failed[0]}'s log for its error"
+        )
+    _check_agreement(headers, settings, domain_group, cp_size)
+    if int(headers[:, 1].sum()) == 0:
+        return None
+    if int(headers[:, 2].sum()) == 0:
+        raise DataFileError(f"the global batch holds no sequence: the DP ranks fetched {headers[:, 1].tolist()} "
+                            "micro-batches without tokens; check the loader")  # fmt: skip
+    if dp_size == 1:
+        return step
+    ours = headers[:, 4] % cp_size == position % cp_size  # the DP ranks of this CP rank, in DP order
+    counts, sizes = headers[ours, 2].tolist(), headers[ours, 3].tolist()
+    lengths = _all_gather_varying(dp_group, torch.from_numpy(step.lengths)[None], counts)[0].numpy()
+    tokens = _all_gather_varying(dp_group, torch.stack([step.input_ids, step.labels]), sizes)
+    return FetchedStep(int(headers[ours, 1].sum()), tokens[0], tokens[1], lengths)
+
+
+# -- packing this rank's groups -------------------------------------------------------------------------------------
+
+
+def pack_rank_groups(
+    schedule, step: FetchedStep, *, position: int, layout: DeliveryLayout, pad_token_id: int
+) -> list[Batch]:
+    """This rank's packed micro-batches: for each micro-batch of ``schedule``, its group's sequences, padded for the
+    group's CP size and filled to ``layout.local_length`` per rank.
+
+    Args:
+        schedule: the step's plan (``micro_batches``, ``group_at(micro_batch, position)`` with ``sequence_ids`` and
+            ``cp_size``).
+        step: the sequences in global id order (``exchange_sequences``).
+        position: this rank's place in the DP x CP domain.
+        layout: the delivery layout (the padding multiple and every rank's local length).
+        pad_token_id: the padding's input id.
+    """
+    starts = np.concatenate([[0], np.cumsum(step.lengths)]).astype(np.int64)
+    packed = []
+    for micro_batch in range(schedule.num_micro_batches):
+        group = schedule.group_at(micro_batch, position)
+        chosen = list(group.sequence_ids)
+        spans = [(int(starts[k]), int(starts[k + 1])) for k in chosen]
+        sequences = [(step.input_ids[a:b], step.labels[a:b]) for a, b in spans]
+        padded_total = int(layout.padded_lengths(step.lengths[chosen], group.cp_size).sum()) if chosen else 0
+        local_length = layout.local_length(padded_total, group.cp_size)
+        packed.append(
+            pack_group(
+                sequences,
+                cp_size=group.cp_size,
+                local_length=local_length,
+                pad_token_id=pad_token_id,
+                pad_each_sequence_to=layout.sequence_multiple(group.cp_size),
+            )  # fmt: skip
+        )
+    return packed
