@@ -321,7 +321,7 @@ class DynamicBatchDataLoader(_Loader):
     the end of the epoch until the policy is empty. The batches therefore depend only on the record order, not on
     reads or workers. Each DP rank packs its own share, so ranks may deliver different numbers of micro-batches
     per epoch, and per step if each rank trains on every micro-batch it is given. For equal counts, wrap each
-    step's iterator with the packing scheduler (``parallel.data_schedule.wrap_data_iterator``; the pipeline's
+    step's iterator with the packing scheduler (``batching.data_schedule.wrap_data_iterator``; the pipeline's
     ``packing_scheduler`` node): it takes the same number of micro-batches from every rank and re-schedules their
     sequences, so every rank runs the same number (``build_dataloaders`` warns when a dynamic loader over several
     DP ranks has no scheduler). The default policy, ``TextTokenBatcher``, takes every sample that still fits

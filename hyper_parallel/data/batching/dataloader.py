@@ -13,10 +13,11 @@ rank with the context and the tokenizer's EOD id. The batch layout (``DeliveryLa
 ``get_batch`` node or else from the CP/TP sizes, and handed to the collator, the dataset and the loader, which check
 and pad for it themselves. The ``dataset`` node may return one dataset or ``(train, valid, test)``; a loader is
 built for each non-empty split. The optional ``packing_scheduler`` node (a ``PackingSchedulerConfig``) is built on
-every rank and handed back for ``wrap_data_iterator``: the scheduler then pads each micro-batch for its own CP size,
-so the collator is given a layout without CP/TP padding. A dynamic loader over several DP ranks without a scheduler
-is warned about once: its ranks may deliver different numbers of micro-batches per step. Not responsible for: what
-any node builds, or the per-step delivery itself (``get_batch``, ``parallel.data_schedule``).
+every rank, given to the ``get_batch`` node as its ``scheduler`` (without a get_batch node, a packed
+``ParallelBatch`` is built with it) and handed back for ``wrap_data_iterator``: the scheduler then pads each
+micro-batch for its own CP size, so the collator is given a layout without CP/TP padding. A dynamic loader over
+several DP ranks without a scheduler is warned about once: its ranks may deliver different numbers of micro-batches
+per step. Not responsible for: what any node builds, or the per-step delivery itself (``get_batch``).
 
 Example (the Online mapping + dynamic batch pipeline)::
 
@@ -65,6 +66,7 @@ from hyper_parallel.data.instantiate import (
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext, build_on_data_ranks
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer, is_transformers_tokenizer
 from hyper_parallel.data.text.chat_template import build_chat_template
@@ -242,13 +244,6 @@ def _check_nodes(config: Mapping, runtime: PipelineContext, allowed_prefixes: Se
         "dataloader": {"dataset": _BUILT_LATER, "collate_fn": _BUILT_LATER},
         "get_batch": {"scheduler": _BUILT_LATER} if config.get("packing_scheduler") is not None else {},
     }
-    scheduler = config.get("packing_scheduler")
-    if scheduler is not None and config.get("get_batch") is not None:
-        raise DataConfigError(
-            "get_batch: the pipeline has a packing_scheduler, whose micro-batches are delivered per rank by "
-            "get_batch_on_this_rank_for_sequence_packing (after wrap_data_iterator), not by a get_batch node; remove "
-            "the get_batch node, or the packing_scheduler node to deliver with ParallelBatch"
-        )
     for name in _AGREED_NODES:
         check_config(
             config.get(name),
@@ -405,6 +400,7 @@ def build_dataloaders(
     train_valid_test_num_samples: Sequence[int | None] | None = None,
     allowed_prefixes: Sequence[str] = DEFAULT_ALLOWED_PREFIXES,
     parallel_context: DataLoaderParallelContext | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
     num_workers: int | None = None,
     prefetch_factor: int | None = None,
     pin_memory: bool | None = None,
@@ -426,8 +422,9 @@ def build_dataloaders(
             (``tokenizer``: a path or a ``_target_`` node, instead of the ``tokenizer`` argument; ``chat_template``:
             a name such as ``chatml`` or a ``_target_`` node, built with the tokenizer and handed to the dataset
             node's targets with a ``chat_template`` parameter), ``collate_fn``, ``get_batch`` (a ``ParallelBatch``),
-            ``packing_scheduler`` (a ``PackingSchedulerConfig``; not together with ``get_batch``; the collator is
-            then given a layout without CP/TP padding), ``debug`` (``check_dataset``: a log level for this
+            ``packing_scheduler`` (a ``PackingSchedulerConfig``, given to the ``get_batch`` node as ``scheduler``;
+            without a get_batch node a packed ``ParallelBatch`` is built; the collator is then given a layout
+            without CP/TP padding), ``debug`` (``check_dataset``: a log level for this
             package's logs on rank 0, or null) and ``variables`` (values for ``${variables.name}``
             interpolations); any other is refused.
         tokenizer: anything ``build_tokenizer`` takes: a loaded tokenizer, a ``transformers`` tokenizer object, or
@@ -447,6 +444,9 @@ def build_dataloaders(
             epoch of the split; a count the config's dataset node sets wins. A split the trainer takes 0 samples
             from gets no loader (its dataset is still built, as megatron-core builds it), on either path.
         allowed_prefixes: module prefixes that ``_target_`` may name.
+        pg_collection: this rank's ``ProcessGroupCollection`` (needed by a packing scheduler's dynamic CP groups),
+            instead of ``parallel_context``: the context is then ``pg_collection.parallel_context()``, and the
+            collection is handed to the ``get_batch`` node.
         parallel_context: this rank's ``DataLoaderParallelContext``. It gives the DP rank and size, the CP and TP
             sizes, and it is handed to the ``get_batch`` node with the tokenizer's EOD id (``eod_token_id``). Over
             several ranks, every rank of the world compares the batch-shaping settings (the dataset, collate_fn,
@@ -467,17 +467,18 @@ def build_dataloaders(
             wrong shape (a built node that is not a mapping with ``_target_``), a bad runtime fact or worker
             option, a rank layout given twice and differently, ranks of the mesh that disagree on a batch-shaping
             setting (the same error on every rank, naming the node, the field and each rank's value), any error
-            ``instantiate`` finds in a node (before anything is built), a ``packing_scheduler`` node beside a
-            ``get_batch`` node or one that builds something else than a ``PackingSchedulerConfig``; and what the
-            nodes refuse when built (an Indexed ``seq_length`` the layout cannot cut, a ``random_seed`` other than
-            the given seed).
+            ``instantiate`` finds in a node (before anything is built), a ``packing_scheduler`` node that builds
+            something else than a ``PackingSchedulerConfig``, both ``parallel_context`` and ``pg_collection``; and
+            what the nodes refuse when built (an Indexed ``seq_length`` the layout cannot cut, a ``random_seed``
+            other than the given seed).
 
     Example (a packing scheduler; every rank, each step)::
 
-        loaders = build_dataloaders("pipeline.yaml", parallel_context=groups.parallel_context(), ...)
-        iterator, count, stats = wrap_data_iterator(
-            train_iterator, loaders.packing_scheduler, num_microbatches, pg_collection=groups
-        )
+        loaders = build_dataloaders("pipeline.yaml", pg_collection=groups, ...)
+        train_iterator = iter(loaders.train) if groups.is_data_rank else None
+        for step in range(num_steps):
+            for model_inputs, loss_inputs in loaders.get_batch.schedule(train_iterator, num_microbatches):
+                ...
     """
     if isinstance(config, str | os.PathLike):
         config = load_config(config)
@@ -498,6 +499,7 @@ def build_dataloaders(
         }.items()
         if value is not None
     }
+    parallel_context = _parallel_context(parallel_context, pg_collection)
     ranks = _rank_layout(
         parallel_context, {"dp_rank": dp_rank, "dp_world_size": dp_world_size, "cp_size": cp_size, "tp_size": tp_size}
     )
@@ -510,6 +512,7 @@ def build_dataloaders(
         seed=seed,
         train_valid_test_num_samples=train_valid_test_num_samples,
         parallel_context=parallel_context,
+        pg_collection=pg_collection,
     )
     overridden = _override_worker_options(config, worker_overrides)
     _check_ranks_agree_on(config, runtime)  # before anything that could fail on one rank only
@@ -538,15 +541,8 @@ def build_dataloaders(
         eod_token_id=None if built_tokenizer is None else read_tokenizer(built_tokenizer).eod,
     )
     scheduler = _build_scheduler(config.get("packing_scheduler"), runtime, allowed_prefixes)
-    get_batch = None
-    if config.get("get_batch") is not None:
-        get_batch = instantiate(
-            config["get_batch"],
-            context=runtime.for_node("get_batch", scheduler=scheduler),
-            allowed_prefixes=allowed_prefixes,
-            path="get_batch",
-        )
-    runtime = replace(runtime, layout=_delivery_layout(get_batch, scheduler, runtime))
+    get_batch = _build_get_batch(config.get("get_batch"), scheduler, runtime, allowed_prefixes)
+    runtime = replace(runtime, layout=_loader_layout(get_batch, scheduler, runtime))
     collate_fn = None
     if config.get("collate_fn") is not None:
         collate_fn = instantiate(
@@ -585,18 +581,44 @@ def build_dataloaders(
     )
 
 
-def _delivery_layout(get_batch, scheduler, runtime: PipelineContext) -> DeliveryLayout:
-    """The one batch layout of the pipeline: the ``get_batch`` node's; under a packing scheduler without one, no
-    CP/TP padding (the scheduler pads each micro-batch for its own CP size); else one from the CP/TP sizes."""
-    if isinstance(get_batch, ParallelBatch):
-        return DeliveryLayout(
-            cp_size=runtime.cp_size,
-            cp_layout=get_batch.cp_layout,
-            tp_size=runtime.tp_size,
-            sequence_parallel=runtime.sequence_parallel,
+def _parallel_context(parallel_context, pg_collection) -> DataLoaderParallelContext | None:
+    """This rank's place: the ``parallel_context`` argument, or the ``pg_collection``'s (one of them, not both)."""
+    if pg_collection is None:
+        return parallel_context
+    if not isinstance(pg_collection, ProcessGroupCollection):
+        raise DataConfigError(
+            f"pg_collection must be a ProcessGroupCollection (ProcessGroupCollection.from_mesh), got "
+            f"{type(pg_collection).__name__}"
         )
+    if parallel_context is not None:
+        raise DataConfigError(
+            "parallel_context and pg_collection are both given; pass pg_collection alone (the pipeline reads "
+            "pg_collection.parallel_context()), or parallel_context alone without a packing scheduler's groups"
+        )
+    return pg_collection.parallel_context()
+
+
+def _build_get_batch(node, scheduler, runtime: PipelineContext, allowed_prefixes):
+    """The built ``get_batch`` node (given the scheduler's settings); under a packing scheduler without the node, a
+    packed ``ParallelBatch``, since the scheduler's micro-batches are THD rows; else None."""
+    if node is not None:
+        return instantiate(
+            node, context=runtime.for_node("get_batch", scheduler=scheduler), allowed_prefixes=allowed_prefixes,
+            path="get_batch",
+        )  # fmt: skip
+    if scheduler is None:
+        return None
+    return ParallelBatch(attention_mode="packed", **runtime.for_node("get_batch", scheduler=scheduler))
+
+
+def _loader_layout(get_batch, scheduler, runtime: PipelineContext) -> DeliveryLayout:
+    """The layout the collator, the dataset and the loaders are given: the ``get_batch`` node's one layout; under a
+    packing scheduler none with CP/TP padding (the scheduler unpacks every micro-batch into its sequences and pads
+    each group for its own CP size, with ``get_batch.layout``); without a get_batch node, one from the CP/TP sizes."""
     if scheduler is not None:
         return DeliveryLayout()
+    if isinstance(get_batch, ParallelBatch):
+        return get_batch.layout
     return DeliveryLayout(cp_size=runtime.cp_size, tp_size=runtime.tp_size, sequence_parallel=runtime.sequence_parallel)
 
 

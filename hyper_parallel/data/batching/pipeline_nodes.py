@@ -110,7 +110,12 @@ RUNTIME_VALUES: dict[str, RuntimeValue] = {
             "the batch layout over the CP and TP ranks (`DeliveryLayout`): the `get_batch` node's, else one from the "
             "CP/TP sizes (without CP/TP padding under a packing_scheduler, which pads itself)",
         ),
-        RuntimeValue("parallel_context", "yes", "the `parallel_context` argument of `build_dataloaders`, or null"),
+        RuntimeValue(
+            "parallel_context",
+            "yes",
+            "the `parallel_context` argument of `build_dataloaders` (or `pg_collection.parallel_context()`), or null",
+        ),
+        RuntimeValue("pg_collection", "yes", "the `pg_collection` argument of `build_dataloaders`, or null"),
         RuntimeValue("eod_token_id", "yes", "the tokenizer's EOD id, or null without a tokenizer"),
         RuntimeValue("dataset", "yes", "each split's dataset in turn: one loader per non-empty split"),
         RuntimeValue("collate_fn", "yes", "the built `collate_fn` node, or null without one"),
@@ -175,8 +180,10 @@ NODE_TABLE: tuple[PipelineNode, ...] = (
         required=False,
         built=True,
         example="hyper_parallel.data.batching.ParallelBatch",
-        receives=("parallel_context", "eod_token_id", "scheduler"),
-        docs="delivers each batch as `(model_inputs, loss_inputs)` on every rank; its layout is the pipeline's",
+        receives=("parallel_context", "pg_collection", "eod_token_id", "sequence_parallel", "scheduler"),
+        docs="delivers each batch as `(model_inputs, loss_inputs)` on every rank, and with a packing_scheduler each "
+        "scheduled step (`get_batch.schedule`); its layout is the pipeline's. Built on every rank; without the node "
+        "but with a packing_scheduler, a packed ParallelBatch is built",
     ),
     PipelineNode(
         "packing_scheduler",
@@ -184,7 +191,8 @@ NODE_TABLE: tuple[PipelineNode, ...] = (
         built=True,
         example=_SCHEDULER_TARGET,
         receives=("sequence_parallel",),
-        docs="the settings of `wrap_data_iterator`, returned as `DataLoaders.packing_scheduler`",
+        docs="the packing scheduler's settings, given to the get_batch node (`scheduler`) and returned as "
+        "`DataLoaders.packing_scheduler` (the config of `wrap_data_iterator`)",
     ),
     PipelineNode(
         "debug",
@@ -241,6 +249,7 @@ class PipelineContext:
         train_valid_test_num_samples: the samples the trainer takes from each split, or None.
         layout: the batch layout over the CP and TP ranks (a ``DeliveryLayout``), once decided.
         parallel_context: this rank's ``DataLoaderParallelContext``, or None.
+        pg_collection: this rank's ``ProcessGroupCollection`` (the scheduler's groups), or None.
         eod_token_id: the tokenizer's EOD id, or None.
     """
 
@@ -257,6 +266,7 @@ class PipelineContext:
     train_valid_test_num_samples: Any = None
     layout: Any = None
     parallel_context: Any = None
+    pg_collection: Any = None
     eod_token_id: int | None = None
 
     def for_node(self, name: str, **built: Any) -> dict[str, Any]:
