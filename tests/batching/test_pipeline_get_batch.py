@@ -181,8 +181,9 @@ def test_the_pipeline_derives_the_collators_alignment_from_the_context_and_the_l
     assert (collate_fn.alignment, collate_fn.pad_each_sequence_to) == (4, 4)
     iterator = iter(loaders.train)
     model_inputs, _ = loaders.get_batch(iterator)
-    bounds = model_inputs["packed_seq_params"].cu_seqlens_q
-    assert (torch.diff(bounds) % 4 == 0).all()
+    params = model_inputs["packed_seq_params"]
+    padded, real = torch.diff(params.cu_seqlens_q_padded), torch.diff(params.cu_seqlens_q)
+    assert (padded % 4 == 0).all() and (real <= padded).all() and (padded - real < 4).all()
 
 
 def test_ranks_that_read_nothing_get_no_loaders_but_a_get_batch(plaintext_path, hf_cache_dir, tokenizer):
@@ -207,7 +208,8 @@ def test_indexed_rows_the_layout_cannot_cut_are_refused_when_built(tmp_path, cor
     ):
         build_dataloaders(config, tokenizer=tokenizer, parallel_context=DataLoaderParallelContext(cp_size=2))
     config["get_batch"]["cp_layout"] = "zigzag_thd"
-    with pytest.raises(DataConfigError, match=r"^get_batch: .*zigzag_thd' with cp_size 2 needs every sequence padded"):
+    config["dataset"]["data_config"]["seq_length"] = 32
+    with pytest.raises(DataConfigError, match=r"^dataset\.data_config: the zigzag_thd layout cuts every sequence"):
         build_dataloaders(config, tokenizer=tokenizer, parallel_context=DataLoaderParallelContext(cp_size=2))
 
 

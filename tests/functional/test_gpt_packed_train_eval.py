@@ -158,7 +158,7 @@ def build(directory: Path, mode: str, groups: ProcessGroupCollection):
         pipeline(directory, mode),
         micro_batch_size=MICRO_BATCH_SIZE,
         seed=7,
-        parallel_context=groups.parallel_context(),
+        pg_collection=groups,
     )
 
 

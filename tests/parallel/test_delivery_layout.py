@@ -133,3 +133,9 @@ def test_fixed_rows_the_layout_cannot_cut_are_refused_with_lengths_that_work():
     layout.check_row_length(4096)
     with pytest.raises(DataConfigError, match="seq_length.*multiple of 4, such as 4096 or 4100"):
         layout.check_row_length(4098)
+
+
+def test_fixed_rows_are_refused_by_a_layout_that_pads_every_sequence():
+    with pytest.raises(DataConfigError, match="never padded per sequence; use cp_layout contiguous or zigzag"):
+        DeliveryLayout(cp_size=2, cp_layout="zigzag_thd").check_row_length(4096)
+    DeliveryLayout(cp_size=1, cp_layout="zigzag_thd").check_row_length(4095)  # one CP rank cuts nothing

@@ -329,10 +329,14 @@ class ParallelBatch:
                 f"scheduler must be a PackingSchedulerConfig, got {type(scheduler).__name__}; build one with "
                 "PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=...)"
             )
+        context = self.context
+        if self.pg_collection is None and context.dp_size * context.cp_size * context.tp_size * context.pp_size == 1:
+            self.pg_collection = ProcessGroupCollection(dynamic_cp={1: None}, dynamic_tp_cp={1: None})  # one rank
         if self.pg_collection is None:
             raise DataConfigError(
                 "a scheduler re-schedules every step over the DP x CP ranks, so it needs their groups: pass "
-                "pg_collection=ProcessGroupCollection.from_mesh(mesh, dynamic_cp_sizes=...)"
+                "pg_collection=ProcessGroupCollection.from_mesh(mesh, dynamic_cp_sizes=...) (to build_dataloaders, "
+                "instead of parallel_context)"
             )
         if scheduler.scheduler == "dynamic_cp" and not self.pg_collection.dynamic_cp:
             raise DataConfigError(

@@ -213,8 +213,15 @@ class DeliveryLayout:
         """Refuse fixed rows of ``seq_length`` tokens (Indexed rows, never padded) that this layout cannot cut.
 
         Raises:
-            DataConfigError: naming ``seq_length``, the layout and the nearest valid lengths.
+            DataConfigError: a layout that pads every sequence (fixed rows are not padded per sequence), or a
+                ``seq_length`` that is not a multiple of the row multiple (naming the nearest valid lengths).
         """
+        if self.pad_sequences and self.cp_size > 1:
+            raise DataConfigError(
+                f"the {self.cp_layout} layout cuts every sequence into {2 * self.cp_size} chunks, so each must be "
+                "padded to that multiple, but fixed rows (Indexed rows, documents cut at EOD tokens) are never "
+                "padded per sequence; use cp_layout contiguous or zigzag for Indexed sources"
+            )
         multiple = self.row_multiple()
         if seq_length % multiple == 0:
             return
