@@ -627,20 +627,23 @@ def test_a_malformed_micro_batch_fails_on_every_rank_naming_the_dp_rank(dp2_cp2)
 @pytest.mark.parametrize(
     ("grid", "case", "expected"),
     [
-        ("dp2_cp2", "other_microbatches", "disagree on num_microbatches (num_microbatches: DP 0 CP 0 2, DP 0 CP 1 2, "
-         "DP 1 CP 0 3, DP 1 CP 1 3)"),
-        ("dp2_cp2", "other_limit", "disagree on max_seqlen_per_dp_cp_rank (max_seqlen_per_dp_cp_rank: DP 0 CP 0 64, "
-         "DP 0 CP 1 64, DP 1 CP 0 64, DP 1 CP 1 128)"),
-        ("cp2_pp2", "other_scheduler", "disagree on scheduler (scheduler: DP 0 CP 0 'dp_balanced', DP 0 CP 1 "
-         "'compute_balanced')"),
+        ("dp2_cp2", "other_microbatches", "schedule.num_microbatches: ranks 0-1 have 2, ranks 2-3 have 3"),
+        ("dp2_cp2", "other_limit", "packing_scheduler.max_seqlen_per_dp_cp_rank: ranks 0-2 have 64, rank 3 has 128"),
+        ("cp2_pp2", "other_scheduler", "packing_scheduler.scheduler: rank 0 has 'dp_balanced', rank 1 has "
+         "'compute_balanced'"),
     ],
 )  # fmt: skip
 def test_ranks_that_disagree_raise_the_same_error_everywhere_before_delivering(request, grid, case, expected):
     """A rank of the DP x CP domain with another num_microbatches or scheduler field fails the step on every rank
-    (TP peers and PP stages included), naming the field and each rank's value, instead of hanging."""
+    (TP peers and PP stages included), naming the field and each global rank's value, instead of hanging. In these
+    grids the global ranks of PP stage 0's DP x CP domain are its positions, ``dp_rank * cp_size + cp_rank``."""
+    rule = (
+        "the ranks disagree on the packing scheduler's settings (every DP x CP rank of a step must schedule with "
+        "the same PackingSchedulerConfig and num_microbatches): "
+    )
     for report in request.getfixturevalue(grid):
         kind, message = report[case]["error"]
-        assert kind == "DataConfigError" and expected in message and "build every rank from the same config" in message
+        assert kind == "DataConfigError" and f"{rule}{expected}. Every rank must shape the same batches" in message
 
 
 def test_a_sequence_too_long_for_every_cp_size_fails_on_every_rank(dp2_cp2):

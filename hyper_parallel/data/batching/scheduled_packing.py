@@ -1,18 +1,19 @@
 """One scheduled step's data on the data ranks: fetch, exchange over DP, and pack the planned groups into batches.
 
 Owns: reading a step's micro-batches into sequences (``fetch_sequences``: each ``Batch`` split at its checked
-``cu_seq_lens``), the step header every data rank of the DP x CP domain all-gathers (its failure, its counts, its
-``num_microbatches`` and a digest of every scheduler field, compared so that ranks that disagree fail alike instead
-of duplicating data or hanging), the DP exchange of the sequences themselves, and packing this rank's planned groups
-into ``Batch`` es (``pack_group``: each sequence padded for CP inside its own boundaries, one padding sequence
-filling the row; ``pack_rank_groups``). Not responsible for: planning which sequences share a group
-(``parallel.scheduling``), the alignment arithmetic (``parallel.delivery_layout``), relaying the outcome to TP peers
-and PP stages or cutting a row over CP ranks (``batching.get_batch``, ``parallel.batch_parallel``).
+``cu_seq_lens``), what the step header every data rank of the DP x CP domain all-gathers holds and what is decided
+from it (its failure, its counts, its ``num_microbatches`` and one digest of the scheduler settings, compared so that
+ranks that disagree fail alike instead of duplicating data or hanging), the DP exchange of the sequences themselves,
+and packing this rank's planned groups into ``Batch`` es (``pack_group``: each sequence padded for CP inside its own
+boundaries, one padding sequence filling the row; ``pack_rank_groups``). Not responsible for: the collectives
+(``parallel.step_exchange``, watched for hung ranks) and the message naming the settings that differ
+(``parallel.rank_agreement``), planning which sequences share a group (``parallel.scheduling``), the alignment
+arithmetic (``parallel.delivery_layout``), relaying the outcome to TP peers and PP stages or cutting a row over CP
+ranks (``batching.get_batch``, ``parallel.batch_parallel``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
@@ -24,6 +25,8 @@ from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, settings_digest
+from hyper_parallel.data.parallel.step_exchange import all_gather_varying, gather_step_headers
 
 __all__ = ["FetchedStep", "exchange_sequences", "fetch_sequences", "pack_group", "pack_rank_groups"]
 
@@ -166,61 +169,32 @@ def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
 # -- the step header and the DP exchange ----------------------------------------------------------------------------
 
 _HEADER = ("failed", "items", "sequences", "tokens", "position", "num_microbatches")
+_AGREEMENT = (
+    "the packing scheduler's settings (every DP x CP rank of a step must schedule with the same "
+    "PackingSchedulerConfig and num_microbatches)"
+)
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-def _digest(value: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")
+def _settings(config: object, num_microbatches: int) -> dict[str, dict[str, object]]:
+    """What ranks of one step must agree on: every field of the scheduler config and ``num_microbatches``."""
+    return {
+        "packing_scheduler": {f.name: getattr(config, f.name) for f in fields(config)},
+        "schedule": {"num_microbatches": num_microbatches},
+    }
 
 
-def _setting_values(config: object, num_microbatches: int) -> dict[str, object]:
-    """What ranks of one step must agree on: ``num_microbatches`` and every field of the scheduler config."""
-    return {"num_microbatches": num_microbatches, **{f.name: getattr(config, f.name) for f in fields(config)}}
+def _digest_words(settings: dict[str, dict[str, object]]) -> list[int]:
+    """``settings_digest(settings)`` as four int64 header words."""
+    digest = settings_digest(settings)
+    return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, len(digest), 8)]
 
 
-def _all_gather(group, size: int, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` of every rank of ``group``, stacked along a new first dimension."""
-    if size == 1:
-        return tensor[None]
-    gathered = [torch.empty_like(tensor) for _ in range(size)]
-    _dist().all_gather(gathered, tensor, group=group)
-    return torch.stack(gathered)
-
-
-def _all_gather_varying(group, tensor: torch.Tensor, widths: list[int]) -> torch.Tensor:
-    """Every rank's ``[F, widths[r]]`` tensor, concatenated along the last dimension in rank order."""
-    padded = torch.zeros(tensor.shape[0], max(widths), dtype=tensor.dtype)
-    padded[:, : tensor.shape[1]] = tensor
-    gathered = _all_gather(group, len(widths), padded)
-    return torch.cat([part[:, :width] for part, width in zip(gathered, widths, strict=True)], dim=1)
-
-
-def _check_agreement(headers: torch.Tensor, settings: dict[str, object], group, cp_size: int) -> None:
-    """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ (every rank decides from
-    the same gathered digests, so they all make the second, naming, gather or none do)."""
+def _check_agreement(headers: torch.Tensor, settings: dict[str, dict[str, object]], group) -> None:
+    """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ: every rank decides from the
+    same gathered digests, so either all of them or none make ``check_ranks_agree``'s naming collectives."""
     digests = headers[:, len(_HEADER) :]
-    if (digests == digests[0]).all():
-        return
-    values: list = [None] * headers.shape[0]
-    _dist().all_gather_object(values, {name: repr(value) for name, value in settings.items()}, group=group)
-    names = list(settings)
-    differing = [names[i] for i in torch.nonzero((digests != digests[0]).any(dim=0)).flatten().tolist()]
-    places = [divmod(int(p), cp_size) for p in headers[:, 4].tolist()]
-    per_rank = "; ".join(
-        f"{name}: "
-        + ", ".join(f"DP {dp} CP {cp} {value[name]}" for (dp, cp), value in zip(places, values, strict=True))
-        for name in differing
-    )
-    raise DataConfigError(
-        f"the packing scheduler's ranks disagree on {', '.join(differing)} ({per_rank}); every DP x CP rank of a step "
-        "must schedule with the same PackingSchedulerConfig and num_microbatches, or sequences would be duplicated "
-        "and the ranks would run different micro-batch counts; build every rank from the same config"
-    )
+    if not (digests == digests[0]).all():
+        check_ranks_agree(settings, group=group, what=_AGREEMENT)
 
 
 def exchange_sequences(
@@ -238,7 +212,7 @@ def exchange_sequences(
     """Every DP rank's sequences of the step, in global id order; None when no DP rank read anything.
 
     Every data rank of the DP x CP domain calls it once per step: one all-gather of a fixed-size header (failure,
-    counts, position, ``num_microbatches`` and one digest per scheduler field), then, when every rank read its
+    counts, position, ``num_microbatches`` and a digest of the scheduler settings), then, when every rank read its
     micro-batches and agrees, the lengths and tokens over DP.
 
     Args:
@@ -246,19 +220,20 @@ def exchange_sequences(
         config: the scheduler config (a dataclass) whose every field the ranks must agree on.
         num_microbatches: the micro-batches each rank was asked for.
         domain_group, domain_size: the DP x CP group of the header; dp_group, dp_size: the group of the exchange.
-        position: this rank's ``dp_rank * cp_size + cp_rank``; cp_size: the static CP size (to name ranks).
+        position: this rank's ``dp_rank * cp_size + cp_rank``; cp_size: the static CP size (to place ranks).
 
     Raises:
         The rank's own error on that rank; ``DataFileError`` naming the failed DP rank on the others; the same
-        ``DataConfigError`` on every rank when their settings differ; ``DataFileError`` when the step holds no
-        sequence.
+        ``DataConfigError`` on every rank when their settings differ (``check_ranks_agree``: each differing field
+        with its value per global rank); ``DataFileError`` when the step holds no sequence; ``CollectiveTimeout``
+        naming the ranks that never reached the step header (or the exchange).
     """
-    settings = _setting_values(config, num_microbatches)
+    settings = _settings(config, num_microbatches)
     error = fetched if isinstance(fetched, BaseException) else None
     step = FetchedStep.empty() if error is not None else fetched
     counts = [error is not None, step.items, step.lengths.size, step.input_ids.numel(), position, num_microbatches]
-    header = torch.tensor(counts + [_digest(value) for value in settings.values()], dtype=torch.int64)
-    headers = _all_gather(domain_group, domain_size, header).reshape(domain_size, -1)
+    header = torch.tensor(counts + _digest_words(settings), dtype=torch.int64)
+    headers = gather_step_headers(header, group=domain_group, size=domain_size)
     failed = sorted({int(p) // cp_size for p in headers[headers[:, 0] != 0, 4].tolist()})
     if error is not None:
         raise error
@@ -267,7 +242,7 @@ def exchange_sequences(
             f"DP rank {failed[0]} failed to read its micro-batches for the packing scheduler (DP ranks {failed} "
             f"failed); see DP rank {failed[0]}'s log for its error"
         )
-    _check_agreement(headers, settings, domain_group, cp_size)
+    _check_agreement(headers, settings, domain_group)
     if int(headers[:, 1].sum()) == 0:
         return None
     if int(headers[:, 2].sum()) == 0:
@@ -277,8 +252,8 @@ def exchange_sequences(
         return step
     ours = headers[:, 4] % cp_size == position % cp_size  # the DP ranks of this CP rank, in DP order
     counts, sizes = headers[ours, 2].tolist(), headers[ours, 3].tolist()
-    lengths = _all_gather_varying(dp_group, torch.from_numpy(step.lengths)[None], counts)[0].numpy()
-    tokens = _all_gather_varying(dp_group, torch.stack([step.input_ids, step.labels]), sizes)
+    lengths = all_gather_varying(torch.from_numpy(step.lengths)[None], counts, group=dp_group)[0].numpy()
+    tokens = all_gather_varying(torch.stack([step.input_ids, step.labels]), sizes, group=dp_group)
     return FetchedStep(int(headers[ours, 1].sum()), tokens[0], tokens[1], lengths)
 
 
