@@ -6,9 +6,11 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, ParallelBatch
 from hyper_parallel.data.batching.dataloader import build_dataloaders
+from hyper_parallel.data.batching.get_batch import MODEL_INPUT_KEYS
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
@@ -401,7 +403,9 @@ def test_the_packing_scheduler_node_is_built_and_the_collator_leaves_the_padding
     assert loaders.packing_scheduler == PackingSchedulerConfig(
         max_seqlen_per_dp_cp_rank=64, scheduler="dynamic_cp", sequence_parallel=True
     )
-    assert loaders.get_batch is None
+    stage = loaders.get_batch  # no get_batch node: a packed stage is built with the scheduler
+    assert isinstance(stage, ParallelBatch) and stage.attention_mode == "packed"
+    assert stage.scheduler is loaders.packing_scheduler
     assert (loaders.train.collate_fn.alignment, loaders.train.collate_fn.pad_each_sequence_to) == (1, 1)
     assert not uneven_warnings(caplog)  # the scheduler evens the counts out
     lengths = []
@@ -448,9 +452,8 @@ def test_a_dynamic_loader_over_several_dp_ranks_without_a_scheduler_says_how_to_
     ("change", "fragment"),
     [
         (
-            {"get_batch": {"_target_": "hyper_parallel.data.batching.ParallelBatch", "source_type": "online"}},
-            r"^get_batch: the pipeline has a packing_scheduler, whose micro-batches are delivered per rank by "
-            r"get_batch_on_this_rank_for_sequence_packing",
+            {"get_batch": {"_target_": "hyper_parallel.data.batching.ParallelBatch", "cp_layout": "zigzag"}},
+            r"^get_batch: .*zigzag",
         ),
         (
             {"packing_scheduler": {**SCHEDULER_NODE, "max_seqlen_per_dp_cp_rnk": 64}},
@@ -466,7 +469,7 @@ def test_a_dynamic_loader_over_several_dp_ranks_without_a_scheduler_says_how_to_
             r"hyper_parallel\.data\.parallel\.data_schedule_utils\.PackingSchedulerConfig",
         ),
     ],
-    ids=["with_get_batch", "misspelt_key", "dynamic_cp_deterministic", "other_target"],
+    ids=["get_batch_layout_against_the_scheduler", "misspelt_key", "dynamic_cp_deterministic", "other_target"],
 )
 def test_a_bad_packing_scheduler_node_is_refused_before_the_data_is_read(
     change, fragment, tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
@@ -476,6 +479,23 @@ def test_a_bad_packing_scheduler_node_is_refused_before_the_data_is_read(
     config.update(change)
     with pytest.raises(DataConfigError, match=fragment):
         build_dataloaders(config, tokenizer=tokenizer_path)
+
+
+def test_a_get_batch_node_beside_the_scheduler_delivers_its_steps(
+    tmp_path, plaintext_path, hf_cache_dir, tokenizer_path
+):
+    """The one delivery stage: the get_batch node is given the scheduler, plans each step and delivers its
+    micro-batches under the keys of every other mode, every real token of the step once."""
+    config = scheduled_config(tmp_path, plaintext_path, hf_cache_dir)
+    config["get_batch"] = {"_target_": "hyper_parallel.data.batching.ParallelBatch", "attention_mode": "packed"}
+    loaders = build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2)
+    assert loaders.get_batch.scheduler is loaders.packing_scheduler
+    step = loaders.get_batch.schedule(iter(loaders.train), num_microbatches=3)
+    delivered = [inputs for inputs, _ in step]
+    assert len(delivered) == len(step) == step.num_micro_batches >= 1
+    assert all(set(inputs) == set(MODEL_INPUT_KEYS) for inputs in delivered)
+    real = sum(int(torch.diff(inputs["packed_seq_params"].cu_seqlens_q).sum()) for inputs in delivered)
+    assert real == step.stats.valid_tokens > 0
 
 
 @pytest.mark.parametrize(("pad_token_id", "refused"), [(8191, False), (8192, True), (10**6, True)])

@@ -39,7 +39,7 @@ def test_both_loaders_list_every_option_by_name_with_its_default():
     for loader in (FixedBatchDataLoader, DynamicBatchDataLoader):
         assert defaults.items() <= keyword_defaults(loader).items()
     own = keyword_defaults(DynamicBatchDataLoader).keys() - defaults.keys()
-    assert own == {"max_seq_len", "min_buffered_samples", "packing_policy"}
+    assert own == {"max_seq_len", "min_buffered_samples", "packing_policy", "layout"}
 
 
 def test_flat_options_are_gathered_into_their_groups():
@@ -129,6 +129,7 @@ def test_a_yaml_packing_policy_and_worker_options(tmp_path, plaintext_path, hf_c
     with caplog.at_level("WARNING", logger="hyper_parallel.data"):
         build_dataloaders(config, tokenizer=tokenizer_path, micro_batch_size=2, cp_size=4)
     assert (
-        "the packing policy's token budget 90 is not a multiple of the packing alignment 4, so a padded micro-batch "
-        "can hold up to 92 tokens; set the policy's token_budget to a multiple of 4" in caplog.text
+        "the packing policy's token budget 90 is not a multiple of the layout's row multiple 4 (" in caplog.text
+        and "so a padded micro-batch can hold up to 92 tokens; set the policy's token_budget to a multiple of 4"
+        in caplog.text
     )

@@ -31,7 +31,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, require_i
 from hyper_parallel.data.parallel.batch_parallel import CPBatchSharder
 from hyper_parallel.data.parallel.data_schedule_utils import FlopsStats, PackingSchedulerConfig, Schedule
 from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
-from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection, group_size_rank
 
 __all__ = [
     "SCHEDULER_CLASSES",
@@ -279,14 +279,6 @@ def get_batch_on_this_rank_for_sequence_packing(
 # -- the CP cut of a Megatron-keyed batch --------------------------------------------------------------------------
 
 
-def _group_size_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    import torch.distributed as dist
-
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def _choose_cp_group(batch: Mapping, cp_group, dynamic_cp: bool, group_func) -> tuple[int, int]:
     """``(size, rank)`` the batch is cut across: its legacy ``hybrid_cp_group``, the dynamic group of its
     ``local_cp_size``, or ``cp_group``."""
@@ -319,7 +311,7 @@ def _choose_cp_group(batch: Mapping, cp_group, dynamic_cp: bool, group_func) -> 
         group = group_func(local_size)
     else:
         group = cp_group
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     if local_size is not None and local_size != size:
         raise DataConfigError(
             f"the micro-batch was packed for a CP size of {local_size}, but its CP group holds {size} ranks; under "

@@ -78,7 +78,7 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
 )
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout, check_cu_seq_lens
-from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection, group_size_rank
 
 __all__ = [
     "ATTENTION_MODES",
@@ -128,20 +128,7 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
 # -- where this rank sits -------------------------------------------------------------------------------------------
-
-
-def _group_size_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    dist = _dist()
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _local_cp_size(batch: Batch) -> int | None:
@@ -506,7 +493,7 @@ class ParallelBatch:
         """``(group, size, rank)`` a micro-batch of ``local_cp_size`` (None: the static one) is cut across."""
         if local_cp_size is not None and self._group_of is not None:
             group = self._group_of(local_cp_size)
-            size, rank = _group_size_rank(group)
+            size, rank = group_size_rank(group)
         else:
             group, size, rank = self.context.cp_group, self.context.cp_size, self.context.cp_rank
         if local_cp_size is not None and local_cp_size != size:

@@ -32,7 +32,7 @@ import numpy as np
 from hyper_parallel.data.errors import DataConfigError, require_int
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 
-__all__ = ["PROCESS_GROUP_DIMENSIONS", "ProcessGroupCollection"]
+__all__ = ["PROCESS_GROUP_DIMENSIONS", "ProcessGroupCollection", "group_size_rank"]
 
 PROCESS_GROUP_DIMENSIONS = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first, as the groups are built
 
@@ -49,6 +49,11 @@ def _size(group) -> int:
 
 def _rank(group) -> int:
     return 0 if group is None else _dist().get_rank(group)
+
+
+def group_size_rank(group) -> tuple[int, int]:
+    """``(size, this rank's rank)`` in ``group``; ``(1, 0)`` for None (a group of this rank alone)."""
+    return _size(group), _rank(group)
 
 
 @dataclass(frozen=True)
