@@ -28,7 +28,8 @@ def test_the_table_lists_the_design_nodes_once_in_the_pipelines_order():
 
 def test_each_node_receives_only_the_values_its_row_names():
     """The values are those the design gives each node: the batch sizes reach the loader only, the layout the
-    collator, the dataset and the loader, the parallel context, process groups, EOD id, sequence parallelism and scheduler the get_batch node."""
+    collator, the dataset and the loader, the parallel context, process groups, EOD id, sequence parallelism and
+    scheduler the get_batch node."""
     layout = DeliveryLayout(cp_size=2)
     context = PipelineContext(
         tokenizer="tok", chat_template="tpl", micro_batch_size=3, global_batch_size=12, dp_rank=1, dp_world_size=2,
