@@ -347,8 +347,8 @@ def test_online_batches_log_their_shapes_when_they_change_and_nothing_at_info(js
     loader = DynamicBatchDataLoader(dataset, micro_batch_size=2, min_buffered_samples=4)
     get_batch = ParallelBatch("online", attention_mode=attention_mode)
     assert messages(logs, logging.INFO, "ParallelBatch:") == [
-        f"ParallelBatch: online source, {attention_mode} attention, CP rank 0 of 1 (contiguous layout), TP rank 0 of "
-        "1, reads the loader, on cpu"
+        f"ParallelBatch: {attention_mode} attention, CP rank 0 of 1 (contiguous layout), TP rank 0 of 1, PP stage 0 of "
+        "1, plain delivery, reads the loader, on cpu"
     ]
     logs.clear()
     signatures = deliver_all(get_batch, loader, epochs=2)

@@ -394,7 +394,9 @@ def test_the_layout_takes_the_schedulers_alignment():
 def test_a_scheduler_needs_its_groups_and_a_plain_stage_cannot_plan():
     config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=32)
     with pytest.raises(DataConfigError, match=r"needs their groups: pass pg_collection"):
-        ParallelBatch(scheduler=config)
+        ParallelBatch(scheduler=config, parallel_context=DataLoaderParallelContext(dp_rank=1, dp_size=2))
+    alone = ParallelBatch(scheduler=config)  # one rank: its groups are this process alone
+    assert (alone.pg_collection.dp_size, alone.pg_collection.dynamic_cp_sizes) == (1, (1,))
     with pytest.raises(DataConfigError, match=r"pg_collection.dynamic_cp, which is empty"):
         ParallelBatch(scheduler=replace(config, scheduler="dynamic_cp"), pg_collection=ProcessGroupCollection())
     with pytest.raises(DataConfigError, match=r"scheduler must be a PackingSchedulerConfig, got dict"):

@@ -89,8 +89,8 @@ def test_a_parallel_batch_shape_log_appears_on_rank_0_only(tmp_path):
         "(contiguous), TP rank 0 of 2"
     ]
     assert [message for _, message in by_rank[0]["logs"]] == [
-        "ParallelBatch: indexed source, dense attention, CP rank 0 of 2 (contiguous layout), TP rank 0 of 2, reads "
-        "the loader, on cpu"
+        "ParallelBatch: dense attention, CP rank 0 of 2 (contiguous layout), TP rank 0 of 2, PP stage 0 of 1, plain "
+        "delivery, reads the loader, on cpu"
     ]
     for rank in (1, 2, 3):
         assert by_rank[rank]["value"]["debug"] == [] and by_rank[rank]["logs"] == [], rank

@@ -393,7 +393,7 @@ class ParallelBatch:
             context.tp_size,
             context.pp_rank,
             context.pp_size,
-            "scheduled" if self.scheduler is not None else "as loaded",
+            "scheduled delivery" if self.scheduler is not None else "plain delivery",
             reads,
             self.device,
         )
