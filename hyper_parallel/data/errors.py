@@ -6,11 +6,12 @@ All three derive from ``ValueError`` so callers that already catch bad input kee
 
 from __future__ import annotations
 
+import difflib
 import operator
 
 import numpy as np
 
-__all__ = ["DataConfigError", "DataFileError", "ResumeStateError", "require_int"]
+__all__ = ["DataConfigError", "DataFileError", "ResumeStateError", "require_choice", "require_flag", "require_int"]
 
 
 class DataFileError(ValueError):
@@ -54,3 +55,19 @@ def require_int(name: str, value, minimum: int, error: type[ValueError] = DataCo
     if number < minimum:
         raise error(f"{name} must be an integer >= {minimum}, got {number}")
     return number
+
+
+def require_choice(name: str, value, choices: tuple[str, ...], meaning: str) -> str:
+    """``value`` when it is one of ``choices``; else a ``DataConfigError`` naming the closest one and ``meaning``."""
+    if isinstance(value, str) and value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise DataConfigError(f"{name} is {value!r}{hint}; use one of {', '.join(choices)}: {meaning}")
+
+
+def require_flag(name: str, value) -> bool:
+    """``value`` as a bool (numpy's included); else a ``DataConfigError`` naming it and its type."""
+    if not isinstance(value, bool | np.bool_):
+        raise DataConfigError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+    return bool(value)

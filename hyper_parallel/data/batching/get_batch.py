@@ -48,7 +48,6 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -66,7 +65,7 @@ from hyper_parallel.data.batching.attention_runtime import (
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.scheduled_packing import exchange_sequences, fetch_sequences, pack_rank_groups
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_choice, require_flag, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
 from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns, stage_fields
 from hyper_parallel.data.parallel.data_schedule_utils import (
@@ -111,21 +110,6 @@ def _shape_of(value: Any) -> str:
         return f"PackedSeqParams({len(value.cu_seqlens_q) - 1} sequences)"
     shape = getattr(value, "shape", None)  # a FlexAttention BlockMask
     return type(value).__name__ + ("" if shape is None else str(list(shape)))
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> str:
-    """``value`` when it is one of ``choices``; else a ``DataConfigError`` with the closest name."""
-    if isinstance(value, str) and value in choices:
-        return value
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise DataConfigError(f"{name} is {value!r}{hint}; use one of {', '.join(choices)}: {meaning}")
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise DataConfigError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
-    return value
 
 
 # -- where this rank sits -------------------------------------------------------------------------------------------
@@ -230,16 +214,16 @@ class ParallelBatch:
         mtp_stages: Sequence[int] = (),
         device: torch.device | str = "cpu",
     ) -> None:
-        self.source_type = _choice("source_type", source_type, SOURCE_TYPES, "the kind of loader feeding it")
-        self.attention_mode = _choice(
+        self.source_type = require_choice("source_type", source_type, SOURCE_TYPES, "the kind of loader feeding it")
+        self.attention_mode = require_choice(
             "attention_mode", attention_mode, ATTENTION_MODES, "the attention metadata the model takes"
         )
         if cp_layout is not None:
-            _choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
-        self.causal = _flag("causal", causal)
-        self.reset_position_ids = _flag("reset_position_ids", reset_position_ids)
-        self.eod_mask_loss = _flag("eod_mask_loss", eod_mask_loss)
-        self.sequence_parallel = _flag("sequence_parallel", sequence_parallel)
+            require_choice("cp_layout", cp_layout, CP_LAYOUTS, "how a row is cut across context-parallel ranks")
+        self.causal = require_flag("causal", causal)
+        self.reset_position_ids = require_flag("reset_position_ids", reset_position_ids)
+        self.eod_mask_loss = require_flag("eod_mask_loss", eod_mask_loss)
+        self.sequence_parallel = require_flag("sequence_parallel", sequence_parallel)
         self.sliding_window = self._window(sliding_window)
         self.eod_token_id = self._eod(eod_token_id)
         self.device = torch.device(device)

@@ -27,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_choice, require_flag, require_int
 
 __all__ = ["CP_LAYOUTS", "MXFP8_BLOCK", "DeliveryLayout", "check_cu_seq_lens", "shown_boundaries"]
 
@@ -47,20 +46,6 @@ _FIX = (
     "build batches with the library's collators (TextPackingCollator, build_indexed_collate_fn), whose boundaries "
     "follow the batch contract"
 )
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> str:
-    if isinstance(value, str) and value in choices:
-        return value
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise DataConfigError(f"{name} is {value!r}{hint}; use one of {', '.join(choices)}: {meaning}")
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
-        raise DataConfigError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
-    return bool(value)
 
 
 @dataclass(frozen=True)
@@ -98,9 +83,13 @@ class DeliveryLayout:
         set_ = object.__setattr__
         set_(self, "cp_size", require_int("cp_size", self.cp_size, 1))
         set_(self, "tp_size", require_int("tp_size", self.tp_size, 1))
-        set_(self, "cp_layout", _choice("cp_layout", self.cp_layout, CP_LAYOUTS, "how a row is cut across CP ranks"))
-        set_(self, "sequence_parallel", _flag("sequence_parallel", self.sequence_parallel))
-        set_(self, "mxfp8", _flag("mxfp8", self.mxfp8))
+        set_(
+            self,
+            "cp_layout",
+            require_choice("cp_layout", self.cp_layout, CP_LAYOUTS, "how a row is cut across CP ranks"),
+        )
+        set_(self, "sequence_parallel", require_flag("sequence_parallel", self.sequence_parallel))
+        set_(self, "mxfp8", require_flag("mxfp8", self.mxfp8))
         if self.max_seqlen_per_rank is not None:
             set_(self, "max_seqlen_per_rank", require_int("max_seqlen_per_rank", self.max_seqlen_per_rank, 1))
         if self.alignment != "max":
@@ -121,7 +110,9 @@ class DeliveryLayout:
                 "(the scheduler's max_seqlen_per_dp_cp_rank), or use an integer alignment"
             )
         pad = (
-            self.cp_layout == "zigzag_thd" if self.pad_sequences is None else _flag("pad_sequences", self.pad_sequences)
+            self.cp_layout == "zigzag_thd"
+            if self.pad_sequences is None
+            else require_flag("pad_sequences", self.pad_sequences)
         )
         if self.cp_layout == "zigzag_thd" and not pad:
             raise DataConfigError(
