@@ -26,7 +26,6 @@ Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens 
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +38,7 @@ from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.sequence_boundaries import indexed_cu_seq_lens
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.errors import DataConfigError, DataFileError, require_choice, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -97,18 +96,6 @@ def _field(sample: Any, key: str, index: int) -> np.ndarray:
     if not np.issubdtype(array.dtype, np.integer):
         raise DataFileError(f"sample {index} of the batch: {key!r} must hold integer ids, got dtype {array.dtype}")
     return array
-
-
-def _tail_padding(value: Any) -> str:
-    if isinstance(value, str) and value in TAIL_PADDING_POLICIES:
-        return value
-    close = difflib.get_close_matches(str(value), TAIL_PADDING_POLICIES, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise DataConfigError(
-        f"tail_padding is {value!r}{hint}; use 'append_dummy_seq' (the row's tail padding is one dummy sequence of "
-        "its own) or 'extend_last' (it is added to the last sequence's padded end), Megatron-Core's "
-        "thd_tail_padding_policy"
-    )
 
 
 class TextPackingCollator:
@@ -179,7 +166,13 @@ class TextPackingCollator:
                 "so the tail padding would be a sequence of another multiple; set alignment to "
                 f"{math.lcm(self.alignment, self.pad_each_sequence_to)} (their least common multiple)"
             )
-        self.tail_padding = _tail_padding(tail_padding)
+        self.tail_padding = require_choice(
+            "tail_padding",
+            tail_padding,
+            TAIL_PADDING_POLICIES,
+            "'append_dummy_seq' (the row's tail padding is one dummy sequence of its own) or 'extend_last' (it is "
+            "added to the last sequence's padded end), Megatron-Core's thd_tail_padding_policy",
+        )
         self.records_real = self.pad_each_sequence_to > 1 or (self.tail_padding == "extend_last" and self.alignment > 1)
 
     def __repr__(self) -> str:

@@ -8,14 +8,13 @@ algorithms (``parallel.scheduling.dp_balanced`` and siblings) or moving data.
 
 from __future__ import annotations
 
-import difflib
 import math
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from hyper_parallel.data.errors import DataConfigError, require_int
+from hyper_parallel.data.errors import DataConfigError, require_choice, require_int
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.parallel.scheduling.registry import planner
 
@@ -113,8 +112,15 @@ class PackingSchedulerConfig:
             "max_seqlen_per_dp_cp_rank", self.max_seqlen_per_dp_cp_rank, 1, "the tokens one rank holds per micro-batch"
         )
         planner(self.scheduler)
-        _choice("cp_partition_mode", self.cp_partition_mode, tuple(CP_PARTITION_MODES))
-        _choice("thd_tail_padding_policy", self.thd_tail_padding_policy, THD_TAIL_PADDING_POLICIES)
+        require_choice(
+            "cp_partition_mode", self.cp_partition_mode, tuple(CP_PARTITION_MODES), "how a packed row is cut over CP"
+        )
+        require_choice(
+            "thd_tail_padding_policy",
+            self.thd_tail_padding_policy,
+            THD_TAIL_PADDING_POLICIES,
+            "where the row's tail padding goes (its own dummy sequence, or the last sequence's padded end)",
+        )
         self._check_alignment(limit)
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
@@ -258,14 +264,6 @@ def sequence_cost(lengths: np.ndarray, config: PackingSchedulerConfig) -> np.nda
     """The estimated cost ``cost_linear * L + cost_quadratic * L**2`` of each length, float64."""
     lengths = np.asarray(lengths, dtype=np.float64)
     return config.cost_linear * lengths + config.cost_quadratic * lengths * lengths
-
-
-def _choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if isinstance(value, str) and value in choices:
-        return
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise DataConfigError(f"{name} is {value!r}{hint}; use one of {', '.join(choices)}")
 
 
 def _config_int(name: str, value, minimum: int, meaning: str) -> int:

@@ -7,10 +7,9 @@ Owns: ``SCHEDULERS`` (a scheduler's name -> its planning function, every one wit
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
-from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.errors import require_choice
 from hyper_parallel.data.parallel.scheduling.compute_balanced import schedule_compute_balanced
 from hyper_parallel.data.parallel.scheduling.dp_balanced import schedule_dp_balanced
 from hyper_parallel.data.parallel.scheduling.dynamic_cp import schedule_dynamic_cp
@@ -32,8 +31,4 @@ def planner(name: str) -> Callable[..., Schedule]:
     Raises:
         DataConfigError: an unknown name, with the closest valid one and the list of all.
     """
-    if isinstance(name, str) and name in SCHEDULERS:
-        return SCHEDULERS[name]
-    close = difflib.get_close_matches(str(name), SCHEDULERS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise DataConfigError(f"scheduler is {name!r}{hint}; use one of {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[require_choice("scheduler", name, tuple(SCHEDULERS), "the packing scheduler's algorithm")]
