@@ -443,3 +443,13 @@ def test_bad_inputs_are_refused_with_the_rule_and_the_fix():
         packed_seq_params([0, 4, 4, 8])
     with pytest.raises(DataFileError, match=r"packed_seq_params: cu_seq_lens must be a 1-D .* shape \[1, 2\]"):
         packed_seq_params(np.array([[0, 8]]))
+
+
+def test_a_fixed_capacity_repeats_the_last_boundary_and_refuses_more_sequences():
+    """Static shapes (``thd_max_packed_sequences``): the kernel's boundary tensors hold capacity + 1 entries."""
+    params = packed_seq_params([0, 4, 12], cu_seq_lens_real=[0, 3, 9], cp_size=2, capacity=4)
+    assert params.cu_seqlens_q_padded.tolist() == [0, 4, 12, 12, 12]
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 9, 9, 9]
+    assert params.max_seqlen_q == 8
+    with pytest.raises(DataConfigError, match="more than the fixed capacity of 1"):
+        packed_seq_params([0, 4, 12], cp_size=2, capacity=1)

@@ -385,6 +385,49 @@ def test_a_scheduled_step_delivers_every_token_once_with_the_same_keys():
     assert sorted(seen) == wanted
 
 
+def scheduled_inputs(**settings) -> list[dict]:
+    """Every scheduled micro-batch's model inputs over two steps of the same seeded batches."""
+    get_batch, iterator = (
+        scheduled(pad_packed_seq_alignment=8, **settings),
+        iter(online_batches(1, "contiguous", count=4, seed=7)),
+    )
+    return [inputs for _ in range(2) for inputs, _ in get_batch.schedule(iterator, 2)]
+
+
+def test_the_tail_padding_policy_reaches_the_scheduled_rows():
+    """Alignment 8 pads each packed row at its tail: ``append_dummy_seq`` makes that padding a sequence of its own
+    (all pad ids, counted as its own tokens), ``extend_last`` adds it to the last real sequence's padded end (its
+    real length unchanged), so the real tokens are fewer than the padded ones."""
+    dummy, extended = scheduled_inputs(), scheduled_inputs(thd_tail_padding_policy="extend_last")
+    assert len(dummy) == len(extended)
+    tails = 0
+    for with_dummy, with_extension in zip(dummy, extended, strict=True):
+        a, b = with_dummy["packed_seq_params"], with_extension["packed_seq_params"]
+        assert torch.equal(with_dummy["input_ids"], with_extension["input_ids"])  # the same tokens, padded alike
+        if a.cu_seqlens_q_padded.numel() == b.cu_seqlens_q_padded.numel():
+            continue  # no tail padding in this micro-batch
+        tails += 1
+        last = with_dummy["input_ids"][0, int(a.cu_seqlens_q_padded[-2]) :]
+        assert (last == 0).all() and torch.equal(a.cu_seqlens_q, a.cu_seqlens_q_padded)
+        assert b.cu_seqlens_q_padded.numel() == a.cu_seqlens_q_padded.numel() - 1
+        assert int(b.cu_seqlens_q_padded[-1]) == int(a.cu_seqlens_q_padded[-1])
+        assert int(b.cu_seqlens_q[-1]) == int(a.cu_seqlens_q_padded[-2]) < int(b.cu_seqlens_q_padded[-1])
+    assert tails >= 1
+
+
+def test_a_fixed_cu_seqlens_capacity_gives_every_micro_batch_the_same_shapes():
+    """``thd_max_packed_sequences`` 4: at most 3 real sequences a group (the dummy slot reserved), and every
+    boundary tensor holds 5 entries, the unused ones repeating the last."""
+    for inputs in scheduled_inputs(thd_max_packed_sequences=4):
+        params = inputs["packed_seq_params"]
+        for bounds in (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded):
+            assert bounds.shape == (5,)
+        spans = torch.diff(params.cu_seqlens_q_padded)
+        used = int((spans > 0).sum())
+        assert (spans[used:] == 0).all() and used <= 4
+        assert int(params.cu_seqlens_q_padded[-1]) == inputs["input_ids"].shape[1]
+
+
 def test_the_layout_takes_the_schedulers_alignment():
     layout = scheduled(pad_packed_seq_alignment=8, mxfp8=True).layout
     assert layout == DeliveryLayout(cp_layout="zigzag_thd", alignment=8, mxfp8=True, max_seqlen_per_rank=32)

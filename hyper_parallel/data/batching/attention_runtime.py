@@ -295,6 +295,7 @@ def packed_seq_params(
     *,
     cu_seq_lens_real: Any = None,
     cp_size: int = 1,
+    capacity: int | None = None,
     device: torch.device | str | None = None,
 ) -> PackedSeqParams:
     """``PackedSeqParams`` of the global boundaries (see the class for the layout they describe).
@@ -304,12 +305,17 @@ def packed_seq_params(
         cu_seq_lens_real: the cumulative real token counts of the same sequences (``Batch.cu_seq_lens_real``);
             None when no sequence is padded (the real boundaries are then ``cu_seq_lens``).
         cp_size: the context-parallel size; above 1, every padded sequence must be a multiple of ``2 * cp_size``.
+        capacity: a fixed number of sequences the boundary tensors hold (``thd_max_packed_sequences``, for static
+            shapes): each has ``capacity + 1`` entries, the unused ones repeating the last boundary (sequences of no
+            token that attention skips, as Transformer Engine reads padded ``cu_seqlens``); None: one entry per
+            sequence. Only the kernel's tensors are padded so; the batch's own boundaries never hold an empty span.
         device: where the boundary tensors are (default CPU).
 
     Raises:
         DataFileError: the boundaries are not valid, or the real ones are not those of the same sequences with at
             least one and at most their padded number of tokens (which rule is named).
-        DataConfigError: a padded sequence does not divide into ``2 * cp_size`` chunks.
+        DataConfigError: a padded sequence does not divide into ``2 * cp_size`` chunks, or more sequences than
+            ``capacity``.
 
     Example: boundaries ``[0, 4, 12]`` with real ``[0, 3, 9]``, cp 2: ``cu_seqlens_q = [0, 3, 9]``,
     ``cu_seqlens_q_padded = [0, 4, 12]``, ``max_seqlen_q = 8``.
@@ -328,11 +334,26 @@ def packed_seq_params(
             f"but sequence {bad[0]} has {lengths[bad[0]]} positions ({bad.size} of {lengths.size} do not divide); pad "
             f"every sequence to a multiple of {2 * cp_size} (a layout with pad_sequences makes the collator do it)"
         )
+    if capacity is not None:
+        padded, real = (_to_capacity(bounds, capacity) for bounds in (padded, real))
     device = torch.device("cpu" if device is None else device)
     padded = padded.to(device)
-    real = padded if cu_seq_lens_real is None else real.to(device)
+    real = padded if cu_seq_lens_real is None and capacity is None else real.to(device)
     longest = int(lengths.max())
     return PackedSeqParams("thd", real, real, padded, padded, longest, longest)
+
+
+def _to_capacity(bounds: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``bounds`` with ``capacity + 1`` entries, the unused ones repeating its last."""
+    capacity = require_int("capacity", capacity, 1)
+    sequences = bounds.numel() - 1
+    if sequences > capacity:
+        raise DataConfigError(
+            f"packed_seq_params: the micro-batch holds {sequences} sequences, more than the fixed capacity of "
+            f"{capacity} (thd_max_packed_sequences); the scheduler keeps each group within it, so raise "
+            "thd_max_packed_sequences or feed this stage the scheduler's micro-batches"
+        )
+    return torch.cat([bounds, bounds[-1:].expand(capacity - sequences)])
 
 
 # -- FlexAttention -------------------------------------------------------------------------------------------------

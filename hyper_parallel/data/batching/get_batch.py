@@ -540,7 +540,10 @@ class ParallelBatch:
                 device=self.device,
             )  # fmt: skip
         elif self.attention_mode == "packed":
-            packed = packed_seq_params(bounds, cu_seq_lens_real=real, cp_size=cp_size, device=self.device)
+            capacity = None if self.scheduler is None else self.scheduler.thd_max_packed_sequences
+            packed = packed_seq_params(
+                bounds, cu_seq_lens_real=real, cp_size=cp_size, capacity=capacity, device=self.device
+            )
             if self.pg_collection is not None:
                 packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
         return {"attention_mask": attention_mask, "swa_mask": swa_mask, "packed_seq_params": packed}
@@ -614,7 +617,8 @@ class ParallelBatch:
                 return None
             schedule = self.plan(step.lengths)
             packed.extend(pack_rank_groups(schedule, step, position=self._position, layout=self.layout,
-                                           pad_token_id=config.pad_token_id))  # fmt: skip
+                                           pad_token_id=config.pad_token_id,
+                                           tail_padding=config.thd_tail_padding_policy))  # fmt: skip
             stats = schedule_stats(schedule, step.lengths, config, layout=self.layout)
             count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
             return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}

@@ -38,6 +38,7 @@ def pack_group(
     local_length: int,
     pad_token_id: int,
     pad_each_sequence_to: int | None = None,
+    tail_padding: str = "append_dummy_seq",
 ) -> Batch:
     """One group's sequences packed into the ``[1, P]`` row its ranks share, ``P = cp_size * local_length``.
 
@@ -52,6 +53,8 @@ def pack_group(
         pad_token_id: the padding's input id.
         pad_each_sequence_to: the multiple each sequence is padded to (``DeliveryLayout.sequence_multiple``); None
             is ``2 * cp_size`` above one CP rank (``zigzag_thd``), else 1.
+        tail_padding: where the padding up to ``P`` goes (``thd_tail_padding_policy``): one dummy sequence of its
+            own (``append_dummy_seq``) or the last sequence's padded end (``extend_last``).
 
     Returns:
         A ``Batch`` with ``input_ids``/``labels`` ``[1, P]``, ``cu_seq_lens`` int32 and the extra
@@ -97,7 +100,9 @@ def pack_group(
             f"the group's {len(samples)} sequences hold {total} tokens once padded for CP size {cp}, more than the "
             f"{row} of its row (local_length {local} x cp_size {cp}); the schedule and local_packed_length disagree"
         )
-    packed = TextPackingCollator(alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple)(samples)
+    packed = TextPackingCollator(
+        alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple, tail_padding=tail_padding
+    )(samples)
     return Batch(
         input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens,
         cu_seq_lens_real=packed.cu_seq_lens_real, extras=extras,
@@ -261,7 +266,13 @@ def exchange_sequences(
 
 
 def pack_rank_groups(
-    schedule, step: FetchedStep, *, position: int, layout: DeliveryLayout, pad_token_id: int
+    schedule,
+    step: FetchedStep,
+    *,
+    position: int,
+    layout: DeliveryLayout,
+    pad_token_id: int,
+    tail_padding: str = "append_dummy_seq",
 ) -> list[Batch]:
     """This rank's packed micro-batches: for each micro-batch of ``schedule``, its group's sequences, padded for the
     group's CP size and filled to ``layout.local_length`` per rank.
@@ -290,6 +301,7 @@ def pack_rank_groups(
                 local_length=local_length,
                 pad_token_id=pad_token_id,
                 pad_each_sequence_to=layout.sequence_multiple(group.cp_size),
+                tail_padding=tail_padding,
             )  # fmt: skip
         )
     return packed
