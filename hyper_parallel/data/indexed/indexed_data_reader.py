@@ -627,7 +627,7 @@ class IndexedDataReader:
         Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
         """
         if isinstance(key, (int, np.integer)):
-            i = self._sequence_id(key)
+            i = key if 0 <= key < self._count else self._sequence_id(key)  # the common case without a call
             array = self._read(self._pointers.item(i), self._lengths.item(i))
             return (array, self._modes.item(i)) if self._modes is not None else array
         if isinstance(key, slice):
@@ -663,14 +663,20 @@ class IndexedDataReader:
         return flat
 
     def _ranges(self, sequence_ids, offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``gather``'s arguments as int64 arrays, ``None`` filled in; a range outside its sequence is an IndexError."""
+        """``gather``'s arguments as int64 arrays, ``None`` filled in; a range outside its sequence is an IndexError.
+
+        Seen as unsigned, a negative value is at least ``2**63``, so one maximum refuses ids below 0 and from the
+        sequence count on; offsets and lengths are negative exactly when their bitwise or is.
+        """
         sequence_ids = np.asarray(sequence_ids, dtype=np.int64).reshape(-1)
-        if len(sequence_ids) and (sequence_ids.min() < 0 or sequence_ids.max() >= self._count):
+        if len(sequence_ids) and sequence_ids.view(np.uint64).max() >= self._count:
             raise IndexError(f"a requested sequence is outside '{self.path_prefix}' with {self._count} sequences")
         available = self._lengths[sequence_ids].astype(np.int64)
+        if offsets is None and lengths is None:
+            return sequence_ids, np.zeros_like(sequence_ids), available
         offsets = np.zeros_like(sequence_ids) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
         lengths = available - offsets if lengths is None else np.asarray(lengths, dtype=np.int64).reshape(-1)
-        if len(sequence_ids) and (offsets.min() < 0 or lengths.min() < 0 or np.any(offsets + lengths > available)):
+        if len(sequence_ids) and ((offsets | lengths).min() < 0 or np.any(offsets + lengths > available)):
             raise IndexError(f"a requested token range is outside its sequence in '{self.path_prefix}'")
         return sequence_ids, offsets, lengths
 
