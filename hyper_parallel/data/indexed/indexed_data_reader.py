@@ -54,7 +54,7 @@ _CHECK_CHUNK = 1 << 20
 _SCAN_CHUNK = 1 << 21
 
 # Tokens per chunk of the per-read id check of a memory-mapped .bin, as a power of two: a chunk is checked whole,
-# once, on the first read that touches it (64 KiB of uint16, about 5 us), and then costs one flag lookup per read.
+# once, on the first read that touches it (64 KiB of uint16, a few microseconds), then costs a flag lookup per read.
 _ID_CHUNK_SHIFT = 15
 
 _REBUILD = "Rebuild the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
@@ -626,7 +626,7 @@ class IndexedDataReader:
 
         Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
         """
-        if isinstance(key, (int, np.integer)):
+        if type(key) is int or isinstance(key, (int, np.integer)):  # the first test is the fast one
             i = key if 0 <= key < self._count else self._sequence_id(key)  # the common case without a call
             array = self._read(self._pointers.item(i), self._lengths.item(i))
             return (array, self._modes.item(i)) if self._modes is not None else array
