@@ -12,6 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import (
@@ -19,6 +20,7 @@ from hyper_parallel.data.batching.build_collate_fn import (
     TextPackingCollator,
     build_indexed_collate_fn,
     build_online_text_collate_fn,
+    indexed_batch,
 )
 from hyper_parallel.data.batching.build_dataloader import FixedBatchDataLoader
 from hyper_parallel.data.constants import IGNORE_INDEX
@@ -406,6 +408,24 @@ def test_indexed_stacking(attention):
         assert torch.equal(mask[2, 0], torch.from_numpy(samples[2]["attention_mask"][0]))
     else:
         assert batch.megatron_attention_mask is None and "megatron_attention_mask" not in batch
+
+
+def test_ignore_index_marking_leaves_the_callers_labels_unchanged():
+    """The collator marks the labels of its own stack; ``indexed_batch`` marks a copy of a megatron-style dict's
+    int64 labels: neither the samples' labels nor the dict's change, in numpy or torch samples."""
+    numpy_samples = [make_indexed_sample(16, seed) for seed in range(3)]
+    torch_samples = [{k: torch.as_tensor(v) for k, v in s.items()} for s in numpy_samples]
+    before = [s["labels"].copy() for s in numpy_samples]
+    for samples in (numpy_samples, torch_samples):
+        batch = IndexedStackingCollator(eod_token_id=EOD)(samples)
+        assert (batch.labels == IGNORE_INDEX).any()
+        assert all(np.array_equal(np.asarray(s["labels"]), b) for s, b in zip(samples, before, strict=True))
+    stacked = default_collate(torch_samples)
+    labels = stacked["labels"].clone()
+    batch = indexed_batch(stacked, eod_token_id=EOD)
+    assert torch.equal(stacked["labels"], labels) and batch.labels is not stacked["labels"]
+    expected = labels.masked_fill(stacked["loss_mask"] == 0, IGNORE_INDEX)
+    assert torch.equal(batch.labels, expected)
 
 
 def test_megatron_names_are_converted_once_at_the_edge():

@@ -374,6 +374,12 @@ def test_getitems_equals_single_reads(mid_level):
     assert_samples_equal([padding], [{**first, "loss_mask": torch.zeros_like(first["loss_mask"])}], "padding")
 
 
+def test_getitems_of_no_indices_is_no_samples(mid_level):
+    """An empty batch of indices reads nothing and returns an empty list."""
+    assert mid_level.__getitems__([]) == []
+    assert mid_level.__getitems__(np.empty(0, np.int64)) == []
+
+
 def test_getitems_of_packed_records_counts_negative_indices_from_num_samples(tmp_path, tokenizer):
     """With ``num_samples`` below the split's record count, index -1 is the last of the ``num_samples`` records, not
     the split's last record."""

@@ -368,7 +368,11 @@ _INDEXED_FIELDS = ("tokens", "labels", "loss_mask")
 
 
 def _stack(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The samples' fields stacked by ``default_collate``, after checking that they agree."""
+    """The samples' fields stacked by ``default_collate``, after checking that they are dicts with the same fields.
+
+    Shapes are checked by the stacking itself (``torch.stack`` refuses unequal ones); only when it fails are the
+    samples compared field by field, to name the sample and field that differ.
+    """
     if len(samples) == 0:
         raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to stack")
     first = samples[0]
@@ -387,20 +391,32 @@ def _stack(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"sample {index} of the batch has different fields from sample 0 (missing {missing}, extra "
                 f"{extra}); every sample of a batch must come from datasets with the same configuration"
             )
-        if index:
-            for key, value in sample.items():
-                if _shape(value) != _shape(first[key]):
-                    raise DataFileError(
-                        f"sample {index} of the batch: field {key!r} has shape {_shape(value)} but sample 0's has "
-                        f"{_shape(first[key])}; Indexed samples must all have seq_length tokens"
-                    )
     missing = [key for key in _INDEXED_FIELDS if key not in first]
     if missing:
         raise DataFileError(
             f"the samples have no {missing} (their fields: {sorted(map(str, first))}); Indexed samples need "
             f"{list(_INDEXED_FIELDS)}, as GPTDataset returns them"
         )
-    return default_collate(list(samples))
+    try:
+        return default_collate(list(samples))
+    except (RuntimeError, TypeError, ValueError) as error:
+        problem = _shape_problem(samples)
+        if problem is None:
+            raise
+        raise DataFileError(problem) from error
+
+
+def _shape_problem(samples: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first field whose shape differs from sample 0's, said as an error message; None when all agree."""
+    first = samples[0]
+    for index, sample in enumerate(samples[1:], start=1):
+        for key, value in sample.items():
+            if _shape(value) != _shape(first[key]):
+                return (
+                    f"sample {index} of the batch: field {key!r} has shape {_shape(value)} but sample 0's has "
+                    f"{_shape(first[key])}; Indexed samples must all have seq_length tokens"
+                )
+    return None
 
 
 def _stacked_array(stacked: dict[str, Any], key: str) -> torch.Tensor:
@@ -462,7 +478,7 @@ class IndexedStackingCollator:
                 lack ``tokens``/``labels``/``loss_mask``, or a field's shape differs from sample 0's.
             DataConfigError: the layout cannot cut rows of this length (naming ``seq_length`` and valid ones).
         """
-        batch = indexed_batch(_stack(samples), eod_token_id=self.eod_token_id)
+        batch = _contract_batch(_stack(samples), self.eod_token_id, own_labels=True)
         if self.layout is not None:
             self.layout.check_row_length(batch.input_ids.shape[1])
         return batch
@@ -484,7 +500,12 @@ def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Ba
     Raises:
         DataFileError: a required field is missing or is not a ``[B, S]`` tensor.
     """
-    stacked = dict(stacked)
+    return _contract_batch(dict(stacked), eod_token_id, own_labels=False)
+
+
+def _contract_batch(stacked: dict[str, Any], eod_token_id: int | None, *, own_labels: bool) -> Batch:
+    """``indexed_batch`` of ``stacked`` (a dict it may empty); ``own_labels``: its labels tensor is a fresh one
+    (the collator's own stack), so the ``IGNORE_INDEX`` marking writes into it instead of into a copy."""
     missing = [key for key in _INDEXED_FIELDS if key not in stacked]
     if missing:
         raise DataFileError(
@@ -493,7 +514,11 @@ def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Ba
         )
     tokens, labels, loss_mask = (_stacked_array(stacked, key) for key in _INDEXED_FIELDS)
     tokens = tokens.long()  # no copy for the datasets' int64
-    labels = labels.long().masked_fill(loss_mask == 0, IGNORE_INDEX)  # out of place: the caller's stay unchanged
+    unlearned = loss_mask == 0
+    if own_labels or labels.dtype != torch.int64:  # .long() of another dtype is a fresh copy too
+        labels = labels.long().masked_fill_(unlearned, IGNORE_INDEX)
+    else:
+        labels = labels.masked_fill(unlearned, IGNORE_INDEX)  # out of place: the caller's stay unchanged
     return Batch(
         input_ids=tokens,
         labels=labels,

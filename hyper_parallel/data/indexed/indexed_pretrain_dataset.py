@@ -138,10 +138,11 @@ class _SampleMaker:
             per_row = [self._fields(row) for row in tokens]
             loss_mask = np.stack([fields.loss_mask for fields in per_row])
         # Pad positions are rare: find them once in the raw ids (a -1 sentinel cannot occur in unsigned data).
-        if self.pad < 0 and raw.dtype.kind == "u":
+        is_pad = None if self.pad < 0 and raw.dtype.kind == "u" else raw == self.pad
+        if is_pad is None or not is_pad.any():  # any() is a quarter of the flat search that finds them
             rows = columns = np.empty(0, np.int64)
         else:
-            rows, columns = divmod(np.flatnonzero(raw == self.pad), raw.shape[1])  # ~10x faster than 2-D nonzero
+            rows, columns = divmod(np.flatnonzero(is_pad), raw.shape[1])  # ~10x faster than 2-D nonzero
         # labels[:, j] is the id at text column j + 1; it is a pad label where that id is the pad
         label = columns >= 1
         loss_mask[rows[label], columns[label] - 1] = 0.0
@@ -224,7 +225,9 @@ class _MidLevelDataset(torch.utils.data.Dataset):
     def _positions(self, indices: Sequence[int]) -> np.ndarray:
         """Checked, non-negative sample positions."""
         idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) and (idx.min() < -self._length or idx.max() >= self._length):
+        if not len(idx) or idx.view(np.uint64).max() < self._length:  # one pass: a negative index wraps past it
+            return idx
+        if idx.min() < -self._length or idx.max() >= self._length:
             raise IndexError(
                 f"a sample index in {list(indices)[:8]} is out of range for {self.dataset_path} ({self.split} split) "
                 f"with {self._length} samples"
@@ -245,6 +248,8 @@ class _MidLevelDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
         """Many samples at once (torch's DataLoader calls this when it exists), read in one go."""
+        if not len(indices):
+            return []
         padding = np.array([i is None for i in indices])
         return self._make_sample(self.texts([0 if i is None else i for i in indices]), padding)
 
@@ -348,30 +353,32 @@ class GPTDataset(_MidLevelDataset):
         return self.dataset.join(pieces)
 
     def texts(self, indices: Sequence[int]) -> np.ndarray:
-        """``[B, seq_length + x]`` int64 token ids of many samples, padded with the pad id, in few numpy calls.
+        """``[B, seq_length + x]`` token ids of many samples, padded with the pad id, in few numpy calls.
 
-        Every sample is a run of pieces (a document tail, whole documents, a document head); all pieces of all
+        Every sample is a run of pieces (a document tail, whole documents, a document head): pieces ``d0 .. d1``
+        of the document index, the first starting at ``o0``, the last ending at ``o1 + x``. All pieces of all
         samples are listed at once and read with one ``gather`` on the low-level data.
         """
         if len(indices) == 1 and 0 <= indices[0] < self._length:
             return self._make_sample.pad_rows([self._text_of(int(indices[0]))])
-        idx = self._positions(indices)
-        x = self.config.extra_token
-        rows = np.asarray(self.shuffle_index[idx], dtype=np.int64)
-        begin = np.asarray(self.sample_index[rows], dtype=np.int64)
-        end = np.asarray(self.sample_index[rows + 1], dtype=np.int64)
-        counts = end[:, 0] - begin[:, 0] + 1  # pieces per sample
-        first_piece = np.cumsum(counts) - counts
-        piece_rank = np.arange(int(counts.sum())) - np.repeat(first_piece, counts)  # 0 for a sample's first piece
-        documents = np.asarray(self.document_index[np.repeat(begin[:, 0], counts) + piece_rank], dtype=np.int64)
-        is_last = piece_rank == np.repeat(counts - 1, counts)
-        starts = np.where(piece_rank == 0, np.repeat(begin[:, 1], counts), 0)
-        ends = np.where(is_last, np.repeat(end[:, 1], counts) + x, self.dataset.sequence_lengths[documents])
-        flat = self.dataset.gather(documents, starts, ends - starts)
-        if len(flat) == len(idx) * self._make_sample.length:
-            return flat.reshape(len(idx), -1)
-        sample_lengths = np.bincount(np.repeat(np.arange(len(idx)), counts), weights=ends - starts, minlength=len(idx))
-        return self._make_sample.pad_rows(np.split(flat, np.cumsum(sample_lengths[:-1]).astype(np.int64)))
+        rows = self.shuffle_index[self._positions(indices)]
+        sample_index = self.sample_index
+        (d0, o0), (d1, o1) = sample_index[rows].T, sample_index[rows + 1].T
+        counts = d1 - d0 + 1  # pieces per sample
+        last = np.cumsum(counts)  # one past each sample's last piece
+        first = last - counts
+        # piece k of the batch is document-index entry (its sample's d0) + (k - its sample's first piece)
+        documents = self.document_index[np.arange(last.item(-1)) + np.repeat(d0 - first, counts)]
+        starts = np.zeros(len(documents), np.int64)
+        starts[first] = o0
+        ends = self.dataset.sequence_lengths[documents].astype(np.int64)
+        ends[last - 1] = o1 + self.config.extra_token
+        lengths = ends - starts
+        flat = self.dataset.gather(documents, starts, lengths)
+        if len(flat) == len(rows) * self._make_sample.length:
+            return flat.reshape(len(rows), -1)
+        sample_ends = np.cumsum(lengths)[last - 1]
+        return self._make_sample.pad_rows(np.split(flat, sample_ends[:-1]))
 
 
 class GPTFromMRDataset(_MidLevelDataset):
