@@ -238,8 +238,15 @@ class PlaintextTransform(_RecordTransform):
     def batch(self, records: Sequence[Mapping], wheres: Sequence[str]) -> list[list[ModelSample]]:
         """Tokenize the records' texts in one call and cut every window from one block of tokens (same samples
         as one record at a time, a fraction of the per-record cost)."""
-        texts = [self._text_or_error(record, where) for record, where in zip(records, wheres, strict=True)]
-        valid = [position for position, text in enumerate(texts) if type(text) is str]
+        # A dict whose first text key holds a string is the common case, read without the general lookup.
+        first = self.text_keys[0] if self.text_template is None else None
+        texts = [
+            text
+            if type(record) is dict and type(text := record.get(first)) is str
+            else self._text_or_error(record, where)
+            for record, where in zip(records, wheres, strict=True)
+        ]
+        valid = [position for position, text in enumerate(texts) if isinstance(text, str)]
         encodings = self.tokenizer.backend.encode_batch_fast([texts[p] for p in valid], add_special_tokens=False)
         for position, samples in zip(valid, self._document_windows([e.ids for e in encodings]), strict=True):
             texts[position] = samples
