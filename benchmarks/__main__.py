@@ -24,7 +24,6 @@ from types import ModuleType
 from benchmarks import (
     bench_indexed_dataset,
     bench_indexed_io,
-    bench_memory,
     bench_offline,
     bench_online,
     bench_parallel,
@@ -34,15 +33,7 @@ from benchmarks.common import DEVICES, BenchContext, Row, environment, format_ta
 
 GROUPS: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (
-        bench_indexed_io,
-        bench_indexed_dataset,
-        bench_offline,
-        bench_online,
-        bench_parallel,
-        bench_schedule,
-        bench_memory,
-    )
+    for module in (bench_indexed_io, bench_indexed_dataset, bench_offline, bench_online, bench_parallel, bench_schedule)
 }
 
 
