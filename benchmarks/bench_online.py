@@ -42,6 +42,7 @@ SHUFFLE_BUFFER = 1_000  # records of the iterable source's shuffle buffer (a ten
 WORKERS = 2
 SOURCES = ("mapping", "iterable")
 THROUGHPUT_GOAL = 0.8
+BATCHED_ENCODE_GOAL = 0.85  # against the transform's own tokenizer call, the gap is the pipeline's per-record work
 RECORDS_PER_READ = 32  # the dynamic loader's records per read (build_dataloader._RECORDS_PER_READ)
 
 PACK_MAX_SEQ_LEN = 4096
@@ -219,7 +220,7 @@ def throughput_rows(
             total / timings["mapping"].best,
             bare_batches,
             "tokens/s",
-            THROUGHPUT_GOAL,
+            BATCHED_ENCODE_GOAL,
             f"ref: Tokenizer.encode_batch_fast over reads of {RECORDS_PER_READ} texts in memory, one thread (the "
             "call the transform makes, so the ratio is the pipeline's own overhead)",
         ),
@@ -228,7 +229,7 @@ def throughput_rows(
             total / timings["iterable"].best,
             bare_batches,
             "tokens/s",
-            THROUGHPUT_GOAL,
+            BATCHED_ENCODE_GOAL,
             "as the row above, streaming source",
         ),
         Row.compare(
