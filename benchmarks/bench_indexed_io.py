@@ -2,15 +2,12 @@
 
 For each token dtype (uint16, int32) one synthetic corpus is generated (seeded, lognormal document lengths with
 median ~600 and mean ~1000 tokens) and fed to both writers; the outputs must be byte-identical. Both readers then
-read the file megatron-core wrote, so every comparison uses the same bytes. The raw page-cache read, the bound of the
-sequential rows, is timed in the same rounds as the reads it bounds, and a batched ``gather`` of every document in
-seeded random batches is measured against it.
+read the file megatron-core wrote, so every comparison uses the same bytes.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,17 +140,11 @@ def _bench_writers(context: BenchContext, corpus: Corpus, label: str) -> tuple[l
             checked.add(name)
         remove_prefix(prefixes[name])  # keep at most two corpora on disk
 
-    def start_clean(name: str) -> None:
-        # Untimed: each writer starts with no dirty pages of the one before it, which the kernel would otherwise
-        # make it wait for (the third writer of a round ran 0.75-1.0x while the second ran 1.3-1.6x).
-        remove_prefix(prefixes[name])
-        os.sync()
-
     log(f"writing {len(sizes):,} {label} documents ({corpus.nbytes / 1e6:,.0f} MB) x {context.repeats} rounds")
     timings = measure(
         {"megatron": write_megatron, "ours": write_ours, "ours_bulk": write_ours_bulk},
         context.repeats,
-        before=start_clean,
+        before=lambda name: remove_prefix(prefixes[name]),
         after=check_and_remove,
     )
     megabytes = corpus.nbytes / 1e6
