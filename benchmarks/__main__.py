@@ -6,6 +6,7 @@ Usage::
     python -m benchmarks --quick         # small inputs, about a minute
     python -m benchmarks --only offline  # one group
     python -m benchmarks --json results.json --workdir /mnt/scratch
+    python -m benchmarks --only parallel --device cuda  # the delivery rows on the GPU
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from benchmarks import (
     bench_parallel,
     bench_schedule,
 )
-from benchmarks.common import BenchContext, Row, environment, format_table
+from benchmarks.common import DEVICES, BenchContext, Row, environment, format_table
 
 GROUPS: dict[str, ModuleType] = {
     module.NAME: module
@@ -45,12 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also save the results as JSON")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement (best kept)")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the delivery rows (parallel group) build masks and metadata; cuda rows are skipped without a GPU",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     facts = environment()
+    facts["delivery device"] = args.device
     print("environment")
     for key, value in facts.items():
         print(f"  {key}: {value}")
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="hp-data-bench-", dir=args.workdir))
-    context = BenchContext(quick=args.quick, workdir=workdir, repeats=repeats)
+    context = BenchContext(quick=args.quick, workdir=workdir, repeats=repeats, device=args.device)
     groups = [GROUPS[args.only]] if args.only else list(GROUPS.values())
     rows: list[Row] = []
     started = time.perf_counter()

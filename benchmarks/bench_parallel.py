@@ -1,18 +1,26 @@
-"""Per-rank attention metadata of the parallel delivery step against upstream's global dense mask; TP broadcast bytes;
-PP bytes with field ownership against every field to every stage.
+"""Delivery against like-for-like references: our FlexAttention BlockMask against FlexAttention's own
+``create_block_mask``, ``ParallelBatch`` per micro-batch against the collator that made the micro-batch; TP broadcast
+bytes; PP bytes with field ownership against every field to every stage.
 
-* **Input.** One packed row (``R = 1``) of ``T`` global tokens (8k, 32k and 128k; 8k and 32k with ``--quick``)
-  holding documents of seeded lognormal lengths (median 1,024 tokens, sigma 1.0, each a multiple of 16 so that
-  every layout up to cp 8 cuts them), the last one cut at the row end.
-* **Ours.** For each CP size (1, 2, 4, 8) one rank's work, simulated in this process: rank 0's local columns are
-  taken untimed (``cp_local_columns``: zigzag for dense and flex, zigzag_thd for packed, as the sharder gives them),
-  then the metadata is built and timed: ``dense_attention_mask`` (bool ``[1, 1, T/cp, T]``), ``packed_seq_params``
-  (THD boundaries) and ``flex_block_mask`` (a FlexAttention ``BlockMask``, blocks of 128).
-* **Reference.** Upstream hyper_parallel's global dense mask ``[1, 1, T, T]``: a lower-triangular mask, then for
-  every sequence start ``t`` the keys before ``t`` cut from the queries from ``t`` on, on every rank whatever cp.
-  Skipped at 128k (16 GiB of bool); so is our dense mask wherever it would need more than 4 GiB.
-* **Checked.** At the smallest size, our cp-1 dense mask equals the reference, and every rank's mask at cp 2 is the
-  reference's rows at its columns.
+* **Input.** Packed rows of ``T`` tokens (8k, 32k and 128k; 8k and 32k with ``--quick``) holding documents of
+  seeded lognormal lengths (median 1,024 tokens, sigma 1.0; multiples of 16 for the masks, so that every layout up to
+  cp 8 cuts them), the last one cut at the row end.
+* **BlockMask.** For cp 1, 2, 4 and 8, rank 0's zigzag columns are taken untimed (``cp_local_columns``), then ours,
+  ``flex_block_mask`` (block tables from each query's key interval), is timed against
+  ``torch.nn.attention.flex_attention.create_block_mask`` given our ``mask_mod`` itself (document-causal over the
+  local queries; it evaluates the ``mask_mod`` on every (query, key) pair), ``Q_LEN = T / cp``, ``KV_LEN = T``, blocks
+  of 128, on the same device. The two masks are asserted equal block for block (every table, key-major and
+  query-major) and their bytes compared. The reference is skipped where it would evaluate more than
+  ``REFERENCE_PAIRS`` pairs (tens of seconds on a CPU); our build is still timed there.
+* **ParallelBatch.** One process, a ``DataLoaderParallelContext`` from integers (rank 0 of cp 1, 2, 4, 8, no
+  group, so the relay sends nothing): ``ParallelBatch(attention_mode=packed | flex)`` delivers one collated micro-batch
+  (shard, relay, position ids, loss mask, metadata), timed against the Online collator
+  (``build_online_text_collate_fn(layout=stage.layout)``) packing the same samples. Checked: the delivered tokens,
+  labels and loss mask are the batch's at the rank's columns.
+* **Device.** With ``--device cuda`` both sets of rows run on the GPU: masks, tables and metadata on the device, the
+  micro-batch pinned (untimed, as ``DataLoader(pin_memory=True)``'s thread does) and copied with
+  ``non_blocking=True`` inside the timed delivery, each timed call ending with ``torch.cuda.synchronize``. Without a
+  CUDA device those rows are skipped, with the reason, and the byte rows still run.
 * **PP bytes.** At 32k tokens (cp 1), the bytes one ``BatchRelay`` PP hop sends from stage 0 for one micro-batch
   (``pipeline_bytes``, the count the relay's ``last_pp_bytes`` reports, asserted equal in ``tests/parallel/
   test_relay.py``) with Megatron-Core's field ownership, against the same hop sending every field to every stage,
@@ -23,18 +31,17 @@ PP bytes with field ownership against every field to every stage.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
-from benchmarks.common import BenchContext, Row, log, measure
-from hyper_parallel.data.batching.attention_runtime import dense_attention_mask, flex_block_mask, packed_seq_params
+from benchmarks.common import BenchContext, Row, log, measure, synchronize, unavailable_device
+from hyper_parallel.data.batching.attention_runtime import flex_block_mask
+from hyper_parallel.data.batching.build_collate_fn import build_online_text_collate_fn
+from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.parallel.batch_parallel import (
     BROADCAST_FIELDS,
     broadcast_bytes,
@@ -42,45 +49,49 @@ from hyper_parallel.data.parallel.batch_parallel import (
     header_bytes,
     pipeline_bytes,
 )
+from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 
 NAME = "parallel"
 TITLE = (
-    "Per-rank attention metadata (dense, packed, flex) vs upstream's global dense mask; TP broadcast bytes; PP bytes "
-    "with field ownership vs every field to every stage"
+    "Delivery vs like-for-like references: our BlockMask vs create_block_mask, ParallelBatch vs the collator; TP "
+    "broadcast bytes; PP bytes with field ownership vs every field to every stage"
 )
 
 TOKENS_FULL = (8 * 1024, 32 * 1024, 128 * 1024)
 TOKENS_QUICK = (8 * 1024, 32 * 1024)
 CP_SIZES = (1, 2, 4, 8)
-GOAL_TOKENS = 32 * 1024  # the size the metadata goals are set at
+GOAL_TOKENS = 32 * 1024  # the size of the PP rows
 MEDIAN_DOCUMENT = 1024
 SIGMA = 1.0
 SEED = 1234
+VOCAB = 50_000
 MULTIPLE = 16  # 2 * the largest cp: every layout cuts every document
-DENSE_LIMIT = 4 << 30  # bytes of dense mask built at most (the machine the figures were taken on has 24 GiB)
-SPEED_GOAL = 1 / 50  # packed and flex at least 50x faster than the global dense mask
-BYTES_GOAL = 0.01  # packed and flex metadata at most 1% of the rank's token tensors
+BLOCK_SIZE = 128
+REFERENCE_PAIRS = {"cpu": 1 << 28, "cuda": 1 << 33}  # (query, key) pairs create_block_mask evaluates at most
+MASK_BUILD_GOAL = 0.5
+MASK_BYTES_GOAL = 1.0
+DELIVERY_GOAL = 0.25
+DELIVERY_MODES = {"packed": "zigzag_thd", "flex": "zigzag"}
 BROADCAST_GOAL = 1.01
-REPEATS_FACTOR = 3  # most builds take milliseconds: more repetitions steady the best one
-TOKEN_BYTES = 8 + 8 + 8 + 4  # a rank's int64 input_ids, labels, position_ids and float32 loss_mask, per token
-LAYOUTS = {"dense": "zigzag", "packed": "zigzag_thd", "flex": "zigzag"}
-MODES = tuple(LAYOUTS)
-MB = 1e6
+REPEATS_FACTOR = 3  # most calls take milliseconds: more repetitions steady the best one
+PP_SIZES = (2, 4, 8)
+PIPELINE_SLACK = 1.05
+RELAY_FIELDS = (*BROADCAST_FIELDS, "local_cp_size")
 
-_NOTE_TIME = (
-    "ms to build one rank's metadata from the global cu_seq_lens and its local columns (rank 0; zigzag for dense "
-    "and flex, zigzag_thd for packed), best of 3 x the run's repeats; reference: upstream's global [1, 1, T, T] "
-    "mask (tril, then the keys before each sequence start cut), which every rank builds whatever cp"
+_NOTE_MASK_TIME = (
+    "ms to build rank 0's BlockMask (zigzag columns, blocks of 128) with flex_block_mask, best of the run's repeats; "
+    "reference: torch's create_block_mask(mask_mod, 1, None, T/cp, T) given our mask_mod itself (it evaluates the "
+    "mask_mod on every query-key pair), same device; the two masks asserted equal block for block"
 )
-_NOTE_PEAK = (
-    "MB the process's resident set grew to while building, in an untimed run (free allocator pages handed back and "
-    "VmHWM reset before, so reused memory counts too); reference: the global mask's build"
+_NOTE_MASK_BYTES = (
+    "bytes of every tensor the BlockMask holds (kv, full-kv and the transposed q tables, and the two int32 [R, s] "
+    "tensors its mask_mod reads), against create_block_mask's with the same mask_mod: the same format, so 1.0 "
+    "unless ours holds more"
 )
-_NOTE_DENSE_BYTES = "bytes of the rank's [1, 1, T/cp, T] mask times cp, against the global [1, 1, T, T] mask: exactly 1"
-_NOTE_METADATA = (
-    f"bytes of every tensor the metadata holds (PackedSeqParams: its one boundary tensor; BlockMask: its kv, full-kv "
-    f"and transposed q tables and the two int32 tensors its mask_mod reads), against the rank's token tensors "
-    f"(input_ids, labels, position_ids int64 and loss_mask float32: {TOKEN_BYTES} bytes a local token)"
+_NOTE_DELIVERY = (
+    "ms for ParallelBatch to deliver one micro-batch on rank 0 of the CP size (a context from integers, no group: "
+    "CP shard, relay, position ids, loss mask, the mode's metadata), best of 3 x the run's repeats; reference: the "
+    "Online collator (build_online_text_collate_fn(layout=stage.layout)) packing the same samples into that batch"
 )
 _NOTE_BROADCAST = (
     "bytes one TP broadcast sends (TPBatchBroadcaster: header, the CP-local input_ids and labels, the global int32 "
@@ -91,10 +102,6 @@ _NOTE_PIPELINE = (
     "stage: input_ids, position_ids; last: labels, loss_mask; every stage: cu_seq_lens, local_cp_size), a header per "
     "later stage included; reference: the same hop sending every field to every stage"
 )
-PP_SIZES = (2, 4, 8)
-PIPELINE_SLACK = 1.05
-RELAY_FIELDS = (*BROADCAST_FIELDS, "local_cp_size")
-_NOTE_SKIPPED = f"more than {DENSE_LIMIT >> 30} GiB of bool mask"
 
 
 def boundaries(tokens: int) -> np.ndarray:
@@ -106,144 +113,142 @@ def boundaries(tokens: int) -> np.ndarray:
     return np.concatenate([[0], ends[ends < tokens], [tokens]]).astype(np.int32)
 
 
-def global_dense_mask(cu_seq_lens: np.ndarray, tokens: int) -> torch.Tensor:
-    """Upstream's mask: ``[1, 1, T, T]`` lower-triangular, then the keys before each sequence start cut."""
-    mask = torch.ones(1, 1, tokens, tokens, dtype=torch.bool).tril_()
-    for start in cu_seq_lens[1:-1].tolist():
-        mask[0, 0, start:, :start] = False
-    return mask
-
-
-# -- memory ---------------------------------------------------------------------------------------------------------
-
-
-def _release_free_memory() -> None:
-    """Hand the allocator's free pages back to the system (glibc), so that reusing them counts as growth again."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _resident_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def peak_growth(build: Callable[[], Any]) -> float | None:
-    """MB the resident set peaked above its level before ``build()`` (None where Linux's VmHWM cannot be reset)."""
-    _release_free_memory()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-    except OSError:
-        return None
-    before = _resident_kib("VmRSS")
-    result = build()
-    peak = _resident_kib("VmHWM")
-    del result
-    return max(0, peak - before) * 1024 / MB
-
-
-# -- sizes ----------------------------------------------------------------------------------------------------------
-
-
-def metadata_bytes(metadata: Any) -> int:
-    """Bytes of the distinct tensors a PackedSeqParams or BlockMask holds (with those its mask_mod reads)."""
-    if hasattr(metadata, "as_tuple"):  # a BlockMask: its tables, then the mask_mod's captured tensors
-        values = [*metadata.as_tuple(flatten=True), *(cell.cell_contents for cell in metadata.mask_mod.__closure__)]
-    else:
-        values = list(vars(metadata).values())
+def metadata_bytes(block_mask: Any) -> int:
+    """Bytes of the distinct tensors a BlockMask holds, with those its ``mask_mod`` reads."""
+    captured = [cell.cell_contents for cell in block_mask.mask_mod.__closure__ or ()]
+    values = [*block_mask.as_tuple(flatten=True), *captured]
     tensors = {value.data_ptr(): value for value in values if isinstance(value, torch.Tensor)}
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+
+
+def check_same_blocks(ours: Any, reference: Any, where: str) -> None:
+    """Every table of the two BlockMasks is equal (key-major and query-major, partial and full), as are the sizes."""
+    assert ours.seq_lengths == reference.seq_lengths and ours.BLOCK_SIZE == reference.BLOCK_SIZE, where
+    for mine, theirs in zip(ours.as_tuple(flatten=True), reference.as_tuple(flatten=True), strict=True):
+        if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
+            assert isinstance(mine, torch.Tensor) and torch.equal(mine, theirs.to(mine.device)), where
+        elif not callable(mine):
+            assert mine == theirs, where
 
 
 def _label(tokens: int) -> str:
     return f"{tokens // 1024}k"
 
 
-# -- one size -------------------------------------------------------------------------------------------------------
+def _synchronized(call: Callable[[], Any], device: str) -> Callable[[], Any]:
+    """``call`` that returns only once the device has run what it queued, so that its time includes that work."""
+
+    def timed():
+        result = call()
+        synchronize(device)
+        return result
+
+    return timed
 
 
-def _builders(cu_seq_lens: np.ndarray, tokens: int) -> dict[tuple[str, int], Callable[[], Any]]:
-    """Each (mode, cp) case whose inputs fit, as a call that builds rank 0's metadata."""
+# -- our BlockMask against create_block_mask --------------------------------------------------------------------
+
+
+def _mask_cases(tokens: int, device: str) -> dict[str, Callable[[], Any]]:
+    """The builds at one size by case name: ``"ours cp2"``, and ``"reference cp2"`` where it evaluates few enough
+    (query, key) pairs."""
+    cu_seq_lens = boundaries(tokens)
     cases = {}
     for cp in CP_SIZES:
-        columns = {mode: cp_local_columns(layout, cu_seq_lens, 1, tokens, cp, 0) for mode, layout in LAYOUTS.items()}
-        if tokens * tokens // cp <= DENSE_LIMIT:
-            cases["dense", cp] = lambda c=columns["dense"]: dense_attention_mask(cu_seq_lens, c, tokens)[0]
-        cases["packed", cp] = lambda cp=cp: packed_seq_params(cu_seq_lens, cp_size=cp)
-        cases["flex", cp] = lambda c=columns["flex"]: flex_block_mask(cu_seq_lens, c, tokens)
+        columns = cp_local_columns("zigzag", cu_seq_lens, 1, tokens, cp, 0)
+        ours = _synchronized(lambda c=columns: flex_block_mask(cu_seq_lens, c, tokens, device=device), device)
+        cases[f"ours cp{cp}"] = ours
+        if tokens * tokens // cp <= REFERENCE_PAIRS[device]:
+            mask_mod = ours().mask_mod  # the same mask_mod: the same document-causal rule over the same tensors
+            cases[f"reference cp{cp}"] = _synchronized(
+                lambda m=mask_mod, q=tokens // cp: create_block_mask(
+                    m, 1, None, q, tokens, device=device, BLOCK_SIZE=BLOCK_SIZE
+                ),
+                device,
+            )
     return cases
 
 
-def _check(cu_seq_lens: np.ndarray, tokens: int, reference: torch.Tensor) -> None:
-    """Our masks are the reference's: the whole mask at cp 1, each rank's rows at its columns at cp 2."""
-    whole, _ = dense_attention_mask(cu_seq_lens, cp_local_columns("zigzag", cu_seq_lens, 1, tokens, 1, 0), tokens)
-    assert torch.equal(whole, reference), "dense cp 1 differs from upstream's global mask"
-    for rank in range(2):
-        columns = cp_local_columns("zigzag", cu_seq_lens, 1, tokens, 2, rank)
-        local, _ = dense_attention_mask(cu_seq_lens, columns, tokens)
-        assert torch.equal(local[0, 0], reference[0, 0, torch.from_numpy(columns[0])]), f"dense cp 2 rank {rank}"
-
-
-def _cases(tokens: int) -> dict[str, Callable[[], Any]]:
-    """Every build measured at one size, by row name part: ``"dense cp2"``, ..., and ``"reference"`` when it fits."""
-    cu_seq_lens = boundaries(tokens)
-    cases = {f"{mode} cp{cp}": build for (mode, cp), build in _builders(cu_seq_lens, tokens).items()}
-    if tokens * tokens <= DENSE_LIMIT:
-        cases["reference"] = lambda: global_dense_mask(cu_seq_lens, tokens)
-    return cases
-
-
-def _timings(context: BenchContext, tokens: int, check: bool) -> dict[str, float]:
-    """Best ms of every build at one size, interleaved (milliseconds each: three times the usual repeats)."""
-    cases = _cases(tokens)
-    repeats = REPEATS_FACTOR * context.repeats
-    log(f"{_label(tokens)} tokens, {len(boundaries(tokens)) - 1} sequences: timing {len(cases)} builds x {repeats}")
-    timings = measure(cases, repeats)
-    if check and "reference" in cases:
-        _check(boundaries(tokens), tokens, cases["reference"]())
-    return {name: timing.best * 1e3 for name, timing in timings.items()}
-
-
-def _peaks(tokens: int) -> dict[str, float | None]:
-    """Peak resident growth (MB) of every build at one size, one untimed run each."""
-    log(f"{_label(tokens)} tokens: peak memory of each build")
-    return {name: peak_growth(build) for name, build in _cases(tokens).items()}
-
-
-def _size_rows(tokens: int, timings: dict[str, float], peaks: dict[str, float | None]) -> list[Row]:
-    """Each mode's rows for every cp at one size (build time, peak memory, size), then the broadcast rows."""
-    cu_seq_lens = boundaries(tokens)
-    cases = _builders(cu_seq_lens, tokens)
+def _mask_rows(context: BenchContext, tokens: int) -> list[Row]:
+    """Build time and bytes of our BlockMask against create_block_mask's, per cp, the two asserted equal."""
+    cases = _mask_cases(tokens, context.device)
+    log(f"{_label(tokens)} tokens: timing {len(cases)} BlockMask builds x {context.repeats} on {context.device}")
+    timings = measure(cases, context.repeats)
     rows = []
-    for mode in MODES:
+    for cp in CP_SIZES:
+        name = f"flex {_label(tokens)} cp{cp} on {context.device}"
+        ours = cases[f"ours cp{cp}"]()
+        reference_case = cases.get(f"reference cp{cp}")
+        if reference_case is None:
+            why = f"no reference: create_block_mask would evaluate more than {REFERENCE_PAIRS[context.device]:,} pairs"
+            rows.append(Row(f"{name}: build vs create_block_mask", timings[f"ours cp{cp}"].best * 1e3, None, "ms",
+                            None, None, f"{_NOTE_MASK_TIME} ({why})", False))  # fmt: skip
+            continue
+        reference = reference_case()
+        check_same_blocks(ours, reference, f"{name}: our BlockMask differs from create_block_mask's")
+        rows.append(Row.compare(f"{name}: build vs create_block_mask", timings[f"ours cp{cp}"].best * 1e3,
+                                timings[f"reference cp{cp}"].best * 1e3, "ms", MASK_BUILD_GOAL, _NOTE_MASK_TIME,
+                                higher_is_better=False))  # fmt: skip
+        rows.append(Row.compare(f"{name}: bytes vs create_block_mask", metadata_bytes(ours) / 1e3,
+                                metadata_bytes(reference) / 1e3, "KB", MASK_BYTES_GOAL, _NOTE_MASK_BYTES,
+                                higher_is_better=False))  # fmt: skip
+    return rows
+
+
+# -- ParallelBatch against the collator ------------------------------------------------------------------------
+
+
+def samples(tokens: int) -> list[dict[str, np.ndarray]]:
+    """The documents of ``boundaries(tokens)`` as Online samples: seeded token ids, labels equal to the ids."""
+    cu_seq_lens = boundaries(tokens).astype(np.int64)
+    ids = np.random.default_rng(SEED + 1).integers(0, VOCAB, size=tokens, dtype=np.int64)
+    return [{"input_ids": ids[a:b], "labels": ids[a:b]} for a, b in zip(cu_seq_lens[:-1], cu_seq_lens[1:], strict=True)]
+
+
+def _delivery(mode: str, cp: int, device: str, documents: list[dict[str, np.ndarray]]):
+    """``(collate, deliver, check)``: the reference, ours on one collated micro-batch, and the check of ours."""
+    stage = ParallelBatch(
+        parallel_context=DataLoaderParallelContext(cp_size=cp), attention_mode=mode, cp_layout=DELIVERY_MODES[mode],
+        device=device,
+    )  # fmt: skip
+    collate = build_online_text_collate_fn(layout=stage.layout)
+    batch = collate(documents)
+    if device == "cpu":
+        deliver = lambda: stage(iter([batch]))  # noqa: E731
+    else:
+        pinned = batch.pin_memory()  # the DataLoader's pin thread, untimed
+        deliver = lambda: stage(iter([pinned.to(device, non_blocking=True)]))  # noqa: E731
+
+    def check(delivered) -> None:
+        model_inputs, loss_inputs = delivered
+        rows, width = batch.input_ids.shape
+        columns = torch.from_numpy(cp_local_columns(stage.cp_layout, batch.cu_seq_lens, rows, width, cp, 0))
+        for name, wanted in (("input_ids", batch.input_ids), ("labels", batch.labels)):
+            assert torch.equal(model_inputs[name].cpu(), torch.gather(wanted, 1, columns)), f"{mode} cp{cp}: {name}"
+        wanted_mask = (torch.gather(batch.labels, 1, columns) >= 0).float()
+        assert torch.equal(loss_inputs["loss_mask"].cpu(), wanted_mask), f"{mode} cp{cp}: loss_mask"
+
+    return lambda: collate(documents), _synchronized(deliver, device), check
+
+
+def _delivery_rows(context: BenchContext, tokens: int) -> list[Row]:
+    """Per mode and cp: one micro-batch's delivery against its collation, interleaved, the delivery checked."""
+    documents = samples(tokens)
+    repeats = REPEATS_FACTOR * context.repeats
+    log(f"{_label(tokens)} tokens, {len(documents)} samples: ParallelBatch vs the collator x {repeats}")
+    rows = []
+    for mode in DELIVERY_MODES:
         for cp in CP_SIZES:
-            name = f"{mode} {_label(tokens)} cp{cp}"
-            if (mode, cp) not in cases:
-                rows.append(Row.skipped(f"{name}: build", _NOTE_SKIPPED, "ms"))
-                continue
-            goal = SPEED_GOAL if mode != "dense" and tokens == GOAL_TOKENS else None
-            case = f"{mode} cp{cp}"
-            rows.append(_row(f"{name}: build", timings[case], timings.get("reference"), "ms", goal, _NOTE_TIME))
-            rows.append(_row(f"{name}: peak memory", peaks[case], peaks.get("reference"), "MB", None, _NOTE_PEAK))
-            rows.append(_size_row(name, mode, cp, tokens, cases[mode, cp]()))
-    return rows + _broadcast_rows(cu_seq_lens, tokens)
+            collate, deliver, check = _delivery(mode, cp, context.device, documents)
+            check(deliver())
+            timings = measure({"collate": collate, "deliver": deliver}, repeats)
+            rows.append(Row.compare(f"ParallelBatch {mode} {_label(tokens)} cp{cp} on {context.device}: delivery vs "
+                                    "collation", timings["deliver"].best * 1e3, timings["collate"].best * 1e3, "ms",
+                                    DELIVERY_GOAL, _NOTE_DELIVERY, higher_is_better=False))  # fmt: skip
+    return rows
 
 
-def _size_row(name: str, mode: str, cp: int, tokens: int, built: Any) -> Row:
-    if mode == "dense":
-        assert built.numel() * cp == tokens * tokens, "the local mask is not 1/cp of the global one"
-        return Row.compare(f"{name}: mask bytes x cp", built.numel() * cp / MB, tokens**2 / MB, "MB", 1.0,
-                           _NOTE_DENSE_BYTES, higher_is_better=False)  # fmt: skip
-    goal = BYTES_GOAL if tokens == GOAL_TOKENS else None
-    return Row.compare(f"{name}: metadata / token bytes", metadata_bytes(built) / 1e3, TOKEN_BYTES * tokens / cp / 1e3,
-                       "KB", goal, _NOTE_METADATA, higher_is_better=False)  # fmt: skip
-
-
-def _row(name: str, ours: float | None, reference: float | None, unit: str, goal: float | None, note: str) -> Row:
-    if ours is None:
-        return Row.skipped(name, "the resident set's peak cannot be reset here (Linux /proc only)", unit)
-    if reference is None:
-        return Row(name, ours, None, unit, None, None, f"{note} (no reference: {_NOTE_SKIPPED})", False)
-    return Row.compare(name, ours, reference, unit, goal, note, higher_is_better=False)
+# -- bytes ----------------------------------------------------------------------------------------------------------
 
 
 def _broadcast_rows(cu_seq_lens: np.ndarray, tokens: int) -> list[Row]:
@@ -285,9 +290,19 @@ def _pipeline_rows(cu_seq_lens: np.ndarray, tokens: int) -> list[Row]:
 
 
 def run(context: BenchContext) -> list[Row]:
-    """Per size, each mode's build time, peak memory and size for every cp, then the TP and PP bytes."""
+    """Per size, the BlockMask and ParallelBatch rows on the context's device (skipped, with the reason, where it is
+    missing) and the TP bytes; then the PP bytes."""
+    sizes = TOKENS_QUICK if context.quick else TOKENS_FULL
+    reason = unavailable_device(context.device)
+    if reason is not None:
+        log(f"skipping the BlockMask and ParallelBatch rows: {reason}")
     rows = []
-    for index, tokens in enumerate(TOKENS_QUICK if context.quick else TOKENS_FULL):
-        timings = _timings(context, tokens, check=index == 0)
-        rows += _size_rows(tokens, timings, _peaks(tokens))
+    for tokens in sizes:
+        if reason is None:
+            rows += _mask_rows(context, tokens) + _delivery_rows(context, tokens)
+        else:
+            label = f"{_label(tokens)} on {context.device}"
+            rows += [Row.skipped(f"flex {label}: build vs create_block_mask", reason, "ms"),
+                     Row.skipped(f"ParallelBatch {label}: delivery vs collation", reason, "ms")]  # fmt: skip
+        rows += _broadcast_rows(boundaries(tokens), tokens)
     return rows + _pipeline_rows(boundaries(GOAL_TOKENS), GOAL_TOKENS)

@@ -13,6 +13,12 @@
   against reading and collating the same step with the library's online collator (``TextPackingCollator``): the
   step's tokens are generated untimed into one buffer, then each DP rank's ``NUM_MICROBATCHES`` micro-batches
   (consecutive sequences, about ``cp * capacity`` tokens each) are sliced out as samples and collated, timed.
+* **The whole step on a mesh.** Four gloo processes, DP2 x CP2: each DP rank's loader yields ``NUM_MICROBATCHES``
+  micro-batches of seeded lognormal sequences (``MESH_CAPACITY`` tokens per rank, 8k with ``--quick``), collated by
+  ``TextPackingCollator(alignment=1)`` (the reference, timed on every rank). Ours, on every rank:
+  ``ParallelBatch(attention_mode="packed", scheduler=...).schedule`` on those micro-batches (gather the lengths,
+  plan, pack) and iterating the step (deliver every micro-batch). Per round the two are timed interleaved between
+  barriers; a round's time is its slowest rank's, and the best round is reported.
 * **Dynamic CP against Megatron's rule.** ``MEGATRON_STEPS`` seeded lognormal steps per rank count
   (``MEGATRON_RANKS``, 4 to 64 DP x CP ranks, CP 2; median 2,048 tokens, sigma 1.0, clipped to ``[128, 32768]``;
   ``max_seqlen_per_dp_cp_rank`` 8k; as many sequences as fill ``FILL`` of ``NUM_MICROBATCHES * R * 8k`` tokens)
@@ -23,7 +29,16 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
 
 from benchmarks.common import BenchContext, Row, log, measure
 from benchmarks.megatron_dynamic_cp import (
@@ -33,7 +48,9 @@ from benchmarks.megatron_dynamic_cp import (
     schedule_quality,
 )
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
+from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig, build_schedule, schedule_stats
+from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection
 
 NAME = "schedule"
 TITLE = "Packing scheduler on an SFT-like step: packing efficiency, per-rank cost balance, scheduling time"
@@ -76,6 +93,90 @@ _NOTE_TIME = (
     "ranks' micro-batches of the step (token generation untimed, no tokenizing); each DP rank collates only its "
     "quarter of that in parallel, so against one rank's collation the ratio is 4x"
 )
+
+
+MESH_SHAPE, MESH_SIZES = (2, 2), (1, 2, 4)  # DP x CP of the mesh rows, and its dynamic CP sizes
+MESH_CAPACITY, MESH_CAPACITY_QUICK = 32 * 1024, 8 * 1024
+MESH_GOAL = 0.3
+MESH_TIMEOUT = timedelta(seconds=300)  # a rank left waiting fails the group instead of hanging the run
+_NOTE_MESH = (
+    "ms of one step on a 4-rank gloo mesh (DP2 x CP2), the slowest rank's, best round: ParallelBatch.schedule "
+    "(all-gather of lengths and header, plan, pack) and iterating the step (every micro-batch delivered, packed "
+    "attention); reference: the same ranks' loaders producing the step (each collating its NUM_MICROBATCHES "
+    "micro-batches with TextPackingCollator(alignment=1)), timed in the same rounds"
+)
+
+
+def _mesh_samples(dp_rank: int, capacity: int) -> list[list[dict[str, np.ndarray]]]:
+    """One DP rank's micro-batches: seeded lognormal sequences filling ``FILL`` of ``cp * capacity`` each."""
+    rng = np.random.default_rng([SEED, dp_rank])
+    batches = []
+    for _ in range(NUM_MICROBATCHES):
+        lengths = np.clip(np.round(rng.lognormal(np.log(MEDIAN), SIGMA, size=256)), SHORTEST, capacity).astype(int)
+        lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths), FILL * MESH_SHAPE[1] * capacity)))]
+        ids = [rng.integers(0, VOCAB, size=n, dtype=np.int64) for n in lengths]
+        batches.append([{"input_ids": tokens, "labels": tokens} for tokens in ids])
+    return batches
+
+
+def _mesh_rank(rank: int, world_size: int, port: int, capacity: int, repeats: int, report: str) -> None:
+    """One rank of the mesh rows: interleaved rounds of the loaders' collation and the scheduled step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=MESH_TIMEOUT)  # fmt: skip
+    try:
+        mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "cp"))
+        groups = ProcessGroupCollection.from_mesh(mesh, MESH_SIZES)
+        collate = TextPackingCollator(alignment=1)
+        samples = _mesh_samples(groups.dp_rank, capacity)
+        times: dict[str, list[list[float]]] = {}
+        for _ in range(repeats):
+            for name in SCHEDULERS:
+                config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=capacity, scheduler=name)
+                stage = ParallelBatch(attention_mode="packed", scheduler=config, pg_collection=groups)
+                dist.barrier()
+                start = time.perf_counter()
+                batches = [collate(batch) for batch in samples]
+                produced = time.perf_counter()
+                dist.barrier()
+                begun = time.perf_counter()
+                step = stage.schedule(iter(batches), NUM_MICROBATCHES)
+                delivered = sum(int((loss["loss_mask"] > 0).sum()) for _, loss in step)
+                done = time.perf_counter()
+                times.setdefault(name, []).append([produced - start, done - begun, delivered])
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, times)
+        if rank == 0:
+            Path(report).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_rows(context: BenchContext) -> list[Row]:
+    """The scheduler's whole step on the 4-rank mesh against the loaders producing it, per scheduler."""
+    capacity = MESH_CAPACITY_QUICK if context.quick else MESH_CAPACITY
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    report = context.workdir / "mesh.json"
+    world_size = MESH_SHAPE[0] * MESH_SHAPE[1]
+    log(f"mesh DP{MESH_SHAPE[0]} x CP{MESH_SHAPE[1]}: {world_size} gloo processes, {capacity:,} tokens per rank")
+    torch.multiprocessing.start_processes(_mesh_rank, (world_size, port, capacity, context.repeats, str(report)),
+                                          nprocs=world_size, start_method="spawn")  # fmt: skip
+    ranks = json.loads(report.read_text())
+    expected = sum(int(np.sum(b["labels"] >= 0)) for d in range(MESH_SHAPE[0]) for batch in
+                   _mesh_samples(d, capacity) for b in batch)  # fmt: skip
+    rows = []
+    for name in SCHEDULERS:
+        rounds = list(zip(*(rank[name] for rank in ranks), strict=True))
+        delivered = {sum(entry[2] for entry in round_) for round_ in rounds}
+        assert delivered == {expected}, f"{name}: the mesh delivered {delivered} loss tokens, not {expected}"
+        reference = min(max(entry[0] for entry in round_) for round_ in rounds)
+        ours = min(max(entry[1] for entry in round_) for round_ in rounds)
+        label = f"{name} DP2 x CP2 mesh {capacity // 1024}k/rank: schedule + deliver vs loaders"
+        rows.append(Row.compare(label, ours * 1e3, reference * 1e3, "ms", MESH_GOAL, _NOTE_MESH, False))
+    return rows
 
 
 _NOTE_MEGATRON_BALANCE = (
@@ -302,5 +403,6 @@ def run(context: BenchContext) -> list[Row]:
                 higher_is_better=False,
             )
         )
+    rows.extend(mesh_rows(context))
     rows.extend(megatron_rows(MEGATRON_STEPS_QUICK if context.quick else MEGATRON_STEPS))
     return rows

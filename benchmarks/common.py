@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 __all__ = [
     "BenchContext",
+    "DEVICES",
     "Row",
     "Timing",
     "environment",
@@ -29,7 +32,11 @@ __all__ = [
     "log",
     "measure",
     "remove_prefix",
+    "synchronize",
+    "unavailable_device",
 ]
+
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,27 @@ class BenchContext:
         quick: run the small, fast variant of every measurement.
         workdir: a private scratch folder; the runner deletes it afterwards.
         repeats: how many timed repetitions each measurement gets (the best one is reported).
+        device: where the delivery rows build their masks and metadata (``"cpu"`` or ``"cuda"``); the other rows
+            always run on the CPU.
     """
 
     quick: bool
     workdir: Path
     repeats: int
+    device: str = "cpu"
+
+
+def unavailable_device(device: str) -> str | None:
+    """Why the delivery rows cannot run on ``device`` (the skip reason), or None when they can."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but torch finds no CUDA device here (torch.cuda.is_available() is false)"
+    return None
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so that a timed call includes it (nothing to wait for on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(message: str) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hyper_parallel.data.batching.attention_runtime import (
     THD_FIELDS,
@@ -147,17 +147,16 @@ def expand_block_mask(block_mask, rows: int, local: int, row_length: int) -> tor
 
 
 def exact_block_tables(block_mask, mask: torch.Tensor) -> bool:
-    """Whether the BlockMask lists exactly the blocks with some allowed pair, as full exactly those with all."""
+    """Whether the BlockMask lists exactly the blocks with some allowed pair, as full exactly those with all (a block
+    holding padding past the queries or keys is never full, as in create_block_mask)."""
     rows, local, width = mask.shape
     q_block, kv_block = block_mask.BLOCK_SIZE
     q_blocks, kv_blocks = -(-local // q_block), -(-width // kv_block)
 
-    def pooled(fill: bool) -> torch.Tensor:
-        padded = torch.full((rows, q_blocks * q_block, kv_blocks * kv_block), fill)
-        padded[:, :local, :width] = mask
-        return padded.view(rows, q_blocks, q_block, kv_blocks, kv_block).transpose(2, 3).flatten(-2)
-
-    some, every = pooled(False).any(-1), pooled(True).all(-1)
+    padded = torch.zeros(rows, q_blocks * q_block, kv_blocks * kv_block, dtype=torch.bool)
+    padded[:, :local, :width] = mask
+    pooled = padded.view(rows, q_blocks, q_block, kv_blocks, kv_block).transpose(2, 3).flatten(-2)
+    some, every = pooled.any(-1), pooled.all(-1)
     listed = torch.zeros(rows, q_blocks, kv_blocks + 1, dtype=torch.bool)
     for counts, indices, wanted in (
         (block_mask.kv_num_blocks, block_mask.kv_indices, some & ~every),
@@ -392,6 +391,43 @@ def test_block_tables_are_ordered_as_flex_attention_orders_them(cp):
     )
     for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(block_mask, name), getattr(transposed, name)), name
+
+
+def assert_same_blocks(ours: BlockMask, reference: BlockMask) -> None:
+    """Every table (key-major and query-major, partial and full), the sizes and the block size are equal."""
+    assert ours.seq_lengths == reference.seq_lengths and ours.BLOCK_SIZE == reference.BLOCK_SIZE
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+        assert torch.equal(getattr(ours, name), getattr(reference, name)), name
+
+
+@pytest.mark.parametrize("source, cp, layout", [case for case in cases() if case.values[1] in (1, 4)])
+def test_the_block_mask_is_create_block_masks_with_the_same_mask_mod(source, cp, layout):
+    """FlexAttention's own create_block_mask, which evaluates the mask_mod on every query-key pair, gives the same
+    tables as our build from the key intervals, causal or not, with or without a window."""
+    case = make_case(source, cp, layout)
+    for rank in range(cp):
+        columns = cp_local_columns(layout, case.cu_seq_lens, case.rows, case.row_length, cp, rank)
+        for causal, window in ((True, None), (True, WINDOW), (False, WINDOW)):
+            ours = flex_block_mask(
+                case.cu_seq_lens, columns, case.row_length, causal=causal, sliding_window=window, block_size=8
+            )
+            local = columns.shape[1]
+            reference = create_block_mask(ours.mask_mod, case.rows, None, local, case.row_length, BLOCK_SIZE=8)
+            assert_same_blocks(ours, reference)
+
+
+@pytest.mark.parametrize("row_length, block_size", [(300, 128), (96, 32), (50, 7)])
+def test_block_masks_with_partial_blocks_are_create_block_masks(row_length, block_size):
+    """Rows and local lengths that blocks do not divide, as in test_block_masks_with_partial_blocks."""
+    rng = np.random.default_rng(row_length)
+    cuts = np.sort(rng.choice(np.arange(1, row_length), size=6, replace=False))
+    bounds = np.concatenate([[0], cuts, [row_length, row_length * 2]])
+    columns = cp_local_columns("contiguous", bounds, 2, row_length, 2, 1)
+    for window in (None, 40):
+        ours = flex_block_mask(bounds, columns, row_length, sliding_window=window, block_size=block_size)
+        reference = create_block_mask(ours.mask_mod, 2, None, row_length // 2, row_length, BLOCK_SIZE=block_size)
+        assert_same_blocks(ours, reference)
 
 
 def test_flex_attention_with_the_block_mask_equals_each_document_alone():

@@ -229,6 +229,36 @@ def test_get_reads_a_token_range(corpus, mmap):
 
 
 @pytest.mark.parametrize("mmap", [True, False])
+def test_gather_concatenates_the_listed_token_ranges(corpus, mmap):
+    """``gather(ids, offsets, lengths)`` equals the ranges cut from the written sequences and joined in a loop;
+    ``gather(ids)`` is the listed sequences whole, repeats and empty sequences included."""
+    reader = IndexedDataReader(corpus.prefix, mmap=mmap)
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, len(corpus.sequences), size=40)
+    lengths = corpus.lengths[ids]
+    offsets = rng.integers(0, lengths + 1)
+    counts = rng.integers(0, lengths - offsets + 1)
+    expected = [corpus.sequences[i][o : o + n] for i, o, n in zip(ids, offsets, counts, strict=True)]
+    assert_tokens(reader.gather(ids, offsets, counts), np.concatenate(expected), corpus.dtype)
+    whole = np.concatenate([corpus.sequences[i] for i in ids])
+    assert_tokens(reader.gather(ids), whole, corpus.dtype)
+    assert_tokens(reader.gather(ids.tolist(), lengths=lengths), whole, corpus.dtype)
+    assert_tokens(reader.gather([]), np.empty(0), corpus.dtype)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize(
+    ("ids", "offsets", "lengths"),
+    [([-1], None, None), ([24], None, None), ([0], [0], [-1]), ([0], [-1], [1]), ([0, 1], [0, 0], [1, 10**6])],
+    ids=["negative-id", "id-past-the-end", "negative-length", "negative-offset", "range-past-the-end"],
+)
+def test_gather_outside_the_pair_raises_index_error(corpus, mmap, ids, offsets, lengths):
+    reader = IndexedDataReader(corpus.prefix, mmap=mmap)
+    with pytest.raises(IndexError, match=re.escape(str(corpus.prefix))):
+        reader.gather(ids, offsets, lengths)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
 def test_get_outside_the_sequence_raises_index_error(corpus, mmap):
     """Token ranges that leave the sequence raise IndexError naming the range and the sequence length."""
     reader = IndexedDataReader(corpus.prefix, mmap=mmap)

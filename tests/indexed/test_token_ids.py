@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed import indexed_data_reader
 from hyper_parallel.data.indexed.idx_format import DTYPE_BY_CODE
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata, metadata_path
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
@@ -213,3 +215,33 @@ def test_a_pickled_dataset_checks_the_ids_in_its_copy(tmp_path):
 
     with pytest.raises(DataFileError, match=r"the token id 9000 in document 2"):
         [copy[i] for i in range(len(copy))]
+
+
+# -- the per-read check of a memory-mapped pair, chunk by chunk ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shift", [2, 4, 15], ids=["4-token-chunks", "16-token-chunks", "default-chunks"])
+def test_a_read_fails_exactly_when_what_it_returns_holds_a_bad_id(tmp_path, monkeypatch, shift):
+    """Reads of good documents beside a bad id, before and after it is met, return their tokens; every read that
+    returns the bad id (``[i]``, ``get``, a slice, ``join``, ``gather``) fails naming it, as often as it is made."""
+    monkeypatch.setattr(indexed_data_reader, "_ID_CHUNK_SHIFT", shift)
+    documents = edge_documents(1000, count=20, seed=3)
+    documents[9][1] = 1000
+    reader = IndexedDataReader(write_pair(tmp_path / "pair", documents, np.uint16))
+    reader.check_token_ids(1000)
+    good = [i for i in range(20) if i != 9]
+    bad_reads = [
+        lambda: reader[9],
+        lambda: reader.get(9, 1, 1),
+        lambda: reader[5:12],
+        lambda: reader.join([(8, 0, None), (9, 0, 2)]),
+        lambda: reader.gather([0, 9]),
+    ]
+    for _ in range(2):
+        for i in good[::-1]:
+            np.testing.assert_array_equal(reader[i], documents[i])
+        np.testing.assert_array_equal(reader.get(9, 2), documents[9][2:])
+        for read in bad_reads:
+            with pytest.raises(DataFileError, match=r"the token id 1000 in document 9 \(sequence 9, token 1\)"):
+                read()
+    np.testing.assert_array_equal(reader.gather(good), np.concatenate([documents[i] for i in good]))

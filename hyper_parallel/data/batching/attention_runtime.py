@@ -367,7 +367,9 @@ def _block_tables(
     A query sees the keys ``[lo, hi]``, so it touches the key blocks ``[lo // b, hi // b]`` and sees whole the
     blocks ``[ceil(lo / b), last block ending at or before hi]``. A query block touches the union of its queries'
     ranges (a difference array over the blocks, then a running sum) and sees whole the intersection (the largest
-    start, the smallest end). ``lo``/``hi`` are padded to whole query blocks with empty intervals.
+    start, the smallest end). ``lo``/``hi`` are padded to whole query blocks with empty intervals. As in
+    FlexAttention's ``create_block_mask``, which pads the token mask with False to whole blocks, a block holding
+    padding (the row's last key block, the last query block) is never whole, so the tables are its tables.
     """
     rows, padded = lo.shape
     q_blocks, kv_blocks = padded // block_size, -(-row_length // block_size)
@@ -382,12 +384,11 @@ def _block_tables(
     steps.index_add_(0, stops, torch.full_like(stops, -1, dtype=torch.int32))
     touched = steps.view(rows, q_blocks, kv_blocks + 1).cumsum(-1)[..., :kv_blocks] > 0
 
-    whole_first = (lo + block_size - 1).div(block_size, rounding_mode="floor")
-    whole_last = torch.where(hi == row_length - 1, kv_blocks - 1, (hi + 1).div(block_size, rounding_mode="floor") - 1)
-    whole_first = whole_first.masked_fill(lo > hi, 0).view(rows, q_blocks, block_size).amax(-1)
-    whole_last = whole_last.masked_fill(lo > hi, kv_blocks - 1).view(rows, q_blocks, block_size).amin(-1)
+    whole_first = (lo + block_size - 1).div(block_size, rounding_mode="floor").view(rows, q_blocks, block_size)
+    whole_last = (hi + 1).div(block_size, rounding_mode="floor").view(rows, q_blocks, block_size) - 1
     blocks = torch.arange(kv_blocks, device=lo.device)
-    full = (blocks >= whole_first[..., None]) & (blocks <= whole_last[..., None]) & valid.any(-1, keepdim=True)
+    full = (blocks >= whole_first.amax(-1)[..., None]) & (blocks <= whole_last.amin(-1)[..., None])
+    full &= valid.all(-1, keepdim=True)
     return (touched & ~full)[:, None], full[:, None]
 
 

@@ -244,6 +244,30 @@ def _online_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarra
     """The samples' ``input_ids`` and ``labels``, checked to be non-empty and of equal lengths."""
     if len(samples) == 0:
         raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to pack")
+    fields = _transform_fields(samples)
+    return fields if fields is not None else _checked_fields(samples)
+
+
+def _transform_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """The fields of samples as the transforms make them (dicts of non-empty 1-D integer arrays of equal lengths),
+    checked for the whole batch at once; None when any sample is otherwise (``_checked_fields`` says which)."""
+    if not all(type(sample) is dict for sample in samples):
+        return None
+    inputs = [sample.get("input_ids") for sample in samples]
+    labels = [sample.get("labels") for sample in samples]
+    arrays = inputs + labels
+    if not all(type(array) is np.ndarray and array.ndim == 1 for array in arrays):
+        return None
+    if not {array.dtype.kind for array in arrays} <= {"i", "u"}:
+        return None
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    if not lengths.all() or not np.array_equal(lengths[: len(inputs)], lengths[len(inputs) :]):
+        return None
+    return inputs, labels
+
+
+def _checked_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The fields of any samples, converted and checked one by one, naming the first that is wrong."""
     inputs, labels = [], []
     for index, sample in enumerate(samples):
         ids, targets = _field(sample, "input_ids", index), _field(sample, "labels", index)

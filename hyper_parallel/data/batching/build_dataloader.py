@@ -454,14 +454,15 @@ class DynamicBatchDataLoader(_Loader):
                 delivered += 1
                 yield self._collate(policy.pop())
             # Samples enter the policy one at a time, so the batches do not depend on how records are read.
+            put, ready, sample_key = policy.put, policy.ready, source.sample_key
             for pulled, per_record in self._tracked.batches():
                 self._reading, self._absorbed = pulled, 0
                 records += len(pulled.keys)
                 for key, samples in zip(pulled.keys, per_record, strict=True):
                     for window, sample in enumerate(samples):
-                        policy.put(source.sample_key(key, window), sample)
+                        put(sample_key(key, window), sample)
                     self._absorbed += 1
-                    while policy.ready():
+                    while ready():
                         delivered += 1
                         yield self._collate(policy.pop())
                 self._reading = None

@@ -237,6 +237,7 @@ class ParallelBatch:
         self.cp_layout = self.layout.cp_layout
         self._check_layout()
         self._sharder = CPBatchSharder(self.context.cp_size, self.context.cp_rank, self.cp_layout)
+        self._read_columns: np.ndarray | None = None  # the columns the data rank cut the batch being delivered at
         self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
@@ -450,9 +451,10 @@ class ParallelBatch:
             loss_mask &= batch.input_ids != self.eod_token_id
         fields = {"input_ids": batch.input_ids, "labels": batch.labels, "loss_mask": loss_mask}
         if (cp_size, cp_rank) == (self.context.cp_size, self.context.cp_rank):
-            local, _ = self._sharder.shard(fields, cu_seq_lens)
+            local, columns = self._sharder.shard(fields, cu_seq_lens)
         else:
-            local, _ = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
+            local, columns = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
+        self._read_columns = columns.cpu().numpy()  # the data rank's _build reuses them
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
         sent = {**local, "cu_seq_lens": cu_seq_lens, "local_shape": shape}
         if batch.cu_seq_lens_real is not None:  # the real tokens of padded sequences (thd: cu_seqlens_q/kv)
@@ -504,7 +506,9 @@ class ParallelBatch:
         rows, local = received["local_shape"].tolist()
         row_length = local * cp_size
         bounds = cu_seq_lens.cpu().numpy()
-        columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
+        columns, self._read_columns = self._read_columns, None
+        if columns is None:  # a TP peer or a later PP stage: the same columns from the same boundaries
+            columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
         device = self.device
         model_inputs = {
             **self._attention(bounds, received.get("cu_seq_lens_real"), columns, row_length, group, cp_size),

@@ -13,9 +13,16 @@ start-up over thousands of prefixes stays a header read each.
 
 Token ids are checked the same way once ``check_token_ids`` is called (the mid-level datasets call it): at once,
 that the header's dtype is an integer one; on the first read, that a ``.meta.json`` beside the pair names the same
-dtype; and on every read, with one vectorised pass over what the read returns, that each id lies in
-``[0, vocab_size)`` (the tokenizer's, or the ``.meta.json``'s, whichever is smaller; without either, that no id
-is negative). ``check_all_token_ids`` scans the whole ``.bin`` instead (``hp-data inspect --verify``).
+dtype; and on every read, that each id it returns lies in ``[0, vocab_size)`` (the tokenizer's, or the
+``.meta.json``'s, whichever is smaller; without either, that no id is negative). With a memory map the check is one
+vectorised pass over each 32K-token chunk of the ``.bin`` the first time a read touches it, after which reads of
+checked chunks cost a flag lookup; a chunk holding a bad id stays unmarked and every read of it is checked exactly,
+so a read fails if and only if what it returns holds a bad id. ``gather`` checks its whole output in one pass, and
+``pread`` reads check what they return. ``check_all_token_ids`` scans the whole ``.bin`` (``hp-data inspect
+--verify``).
+
+Reads return views of one token array over the map (slicing it costs a fifth of ``np.frombuffer``); ``gather``
+copies all its ranges into one preallocated array in the package's C helper, with no Python object per range.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed import _indexed_helpers
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader, check_token_dtype
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata, metadata_path, read_pair_metadata
 
@@ -43,6 +52,10 @@ _CHECK_CHUNK = 1 << 20
 
 # Tokens per pass of the full token-id scan (check_all_token_ids): its temporaries stay near 10 MB as well.
 _SCAN_CHUNK = 1 << 21
+
+# Tokens per chunk of the per-read id check of a memory-mapped .bin, as a power of two: a chunk is checked whole,
+# once, on the first read that touches it (64 KiB of uint16, a few microseconds), then costs a flag lookup per read.
+_ID_CHUNK_SHIFT = 15
 
 _REBUILD = "Rebuild the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
 
@@ -273,12 +286,13 @@ class IndexedDataReader:
         self._identity = (idx_size, idx_status.st_mtime_ns, bin_size, bin_status.st_mtime_ns)
         self._fd: int | None = None
         self._bin_view: memoryview | None = None
+        self._tokens: np.ndarray | None = None  # the whole mapped .bin as one token array, made on the first read
         self._bin_opened = False  # the .bin is opened, and the whole index checked, on the first read
         # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
         self._count = header.sequence_count
         self._dtype = header.dtype
         self._itemsize = header.dtype.itemsize
-        self._tokens: np.ndarray | None = None  # the whole .bin as one token array, made on first gather
+        self._ids_checked: bytearray | None = None  # one flag per id-check chunk, with a map and an id bound
         self._unsigned = np.dtype(f"u{self._itemsize}")  # the view the id check compares (see _id_bound)
         self._id_bound: int | None = None  # set on the first read once check_token_ids is called
         self._id_rule = ""  # the bound in words, for the error
@@ -380,7 +394,13 @@ class IndexedDataReader:
         check_token_dtype(self._dtype, self.path_prefix + ".idx")
         self._checks_token_ids, self._vocab_size = True, vocab_size
         if self._bin_opened:
-            self._id_bound = self._bound_ids(vocab_size)
+            self._set_id_bound()
+
+    def _set_id_bound(self) -> None:
+        """Bound the ids from now on, with no chunk of the map checked yet."""
+        self._id_bound = self._bound_ids(self._vocab_size)
+        chunks = (self._bin_size // self._itemsize + (1 << _ID_CHUNK_SHIFT) - 1) >> _ID_CHUNK_SHIFT
+        self._ids_checked = bytearray(chunks) if self._id_bound is not None and self.mmap else None
 
     def _bound_ids(self, vocab_size: int | None) -> int | None:
         """The ``_id_bound`` of ``token_vocabulary(vocab_size)``, keeping its rule in words for the error."""
@@ -509,10 +529,11 @@ class IndexedDataReader:
         try:
             self._check_index()
             if self._checks_token_ids:
-                self._id_bound = self._bound_ids(self._vocab_size)
+                self._set_id_bound()
             if self.mmap:
                 # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
                 self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
+                self._tokens = np.frombuffer(self._bin_view, dtype=self._dtype)
             else:
                 self._fd, fd = fd, None
         finally:
@@ -522,17 +543,38 @@ class IndexedDataReader:
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         """``count`` tokens from ``byte_offset``, their ids checked once ``check_token_ids`` was called."""
-        if self._bin_view is not None:  # the memory-mapped case inline: this is every get(i) of a random read
-            array = np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
-        else:
+        tokens = self._tokens
+        if tokens is None:  # not opened yet, or read with pread
             array = self._raw(byte_offset, count)
-        if self._id_bound is not None and (bad := self._first_bad_id(array)) is not None:
-            raise self._id_error(byte_offset // self._itemsize + bad, int(array[bad]))
-        return array
+            if self._id_bound is not None and (bad := self._first_bad_id(array)) is not None:
+                raise self._id_error(byte_offset // self._itemsize + bad, int(array[bad]))
+            return array
+        # The memory-mapped case inline: this is every reader[i] and get(i).
+        start = byte_offset // self._itemsize
+        checked = self._ids_checked
+        if checked is not None and count:
+            first, last = start >> _ID_CHUNK_SHIFT, (start + count - 1) >> _ID_CHUNK_SHIFT
+            if not checked[first] or (first != last and checked.find(0, first, last + 1) >= 0):
+                self._check_chunks(start, count, first, last)
+        return tokens[start : start + count]
+
+    def _check_chunks(self, start: int, count: int, first: int, last: int) -> None:
+        """Check id-check chunks ``first..last`` whole and mark them; if one holds a bad id, check exactly the
+        read ``[start, start + count)`` instead, leaving them unmarked."""
+        tokens = self._tokens
+        chunk = tokens[first << _ID_CHUNK_SHIFT : (last + 1) << _ID_CHUNK_SHIFT]
+        if self._first_bad_id(chunk) is None:
+            self._ids_checked[first : last + 1] = b"\x01" * (last + 1 - first)
+            return
+        array = tokens[start : start + count]
+        if (bad := self._first_bad_id(array)) is not None:
+            raise self._id_error(start + bad, int(array[bad]))
 
     def _raw(self, byte_offset: int, count: int) -> np.ndarray:
-        if self._bin_view is not None:
-            return np.frombuffer(self._bin_view, dtype=self._dtype, count=count, offset=byte_offset)
+        """``count`` tokens from ``byte_offset``, unchecked: a view of the map, or one ``pread``."""
+        if self._tokens is not None:
+            start = byte_offset // self._itemsize
+            return self._tokens[start : start + count]
         if not self._bin_opened:
             self._open_bin()
             return self._raw(byte_offset, count)
@@ -575,65 +617,68 @@ class IndexedDataReader:
 
     def join(self, pieces: Sequence[tuple[int, int, int | None]]) -> np.ndarray:
         """The token ranges ``(sequence, offset, length)`` (``length`` None: to the sequence's end) concatenated,
-        their ids checked once over the result: the cheap path for the few pieces of one sample (``gather`` is
-        the vectorised one for many samples)."""
+        their ids checked: the cheap path for the few pieces of one sample (``gather`` is the batched one)."""
         spans = [self._span(i, offset, length) for i, offset, length in pieces]
-        flat = np.concatenate([self._raw(byte_offset, length) for byte_offset, length, _ in spans])
-        if self._id_bound is not None and (bad := self._first_bad_id(flat)) is not None:
-            value = int(flat[bad])
-            for byte_offset, length, _ in spans:
-                if bad < length:
-                    raise self._id_error(byte_offset // self._itemsize + bad, value)
-                bad -= length
-        return flat
+        return np.concatenate([self._read(byte_offset, length) for byte_offset, length, _ in spans])
 
     def __getitem__(self, key: int | slice):
         """``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only).
 
         Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
         """
-        if isinstance(key, (int, np.integer)):
-            i = self._sequence_id(key)
+        if type(key) is int or isinstance(key, (int, np.integer)):  # the first test is the fast one
+            i = key if 0 <= key < self._count else self._sequence_id(key)  # the common case without a call
             array = self._read(self._pointers.item(i), self._lengths.item(i))
             return (array, self._modes.item(i)) if self._modes is not None else array
         if isinstance(key, slice):
             return self._get_slice(key)
         raise TypeError(f"indices must be integers or slices, not {type(key).__name__}")
 
-    def gather(self, sequence_ids, offsets, lengths) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of each listed sequence, concatenated, in one vectorised read.
+    def gather(self, sequence_ids, offsets=None, lengths=None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of each listed sequence, concatenated into one new array.
 
-        The batched path of the mid-level datasets: one fancy-index gather on the memory map instead of one
-        read per piece. Without a memory map it falls back to one ``pread`` per piece.
+        ``offsets`` None reads from each sequence's start, ``lengths`` None to its end, so ``gather(ids)`` is the
+        listed sequences whole. With a memory map this is one copy of every range into a preallocated array (the
+        C helper, no Python object per range) and one vectorised id check of the result; without one, one
+        ``pread`` per range.
+
+        Raises:
+            IndexError: a sequence id or a token range lies outside the pair.
+            DataFileError: an id is out of range (once ``check_token_ids`` was called), naming its document.
         """
-        sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
-        offsets = np.asarray(offsets, dtype=np.int64)
-        lengths = np.asarray(lengths, dtype=np.int64)
         if not self._bin_opened:
             self._open_bin()  # the index is checked before its lengths bound the ranges
-        if len(sequence_ids) and (
-            sequence_ids.min() < 0
-            or sequence_ids.max() >= self._count
-            or offsets.min() < 0
-            or lengths.min() < 0
-            or np.any(offsets + lengths > self._lengths[sequence_ids])
-        ):
-            raise IndexError(f"a requested token range is outside its sequence in '{self.path_prefix}'")
-        if self._bin_view is None:
+        sequence_ids, offsets, lengths = self._ranges(sequence_ids, offsets, lengths)
+        if self._tokens is None:
             pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
             return np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
-        if self._tokens is None:
-            self._tokens = np.frombuffer(self._bin_view, dtype=self._dtype, count=self._bin_size // self._itemsize)
-        starts = self._pointers[sequence_ids] // self._itemsize + offsets
-        tokens = self._tokens
-        # Slices joined by one concatenate: about 10x faster than a fancy-index gather for runs of tokens.
-        pieces = [tokens[s:e] for s, e in zip(starts.tolist(), (starts + lengths).tolist(), strict=True)]
-        flat = np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
+        byte_starts = self._pointers[sequence_ids] + offsets * self._itemsize
+        flat = np.empty(int(lengths.sum()), self._dtype)
+        _indexed_helpers.copy_ranges(self._bin_view, byte_starts, lengths * self._itemsize, flat)
         if self._id_bound is not None and (bad := self._first_bad_id(flat)) is not None:
             ends = np.cumsum(lengths)
             piece = int(np.searchsorted(ends, bad, side="right"))
-            raise self._id_error(int(starts[piece] + bad - (ends[piece] - lengths[piece])), int(flat[bad]))
+            token = int(byte_starts[piece]) // self._itemsize + bad - int(ends[piece] - lengths[piece])
+            raise self._id_error(token, int(flat[bad]))
         return flat
+
+    def _ranges(self, sequence_ids, offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``gather``'s arguments as int64 arrays, ``None`` filled in; a range outside its sequence is an IndexError.
+
+        Seen as unsigned, a negative value is at least ``2**63``, so one maximum refuses ids below 0 and from the
+        sequence count on; offsets and lengths are negative exactly when their bitwise or is.
+        """
+        sequence_ids = np.asarray(sequence_ids, dtype=np.int64).reshape(-1)
+        if len(sequence_ids) and sequence_ids.view(np.uint64).max() >= self._count:
+            raise IndexError(f"a requested sequence is outside '{self.path_prefix}' with {self._count} sequences")
+        available = self._lengths[sequence_ids].astype(np.int64)
+        if offsets is None and lengths is None:
+            return sequence_ids, np.zeros_like(sequence_ids), available
+        offsets = np.zeros_like(sequence_ids) if offsets is None else np.asarray(offsets, dtype=np.int64).reshape(-1)
+        lengths = available - offsets if lengths is None else np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if len(sequence_ids) and ((offsets | lengths).min() < 0 or np.any(offsets + lengths > available)):
+            raise IndexError(f"a requested token range is outside its sequence in '{self.path_prefix}'")
+        return sequence_ids, offsets, lengths
 
     def _get_slice(self, key: slice):
         if not self.mmap:
@@ -649,8 +694,9 @@ class IndexedDataReader:
         if start == stop:
             tokens = []
         else:
-            flat = self._read(int(self._pointers[start]), int(lengths.sum(dtype=np.int64)))
-            tokens = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64))
+            bounds = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
+            flat = self._read(self._pointers.item(start), bounds[-1])
+            tokens = [flat[a:b] for a, b in pairwise(bounds)]
         return (tokens, self._modes[start:stop]) if self._modes is not None else tokens
 
     # -- lifetime ---------------------------------------------------------------------------------------------

@@ -168,6 +168,13 @@ def cp_local_columns(
     return np.tile(columns, (rows, 1))
 
 
+def _gather_columns(tensor: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``tensor[r, columns[r], ...]`` for every row ``r``: one ``torch.gather`` along the columns (advanced indexing
+    with a row index costs about 200x more on a 32k row)."""
+    index = columns.reshape(*columns.shape, *([1] * (tensor.dim() - 2))).expand(*columns.shape, *tensor.shape[2:])
+    return torch.gather(tensor, 1, index)
+
+
 class CPBatchSharder:
     """Cuts a batch's ``[R, T, ...]`` fields down to one CP rank's columns, ``[R, T // cp, ...]``.
 
@@ -207,8 +214,7 @@ class CPBatchSharder:
         local_columns = torch.from_numpy(columns).to(device)
         if self.cp_size == 1:
             return dict(fields), local_columns
-        row_index = torch.arange(rows, device=device)[:, None]
-        local = {name: tensor[row_index, local_columns] for name, tensor in fields.items()}
+        local = {name: _gather_columns(tensor, local_columns) for name, tensor in fields.items()}
         return local, local_columns
 
     @staticmethod

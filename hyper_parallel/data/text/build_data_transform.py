@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import itertools
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import TypeAlias
@@ -230,20 +231,29 @@ class PlaintextTransform(_RecordTransform):
         return value
 
     def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
-        text = self._text(record, where)
-        return self._windows(record, where, self.tokenizer.backend.encode(text, add_special_tokens=False).ids)
+        ids = self.tokenizer.backend.encode(self._text(record, where), add_special_tokens=False).ids
+        (samples,) = self._document_windows([ids])
+        return self._checked_windows(record, where, samples)
 
     def batch(self, records: Sequence[Mapping], wheres: Sequence[str]) -> list[list[ModelSample]]:
-        """Tokenize the records' texts in one call (cheaper per record; same ids as one at a time)."""
-        texts = [self._text_or_error(record, where) for record, where in zip(records, wheres, strict=True)]
+        """Tokenize the records' texts in one call and cut every window from one block of tokens (same samples
+        as one record at a time, a fraction of the per-record cost)."""
+        # A dict whose first text key holds a string is the common case, read without the general lookup.
+        first = self.text_keys[0] if self.text_template is None else None
+        texts = [
+            text
+            if type(record) is dict and type(text := record.get(first)) is str
+            else self._text_or_error(record, where)
+            for record, where in zip(records, wheres, strict=True)
+        ]
         valid = [position for position, text in enumerate(texts) if isinstance(text, str)]
         encodings = self.tokenizer.backend.encode_batch_fast([texts[p] for p in valid], add_special_tokens=False)
-        for position, encoding in zip(valid, encodings, strict=True):
-            texts[position] = encoding.ids
+        for position, samples in zip(valid, self._document_windows([e.ids for e in encodings]), strict=True):
+            texts[position] = samples
         # Errors are raised (or skipped) in record order, as one record at a time would.
         return [
-            self._guarded(self._windows, record, where, ids_or_error)
-            for record, where, ids_or_error in zip(records, wheres, texts, strict=True)
+            samples if type(samples) is list else self._guarded(self._checked_windows, record, where, samples)
+            for record, where, samples in zip(records, wheres, texts, strict=True)
         ]
 
     def _text_or_error(self, record: Mapping, where: str) -> str | DataFileError:
@@ -253,25 +263,44 @@ class PlaintextTransform(_RecordTransform):
         except DataFileError as error:
             return error
 
-    def _windows(self, record: Mapping, where: str, ids: list[int] | DataFileError) -> list[ModelSample]:
-        del record  # the record is only named in errors, through ``where``
-        if isinstance(ids, DataFileError):
-            raise ids
+    def _document_windows(self, documents: list[list[int]]) -> list[list[ModelSample] | int]:
+        """Each document's windows, cut from one array of all their tokens (EOS appended); a document of fewer
+        than the 2 tokens a next-token pair needs gives its token count instead."""
         if self.eos_token_id is not None:
-            ids.append(self.eos_token_id)
-        if len(ids) < 2:
+            for ids in documents:
+                ids.append(self.eos_token_id)
+        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        ends = np.cumsum(lengths)
+        tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=int(ends[-1:].sum()))
+        targets = np.empty_like(tokens)  # separate memory, so editing labels in place cannot change input_ids
+        targets[:-1] = tokens[1:]  # the target of a document's token is the next one (its last token has none)
+        window = self.max_seq_len
+        windows: list[list[ModelSample] | int] = []
+        for start, end, length in zip((ends - lengths).tolist(), (ends - 1).tolist(), lengths.tolist(), strict=True):
+            if length < 2:
+                windows.append(length)
+            elif end - start <= window:
+                windows.append([{"input_ids": tokens[start:end], "labels": targets[start:end]}])
+            else:
+                cuts = [*range(start, end, window), end]
+                windows.append(
+                    [{"input_ids": tokens[a:b], "labels": targets[a:b]} for a, b in itertools.pairwise(cuts)]
+                )
+        return windows
+
+    def _checked_windows(
+        self, record: Mapping, where: str, samples: list[ModelSample] | int | DataFileError
+    ) -> list[ModelSample]:
+        """A document's windows, or the error of a record without text or with too few tokens."""
+        del record  # the record is only named in errors, through ``where``
+        if isinstance(samples, DataFileError):
+            raise samples
+        if type(samples) is int:
             raise DataFileError(
-                f"{where}: the text has {len(ids)} token(s) with EOS, fewer than the 2 a next-token pair needs; "
+                f"{where}: the text has {samples} token(s) with EOS, fewer than the 2 a next-token pair needs; "
                 "remove empty records or set on_invalid_record='skip'"
             )
-        tokens = np.asarray(ids, dtype=np.int64)
-        inputs = tokens[:-1]
-        targets = tokens[1:].copy()  # separate memory, so editing labels in place cannot change input_ids
-        length = self.max_seq_len
-        return [
-            {"input_ids": inputs[start : start + length], "labels": targets[start : start + length]}
-            for start in range(0, len(inputs), length)
-        ]
+        return samples
 
     def __repr__(self) -> str:
         template = None if self.text_template is None else self.text_template.template

@@ -14,6 +14,10 @@
  * the swap targets ahead of the swaps and prefetches them, since on arrays larger than the caches each swap is
  * otherwise a cache miss waited for in turn.
  *
+ * copy_ranges is the reader's batched gather: byte ranges of the memory-mapped .bin copied one after another into
+ * one preallocated output, with the GIL released, so that a batch of many documents costs no Python object per
+ * document.
+ *
  * Arguments are Python buffers (numpy arrays) of exact dtypes; the Python wrapper checks them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -21,6 +25,7 @@
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
@@ -389,6 +394,68 @@ static PyObject *legacy_shuffle(PyObject *self, PyObject *args) {
     return PyLong_FromLong(state.pos);
 }
 
+/*
+ * copy_ranges(source: buffer, starts: int64[k], counts: int64[k], out: writable buffer)
+ * Copy source[starts[j] : starts[j] + counts[j]] (bytes) for j = 0..k-1 back to back into out. The caller checks that
+ * every range lies in source and that out holds their sum; this only refuses a sum larger than out.
+ */
+static PyObject *copy_ranges(PyObject *self, PyObject *args) {
+    PyObject *source_obj, *starts_obj, *counts_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &source_obj, &starts_obj, &counts_obj, &out_obj)) {
+        return NULL;
+    }
+    Py_buffer source, starts, counts, out;
+    if (PyObject_GetBuffer(source_obj, &source, PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (get_buffer(starts_obj, &starts, 0, 8, "starts") != 0) {
+        PyBuffer_Release(&source);
+        return NULL;
+    }
+    if (get_buffer(counts_obj, &counts, 0, 8, "counts") != 0) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&starts);
+        return NULL;
+    }
+    if (counts.len != starts.len) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&counts);
+        PyErr_SetString(PyExc_ValueError, "starts and counts must have the same length");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&counts);
+        return NULL;
+    }
+    const int64_t *start = (const int64_t *)starts.buf;
+    const int64_t *count = (const int64_t *)counts.buf;
+    Py_ssize_t k = starts.len / 8;
+    int64_t total = 0;
+    for (Py_ssize_t j = 0; j < k; ++j) total += count[j];
+    if (total > out.len) {
+        PyBuffer_Release(&source);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&counts);
+        PyBuffer_Release(&out);
+        PyErr_Format(PyExc_ValueError, "the ranges hold %lld bytes but out has %zd", (long long)total, out.len);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    char *to = (char *)out.buf;
+    const char *from = (const char *)source.buf;
+    for (Py_ssize_t j = 0; j < k; ++j) {
+        memcpy(to, from + start[j], (size_t)count[j]);
+        to += count[j];
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fill_sample_index", fill_sample_index, METH_VARARGS,
      "Fill rows 1..n of an int32/int64 [n+1, 2] sample index; Megatron's walk."},
@@ -399,6 +466,8 @@ static PyMethodDef methods[] = {
     {"legacy_shuffle", legacy_shuffle, METH_VARARGS,
      "Shuffle a 1-D array of 4- or 8-byte items as RandomState.shuffle does from MT19937 state (key, pos); "
      "advance key in place and return the new pos."},
+    {"copy_ranges", copy_ranges, METH_VARARGS,
+     "Copy the byte ranges (starts, counts) of source back to back into the writable buffer out."},
     {NULL, NULL, 0, NULL},
 };
 

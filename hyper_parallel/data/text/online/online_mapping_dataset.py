@@ -49,9 +49,10 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
 
     def records(self, indices: list[int]) -> list[dict]:
         """The records at ``indices``, read in one batch."""
-        for index in indices:
-            self._check_range(index)
-        return self.hf_dataset.__getitems__([int(index) for index in indices])
+        indices = [int(index) for index in indices]
+        if indices and not 0 <= min(indices) <= max(indices) < len(self.hf_dataset):
+            self._check_range(next(i for i in indices if not 0 <= i < len(self.hf_dataset)))
+        return self.hf_dataset.__getitems__(indices)
 
     def data_identity(self) -> dict:
         """The files' identity (paths, sizes, modification times), taken when first asked. Not the Hugging Face
