@@ -24,6 +24,7 @@ from types import ModuleType
 from benchmarks import (
     bench_indexed_dataset,
     bench_indexed_io,
+    bench_memory,
     bench_offline,
     bench_online,
     bench_parallel,
@@ -33,7 +34,15 @@ from benchmarks.common import DEVICES, BenchContext, Row, environment, format_ta
 
 GROUPS: dict[str, ModuleType] = {
     module.NAME: module
-    for module in (bench_indexed_io, bench_indexed_dataset, bench_offline, bench_online, bench_parallel, bench_schedule)
+    for module in (
+        bench_indexed_io,
+        bench_indexed_dataset,
+        bench_offline,
+        bench_online,
+        bench_parallel,
+        bench_schedule,
+        bench_memory,
+    )
 }
 
 
