@@ -211,7 +211,7 @@ def _delivery(mode: str, cp: int, device: str, documents: list[dict[str, np.ndar
         parallel_context=DataLoaderParallelContext(cp_size=cp), attention_mode=mode, cp_layout=DELIVERY_MODES[mode],
         device=device,
     )  # fmt: skip
-    collate = build_online_text_collate_fn(layout=stage.layout)
+    collate = build_online_text_collate_fn(layout=stage.layout, delivery_plan=stage.delivery_plan)
     batch = collate(documents)
     if device == "cpu":
         deliver = lambda: stage(iter([batch]))  # noqa: E731
