@@ -14,9 +14,13 @@ bytes; PP bytes with field ownership against every field to every stage.
   ``REFERENCE_PAIRS`` pairs (tens of seconds on a CPU); our build is still timed there.
 * **ParallelBatch.** One process, a ``DataLoaderParallelContext`` from integers (rank 0 of cp 1, 2, 4, 8, no
   group, so the relay sends nothing): ``ParallelBatch(attention_mode=packed | flex)`` delivers one collated micro-batch
-  (shard, relay, position ids, loss mask, metadata), timed against the Online collator
-  (``build_online_text_collate_fn(layout=stage.layout)``) packing the same samples. Checked: the delivered tokens,
-  labels and loss mask are the batch's at the rank's columns.
+  (shard, relay, position ids, loss mask, metadata) in the training process, timed against the Online collator
+  (``build_online_text_collate_fn(layout=stage.layout, delivery_plan=stage.delivery_plan)``) packing the same samples
+  in a DataLoader worker. The collator is given the stage's ``delivery_plan``, so the metadata that depends only on the
+  batch and the plan (rank 0's columns, position ids, THD params or FlexAttention block tables) is computed, and
+  timed, on the collator's side; the stage checks the plan, gathers the tokens, labels and loss mask and wraps the
+  tables. Checked: the delivered tokens, labels and loss mask are the batch's at the rank's columns (and
+  ``tests/batching/test_delivery_plan.py`` asserts the delivery equal to the stage's own computation).
 * **Device.** With ``--device cuda`` both sets of rows run on the GPU: masks, tables and metadata on the device, the
   micro-batch pinned (untimed, as ``DataLoader(pin_memory=True)``'s thread does) and copied with
   ``non_blocking=True`` inside the timed delivery, each timed call ending with ``torch.cuda.synchronize``. Without a
@@ -89,9 +93,11 @@ _NOTE_MASK_BYTES = (
     "unless ours holds more"
 )
 _NOTE_DELIVERY = (
-    "ms for ParallelBatch to deliver one micro-batch on rank 0 of the CP size (a context from integers, no group: "
-    "CP shard, relay, position ids, loss mask, the mode's metadata), best of 3 x the run's repeats; reference: the "
-    "Online collator (build_online_text_collate_fn(layout=stage.layout)) packing the same samples into that batch"
+    "ms for ParallelBatch to deliver one micro-batch on rank 0 of the CP size in the training process (a context "
+    "from integers, no group: plan check, CP gather of tokens, labels and loss mask, relay, the mode's metadata "
+    "wrapped), best of 3 x the run's repeats; reference: the Online collator given the stage's delivery_plan "
+    "(build_online_text_collate_fn(layout=stage.layout, delivery_plan=stage.delivery_plan)) packing the same samples "
+    "into that batch in a DataLoader worker, the rank's columns, position ids and THD params or block tables included"
 )
 _NOTE_BROADCAST = (
     "bytes one TP broadcast sends (TPBatchBroadcaster: header, the CP-local input_ids and labels, the global int32 "
