@@ -453,8 +453,9 @@ class FlexBlockTables:
                          mask_mod=document_mask)  # fmt: skip
 
 
-_FLEX_TENSORS = tuple(name for name in FlexBlockTables.__dataclass_fields__ if name not in ("seq_lengths",
-                                                                                            "block_size"))
+_FLEX_TENSORS = tuple(
+    name for name in FlexBlockTables.__dataclass_fields__ if name not in ("seq_lengths", "block_size")
+)
 
 
 def flex_block_tables(

@@ -1,13 +1,13 @@
 """What one CP rank's delivery of a plain micro-batch derives from the batch's boundaries alone, computed once.
 
 Owns: ``DeliveryPlan`` (the frozen settings of one rank's delivery that the boundaries' metadata depends on: the CP
-size, rank and layout, the attention mode and its options, the position-id rule), ``DeliveryMetadata`` (what the
-plan gives for one batch: the rank's global columns, its position ids, the attention metadata), ``delivery_metadata``
+size, rank and layout, the attention mode and its options, the position-id and EOD loss rules), ``DeliveryMetadata``
+(what the plan gives for one batch: the rank's global columns, its position ids, the attention metadata, and on a
+data rank its part of the loss mask), ``delivery_metadata``
 (the one function that computes it, used by ``ParallelBatch`` and by the collators alike) and ``prepare_delivery``
 (a ``Batch`` carrying its metadata, which a collator computes in the DataLoader worker so that the training process
 only gathers). Not responsible for: the CP arithmetic (``parallel.batch_parallel.cp_local_columns``), the masks
-(``batching.attention_runtime``), cutting or relaying tensors (``batching.get_batch``), or the loss mask (cut with the
-tokens, on the data rank).
+(``batching.attention_runtime``), or cutting and relaying the tokens (``batching.get_batch``).
 
 Example (the data rank's collator in a DataLoader worker, then the stage)::
 
@@ -35,7 +35,7 @@ from hyper_parallel.data.batching.attention_runtime import (
 from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.errors import DataConfigError, require_choice, require_flag, require_int
 from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel.batch_parallel import cp_local_columns
+from hyper_parallel.data.parallel.batch_parallel import cp_local_columns, gather_columns
 from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS
 
 __all__ = ["PLAN_ATTENTION_MODES", "DeliveryMetadata", "DeliveryPlan", "delivery_metadata", "prepare_delivery"]
@@ -53,6 +53,7 @@ class DeliveryPlan:
         attention_mode: ``"dense"``, ``"packed"``, ``"flex"`` or ``"none"`` (as ``ParallelBatch``).
         causal, sliding_window: the masks' rule (dense and flex).
         reset_position_ids: position ids restart at every sequence (else the global columns).
+        eod_mask_loss, eod_token_id: the loss mask is also 0 where the input is the EOD token.
         capacity: the fixed sequence count of the THD boundary tensors, or None.
     """
 
@@ -63,6 +64,8 @@ class DeliveryPlan:
     causal: bool = True
     sliding_window: int | None = None
     reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    eod_token_id: int | None = None
     capacity: int | None = None
 
     def __post_init__(self) -> None:
@@ -74,6 +77,10 @@ class DeliveryPlan:
                        "metadata the model takes")  # fmt: skip
         require_flag("DeliveryPlan.causal", self.causal)
         require_flag("DeliveryPlan.reset_position_ids", self.reset_position_ids)
+        if require_flag("DeliveryPlan.eod_mask_loss", self.eod_mask_loss) and self.eod_token_id is None:
+            raise DataConfigError("DeliveryPlan.eod_mask_loss needs eod_token_id, the tokenizer's EOD id")
+        if self.eod_token_id is not None:
+            require_int("DeliveryPlan.eod_token_id", self.eod_token_id, 0)
         for name in ("sliding_window", "capacity"):
             if getattr(self, name) is not None:
                 require_int(f"DeliveryPlan.{name}", getattr(self, name), 1)
@@ -92,6 +99,8 @@ class DeliveryMetadata:
         attention_mask, swa_mask: bool ``[R, 1, s, T]`` (dense mode; ``swa_mask`` with a window), else None.
         packed_seq_params: ``PackedSeqParams`` without process groups (packed mode), else None.
         flex_tables: ``FlexBlockTables`` (flex mode), else None.
+        loss_mask: float32 ``[R, s]``, the rank's part of the batch's loss mask (less the EOD inputs under
+            ``eod_mask_loss``), when computed from the batch (on a data rank); else None.
     """
 
     plan: DeliveryPlan
@@ -101,12 +110,13 @@ class DeliveryMetadata:
     swa_mask: torch.Tensor | None = None
     packed_seq_params: PackedSeqParams | None = None
     flex_tables: FlexBlockTables | None = None
+    loss_mask: torch.Tensor | None = None
 
     def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> DeliveryMetadata:
         """The metadata with ``function`` applied to every tensor (a device move, ``pin_memory``)."""
         moved = {
             name: None if (value := getattr(self, name)) is None else function(value)
-            for name in ("columns", "position_ids", "attention_mask", "swa_mask")
+            for name in ("columns", "position_ids", "attention_mask", "swa_mask", "loss_mask")
         }
         packed = self.packed_seq_params
         if packed is not None:
@@ -128,6 +138,16 @@ def _positions(plan: DeliveryPlan, bounds: np.ndarray, columns: np.ndarray, row_
     return np.take_along_axis(within, columns, axis=1)
 
 
+def _loss_mask(plan: DeliveryPlan, batch: Batch, columns: torch.Tensor) -> torch.Tensor:
+    """float32 ``[R, s]``: the batch's own loss mask (``labels != IGNORE_INDEX``) at the rank's columns, less the
+    EOD inputs under ``eod_mask_loss``; one gather (two with the EOD rule)."""
+    mask = batch.loss_mask if plan.cp_size == 1 else gather_columns(batch.loss_mask, columns)
+    if not plan.eod_mask_loss:
+        return mask
+    ids = batch.input_ids if plan.cp_size == 1 else gather_columns(batch.input_ids, columns)
+    return mask * (ids != plan.eod_token_id)
+
+
 def delivery_metadata(
     plan: DeliveryPlan,
     cu_seq_lens: np.ndarray | torch.Tensor,
@@ -135,7 +155,7 @@ def delivery_metadata(
     rows: int,
     row_length: int,
     *,
-    columns: np.ndarray | None = None,
+    batch: Batch | None = None,
     device: torch.device | str = "cpu",
 ) -> DeliveryMetadata:
     """The plan's metadata for a batch of ``rows`` rows of ``row_length`` with these boundaries.
@@ -145,7 +165,7 @@ def delivery_metadata(
         cu_seq_lens: the batch's global boundaries (``Batch.cu_seq_lens``).
         cu_seq_lens_real: the real token counts (``Batch.cu_seq_lens_real``) or None.
         rows, row_length: the batch's ``R`` and ``T``.
-        columns: the rank's columns when the caller already cut the batch at them (else computed).
+        batch: the batch itself, on a data rank: its loss mask is cut too (``DeliveryMetadata.loss_mask``).
         device: where the tensors are.
 
     Raises:
@@ -153,12 +173,14 @@ def delivery_metadata(
             ``cp_local_columns``, ``packed_seq_params`` and the masks).
     """
     bounds = cu_seq_lens.cpu().numpy() if isinstance(cu_seq_lens, torch.Tensor) else np.asarray(cu_seq_lens)
-    if columns is None:
-        columns = cp_local_columns(plan.cp_layout, bounds, rows, row_length, plan.cp_size, plan.cp_rank)
+    columns = cp_local_columns(plan.cp_layout, bounds, rows, row_length, plan.cp_size, plan.cp_rank)
+    local_columns = torch.from_numpy(columns)
     metadata = {
-        "columns": torch.from_numpy(columns).to(device),
+        "columns": local_columns.to(device),
         "position_ids": torch.from_numpy(_positions(plan, bounds, columns, row_length)).to(device),
     }
+    if batch is not None:
+        metadata["loss_mask"] = _loss_mask(plan, batch, local_columns.to(batch.input_ids.device))
     masks = {"causal": plan.causal, "sliding_window": plan.sliding_window, "device": device}
     if plan.attention_mode == "dense":
         metadata["attention_mask"], metadata["swa_mask"] = dense_attention_mask(bounds, columns, row_length, **masks)
@@ -182,7 +204,7 @@ def prepare_delivery(batch: Batch, plan: DeliveryPlan) -> Batch:
             f"delivery_plan must be a DeliveryPlan (ParallelBatch.delivery_plan), got {type(plan).__name__}"
         )
     rows, row_length = batch.input_ids.shape
-    metadata = delivery_metadata(plan, batch.cu_seq_lens, batch.cu_seq_lens_real, rows, row_length)
+    metadata = delivery_metadata(plan, batch.cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch)
     prepared = copy.copy(batch)
     object.__setattr__(prepared, "delivery", metadata)
     return prepared

@@ -362,7 +362,8 @@ class ParallelBatch:
         return DeliveryPlan(
             cp_size=self.context.cp_size, cp_rank=self.context.cp_rank, cp_layout=self.cp_layout,
             attention_mode=self.attention_mode, causal=self.causal, sliding_window=self.sliding_window,
-            reset_position_ids=self.reset_position_ids,
+            reset_position_ids=self.reset_position_ids, eod_mask_loss=self.eod_mask_loss,
+            eod_token_id=self.eod_token_id,
             capacity=None if self.scheduler is None else self.scheduler.thd_max_packed_sequences,
         )  # fmt: skip
 
@@ -456,9 +457,9 @@ class ParallelBatch:
                 batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
             )
             self._metadata = delivery_metadata(
-                plan, cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, device=self.device
+                plan, cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
             )
-        local = self._cut(batch, self._metadata.columns, cp_size)
+        local = self._cut(batch, self._metadata, cp_size)
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
         sent = {**local, "cu_seq_lens": batch.cu_seq_lens, "local_shape": shape}
         if batch.cu_seq_lens_real is not None:  # the real tokens of padded sequences (thd: cu_seqlens_q/kv)
@@ -467,16 +468,14 @@ class ParallelBatch:
             sent["local_cp_size"] = torch.tensor([size], dtype=torch.int64)
         return sent
 
-    def _cut(self, batch: Batch, columns: torch.Tensor, cp_size: int) -> dict[str, torch.Tensor]:
-        """The rank's ``input_ids``, ``labels`` and loss mask, one gather each: the mask is the batch's own
-        (``labels != IGNORE_INDEX``, computed with the batch in the worker), less the EOD inputs under
-        ``eod_mask_loss``. It is sent as bool when the relay has receivers, and kept as float32 otherwise."""
-        ids, labels, loss_mask = batch.input_ids, batch.labels, batch.loss_mask
+    def _cut(self, batch: Batch, metadata: DeliveryMetadata, cp_size: int) -> dict[str, torch.Tensor]:
+        """The rank's ``input_ids`` and ``labels`` (one gather each) and its loss mask (the metadata's, cut from the
+        batch's own, ``delivery_plan._loss_mask``): bool when the relay has receivers, else float32 as delivered."""
+        ids, labels = batch.input_ids, batch.labels
         if cp_size > 1:
-            columns = columns.to(ids.device)
-            ids, labels, loss_mask = (gather_columns(tensor, columns) for tensor in (ids, labels, loss_mask))
-        if self.eod_mask_loss:
-            loss_mask = loss_mask * (ids != self.eod_token_id)
+            columns = metadata.columns.to(ids.device)
+            ids, labels = gather_columns(ids, columns), gather_columns(labels, columns)
+        loss_mask = metadata.loss_mask
         if self.context.tp_size > 1 or self.context.pp_size > 1:
             loss_mask = loss_mask > 0  # a quarter of the bytes on the wire; every rank converts what it receives
         return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask}
