@@ -23,6 +23,7 @@ from batching.get_batch_reference import check_rank, expected_fields, flex_mask_
 from batching.test_pipeline_get_batch import Recording, design_config, write_documents
 
 from hyper_parallel.data.batching.dataloader import build_dataloaders
+from hyper_parallel.data.batching.delivery_plan import prepare_delivery
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
@@ -184,7 +185,12 @@ def deliver(case: dict, data: dict, context: DataLoaderParallelContext, tokenize
     )
     get_batch = loaders.get_batch
     assert (loaders.train is not None) == context.is_data_rank
-    iterator = Recording(iter(loaders.train)) if context.is_data_rank else None
+    iterator = None
+    if context.is_data_rank:  # "prepared": the metadata computed beside the loader, as a collator with the plan does
+        batches = iter(loaders.train)
+        if case.get("prepared"):
+            batches = (prepare_delivery(batch, get_batch.delivery_plan) for batch in batches)
+        iterator = Recording(batches)
     steps, limit = [], case.get("steps", MAX_STEPS)
     while len(steps) < limit:
         try:
@@ -237,6 +243,15 @@ def cases_for(cp: int) -> list[dict]:
 DESIGN_CASES = [{"design": "online"}, {"design": "indexed", "micro_batch_size": 1, "steps": 3, "reference": False}]
 
 
+# Batches that carry the data rank's metadata (Batch.delivery): its TP peers, which compute theirs from the relayed
+# boundaries, must hold the same fields (the digests), and the data rank the reference's.
+PREPARED_CASES = [
+    {"source": "online", "cp_layout": "zigzag_thd", "attention_mode": "packed", "prepared": True},
+    {"source": "online", "cp_layout": "zigzag", "attention_mode": "flex", "prepared": True},
+    {"source": "indexed", "cp_layout": "contiguous", "attention_mode": "dense", "prepared": True},
+]
+
+
 def check_reports(reports: list[dict], grid: tuple[int, int, int], cases: list[dict]) -> None:
     world_size = len(reports)
     errors = [(r["rank"], r.get("error")) for r in reports if r.get("error")]
@@ -275,7 +290,7 @@ def check_reports(reports: list[dict], grid: tuple[int, int, int], cases: list[d
 @pytest.mark.parametrize(
     ("grid", "cases"),
     [
-        pytest.param((2, 2, 2), cases_for(2) + DESIGN_CASES, id="dp2-cp2-tp2-mesh"),
+        pytest.param((2, 2, 2), cases_for(2) + DESIGN_CASES + PREPARED_CASES, id="dp2-cp2-tp2-mesh"),
         pytest.param(
             (2, 1, 2),
             [

@@ -5,7 +5,7 @@ CP rank holds (``parallel.batch_parallel.cp_local_columns``): the dense boolean 
 all keys (``dense_attention_mask``, with its sliding-window variant), Megatron-Core's ``PackedSeqParams`` for THD
 kernels (``packed_seq_params``, with the real and the padded boundaries apart; ``attention_params`` strips the
 context-parallel groups a micro-batch carries before a backend attention call), and a FlexAttention ``BlockMask``
-(``flex_block_mask``). Not responsible for: where
+(``flex_block_mask``; its tables alone, picklable, are ``flex_block_tables``). Not responsible for: where
 sequences end, which columns a rank holds, moving tensors between ranks, or running attention.
 
 Conventions (``R`` rows of ``T`` tokens; a CP rank holds ``s = T // cp`` columns of each row, in local order):
@@ -49,10 +49,12 @@ from hyper_parallel.data.parallel.delivery_layout import check_cu_seq_lens
 
 __all__ = [
     "THD_FIELDS",
+    "FlexBlockTables",
     "PackedSeqParams",
     "attention_params",
     "dense_attention_mask",
     "flex_block_mask",
+    "flex_block_tables",
     "packed_seq_params",
 ]
 
@@ -407,6 +409,85 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.squeeze(-1).contiguous(), indices
 
 
+@dataclass(frozen=True)
+class FlexBlockTables:
+    """Everything a FlexAttention ``BlockMask`` of ``flex_block_mask`` holds, as plain tensors: picklable, so a
+    DataLoader worker can build it and the training process only wraps it (``block_mask``).
+
+    Attributes:
+        first, last: int32 ``[R, P]`` (``P`` the local queries padded to whole blocks): each query's first and last
+            visible key, read by the ``mask_mod`` (a padding query has ``first > last`` and sees nothing).
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices: the key-major tables (int32).
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the query-major tables (int32).
+        seq_lengths: ``(s, T)``.
+        block_size: the block size of queries and keys.
+    """
+
+    first: torch.Tensor
+    last: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
+    seq_lengths: tuple[int, int]
+    block_size: int
+
+    def map(self, function) -> FlexBlockTables:
+        """The tables with ``function`` applied to every tensor (a device move, ``pin_memory``)."""
+        return FlexBlockTables(*(function(getattr(self, name)) for name in _FLEX_TENSORS), self.seq_lengths,
+                               self.block_size)  # fmt: skip
+
+    def block_mask(self) -> BlockMask:
+        """The ``BlockMask`` of these tables, with the document mask over ``first``/``last`` as its ``mask_mod``."""
+        first, last = self.first, self.last
+
+        def document_mask(batch, head, q_index, kv_index):
+            return (kv_index >= first[batch, q_index]) & (kv_index <= last[batch, q_index])
+
+        tables = {name: getattr(self, name) for name in _FLEX_TENSORS[2:]}
+        return BlockMask(seq_lengths=self.seq_lengths, **tables, BLOCK_SIZE=(self.block_size, self.block_size),
+                         mask_mod=document_mask)  # fmt: skip
+
+
+_FLEX_TENSORS = tuple(
+    name for name in FlexBlockTables.__dataclass_fields__ if name not in ("seq_lengths", "block_size")
+)
+
+
+def flex_block_tables(
+    cu_seq_lens: Any,
+    local_columns: Any,
+    row_length: int,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    block_size: int = 128,
+    device: torch.device | str = "cpu",
+) -> FlexBlockTables:
+    """The tables of ``flex_block_mask`` (same arguments), before they are wrapped in a ``BlockMask``."""
+    block_size = require_int("block_size", block_size, 1)
+    window = _window(sliding_window)
+    columns, lo, hi = _key_intervals(cu_seq_lens, local_columns, row_length, causal, "flex_block_mask")
+    lo, hi = _windowed(columns, lo, hi, window, causal)
+    rows, local = lo.shape
+    padded = -(-local // block_size) * block_size
+    # Queries past ``s`` (the last block's padding) get empty intervals, so they touch nothing and mask everything.
+    first = torch.ones(rows, padded, dtype=torch.int32)
+    last = torch.zeros(rows, padded, dtype=torch.int32)
+    first[:, :local], last[:, :local] = torch.from_numpy(lo), torch.from_numpy(hi)
+    first, last = first.to(device), last.to(device)
+    partial, full = _block_tables(first.long(), last.long(), row_length, block_size)
+    # The query-major tables the backward pass reads are the transposed block tables, ordered the same way.
+    return FlexBlockTables(
+        first, last, *_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-2, -1)),
+        *_ordered(full.transpose(-2, -1)), (local, row_length), block_size,
+    )  # fmt: skip
+
+
 def flex_block_mask(
     cu_seq_lens: Any,
     local_columns: Any,
@@ -437,37 +518,7 @@ def flex_block_mask(
     Raises:
         DataFileError, DataConfigError: as ``dense_attention_mask``; a ``block_size`` below 1.
     """
-    block_size = require_int("block_size", block_size, 1)
-    window = _window(sliding_window)
-    columns, lo, hi = _key_intervals(cu_seq_lens, local_columns, row_length, causal, "flex_block_mask")
-    lo, hi = _windowed(columns, lo, hi, window, causal)
-    rows, local = lo.shape
-    padded = -(-local // block_size) * block_size
-    # Queries past ``s`` (the last block's padding) get empty intervals, so they touch nothing and mask everything.
-    first = torch.ones(rows, padded, dtype=torch.int32)
-    last = torch.zeros(rows, padded, dtype=torch.int32)
-    first[:, :local], last[:, :local] = torch.from_numpy(lo), torch.from_numpy(hi)
-    first, last = first.to(device), last.to(device)
-    partial, full = _block_tables(first.long(), last.long(), row_length, block_size)
-
-    def document_mask(batch, head, q_index, kv_index):
-        return (kv_index >= first[batch, q_index]) & (kv_index <= last[batch, q_index])
-
-    # The query-major tables the backward pass reads are the transposed block tables, ordered the same way.
-    kv_num_blocks, kv_indices = _ordered(partial)
-    full_kv_num_blocks, full_kv_indices = _ordered(full)
-    q_num_blocks, q_indices = _ordered(partial.transpose(-2, -1))
-    full_q_num_blocks, full_q_indices = _ordered(full.transpose(-2, -1))
-    return BlockMask(
-        seq_lengths=(local, row_length),
-        kv_num_blocks=kv_num_blocks,
-        kv_indices=kv_indices,
-        full_kv_num_blocks=full_kv_num_blocks,
-        full_kv_indices=full_kv_indices,
-        q_num_blocks=q_num_blocks,
-        q_indices=q_indices,
-        full_q_num_blocks=full_q_num_blocks,
-        full_q_indices=full_q_indices,
-        BLOCK_SIZE=(block_size, block_size),
-        mask_mod=document_mask,
-    )
+    return flex_block_tables(
+        cu_seq_lens, local_columns, row_length, causal=causal, sliding_window=sliding_window, block_size=block_size,
+        device=device,
+    ).block_mask()  # fmt: skip

@@ -28,6 +28,8 @@ Conventions (the package README's "batch contract" section has the worked exampl
   delivers (True = may attend).
 * ``extras``: any other per-sample field of the dataset, stacked with the rows as its first dimension
   (``dataset_id`` of blends, int64 ``[R]``).
+* ``delivery``: the ``batching.delivery_plan.DeliveryMetadata`` of one CP rank, when a collator given a
+  ``delivery_plan`` computed it in the worker (``prepare_delivery``); None otherwise. Not a field of the mapping.
 
 A ``Batch`` is also a read-only mapping over the fields that are present (then the extras), so
 ``batch["input_ids"]``, ``"position_ids" in batch`` and ``dict(batch)`` work. It has no megatron-core key names
@@ -40,6 +42,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +83,7 @@ class Batch(Mapping):
         cu_seq_lens_real: int32 ``[K + 1]`` cumulative real token counts of the same sequences, or None.
         extras: other per-sample fields, each a tensor whose first dimension is R.
         loss_mask: float32 ``[R, T]``, ``labels != IGNORE_INDEX``; computed, not passed.
+        delivery: one CP rank's precomputed ``DeliveryMetadata`` (set by ``prepare_delivery``), or None.
 
     Raises:
         DataConfigError: a field is not a tensor, or an extra's name is a field name.
@@ -95,6 +99,7 @@ class Batch(Mapping):
     cu_seq_lens_real: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_mask: torch.Tensor = field(init=False)
+    delivery: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extras", dict(self.extras))
@@ -140,6 +145,8 @@ class Batch(Mapping):
             if value is not None:
                 object.__setattr__(moved, name, function(value))
         object.__setattr__(moved, "extras", {name: function(value) for name, value in self.extras.items()})
+        if self.delivery is not None:
+            object.__setattr__(moved, "delivery", self.delivery.map(function))
         return moved
 
     # -- the read-only mapping view -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.delivery_plan import DeliveryPlan, prepare_delivery
 from hyper_parallel.data.batching.sequence_boundaries import indexed_cu_seq_lens
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
@@ -123,6 +124,7 @@ class TextPackingCollator:
         position_ids: bool = False,
         pad_each_sequence_to: int = 1,
         tail_padding: str = "append_dummy_seq",
+        delivery_plan: DeliveryPlan | None = None,
     ) -> None:
         """Validate and store the settings.
 
@@ -135,6 +137,8 @@ class TextPackingCollator:
             tail_padding: where the row's tail padding goes: one dummy sequence of its own (which counts its
                 padding as its real tokens in ``cu_seq_lens_real``: it carries no loss and attends only itself),
                 or the end of the last sequence (whose real length is unchanged).
+            delivery_plan: one CP rank's ``DeliveryPlan`` (``ParallelBatch.delivery_plan``): every batch carries
+                that rank's metadata as ``Batch.delivery``, computed here (in the DataLoader worker); None: none.
 
         Raises:
             DataConfigError: a setting is not a non-negative integer, the alignment or ``pad_each_sequence_to``
@@ -174,12 +178,13 @@ class TextPackingCollator:
             "added to the last sequence's padded end), Megatron-Core's thd_tail_padding_policy",
         )
         self.records_real = self.pad_each_sequence_to > 1 or (self.tail_padding == "extend_last" and self.alignment > 1)
+        self.delivery_plan = _plan(delivery_plan)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(alignment={self.alignment}, pad_token_id={self.pad_token_id}, "
             f"position_ids={self.position_ids}, pad_each_sequence_to={self.pad_each_sequence_to}, "
-            f"tail_padding={self.tail_padding!r})"
+            f"tail_padding={self.tail_padding!r}, delivery_plan={self.delivery_plan})"
         )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
@@ -231,13 +236,14 @@ class TextPackingCollator:
             if dummy:
                 real[-1] += pad  # the dummy sequence counts its padding as its real tokens
         positions = positions_within_sequences(cu_seq_lens) if self.position_ids else None
-        return Batch(
+        batch = Batch(
             input_ids=torch.from_numpy(input_row).unsqueeze(0),
             labels=torch.from_numpy(label_row).unsqueeze(0),
             cu_seq_lens=torch.from_numpy(cu_seq_lens),
             cu_seq_lens_real=None if real is None else torch.from_numpy(real),
             position_ids=None if positions is None else torch.from_numpy(positions).unsqueeze(0),
         )
+        return batch if self.delivery_plan is None else prepare_delivery(batch, self.delivery_plan)
 
 
 def _online_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -319,6 +325,7 @@ def build_online_text_collate_fn(
     tp_size: int | None = None,
     sequence_parallel: bool | None = None,
     cp_layout: str | None = None,
+    delivery_plan: DeliveryPlan | None = None,
 ) -> TextPackingCollator:
     """Build the packing collator of the Online path for a delivery layout.
 
@@ -335,6 +342,9 @@ def build_online_text_collate_fn(
         tail_padding: ``"append_dummy_seq"`` or ``"extend_last"`` (``TextPackingCollator``).
         cp_size, tp_size, sequence_parallel, cp_layout: a convenience for ``layout=DeliveryLayout(...)`` with
             these fields (its defaults for the others); not together with ``layout``.
+        delivery_plan: the data rank's ``ParallelBatch.delivery_plan``: each batch then carries that rank's
+            columns, position ids and attention metadata (``Batch.delivery``), computed in the worker. Its CP size
+            and layout must be the layout's.
 
     Returns:
         A picklable ``TextPackingCollator``.
@@ -362,9 +372,27 @@ def build_online_text_collate_fn(
         position_ids=position_ids,
         pad_each_sequence_to=layout.sequence_multiple(),
         tail_padding=tail_padding,
+        delivery_plan=_plan(delivery_plan, layout),
     )
     check_pad_token_id(collator.pad_token_id, tokens, "collate_fn")
     return collator
+
+
+def _plan(plan: DeliveryPlan | None, layout: DeliveryLayout | None = None) -> DeliveryPlan | None:
+    """``plan`` when it is a ``DeliveryPlan`` that cuts rows as ``layout`` does (None passes)."""
+    if plan is None:
+        return None
+    if not isinstance(plan, DeliveryPlan):
+        raise DataConfigError(
+            f"delivery_plan must be a DeliveryPlan (ParallelBatch.delivery_plan), got {type(plan).__name__}"
+        )
+    if layout is not None and (plan.cp_size, plan.cp_layout) != (layout.cp_size, layout.cp_layout):
+        raise DataConfigError(
+            f"delivery_plan cuts rows across cp_size {plan.cp_size} in the {plan.cp_layout} layout, but the collator's "
+            f"layout is {layout.describe()}; pass the same stage's layout and delivery_plan (stage.layout, "
+            "stage.delivery_plan)"
+        )
+    return plan
 
 
 def check_pad_token_id(pad_token_id: int, tokens, node: str) -> None:
@@ -472,10 +500,18 @@ class IndexedStackingCollator:
     Attributes:
         eod_token_id: the EOD id that ends a sequence; None makes each row one sequence.
         layout: the ``DeliveryLayout`` the rows are delivered in, or None (no check of the row length).
+        delivery_plan: one CP rank's ``DeliveryPlan``, whose metadata every batch carries (``Batch.delivery``), or
+            None.
     """
 
-    def __init__(self, *, eod_token_id: int | None = None, layout: DeliveryLayout | None = None) -> None:
-        """Validate and store the EOD id and the layout.
+    def __init__(
+        self,
+        *,
+        eod_token_id: int | None = None,
+        layout: DeliveryLayout | None = None,
+        delivery_plan: DeliveryPlan | None = None,
+    ) -> None:
+        """Validate and store the EOD id, the layout and the delivery plan.
 
         Raises:
             DataConfigError: ``eod_token_id`` is given and is not a non-negative integer, or ``layout`` is not a
@@ -490,9 +526,13 @@ class IndexedStackingCollator:
             )
         self.eod_token_id = eod_token_id
         self.layout = layout
+        self.delivery_plan = _plan(delivery_plan, layout)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(eod_token_id={self.eod_token_id}, layout={self.layout})"
+        return (
+            f"{type(self).__name__}(eod_token_id={self.eod_token_id}, layout={self.layout}, "
+            f"delivery_plan={self.delivery_plan})"
+        )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> Batch:
         """Stack ``samples`` into one ``Batch``.
@@ -505,7 +545,7 @@ class IndexedStackingCollator:
         batch = _contract_batch(_stack(samples), self.eod_token_id, own_labels=True)
         if self.layout is not None:
             self.layout.check_row_length(batch.input_ids.shape[1])
-        return batch
+        return batch if self.delivery_plan is None else prepare_delivery(batch, self.delivery_plan)
 
 
 def indexed_batch(stacked: Mapping[str, Any], *, eod_token_id: int | None) -> Batch:
@@ -565,7 +605,11 @@ def _eod_of(tokenizer: Any) -> int:
 
 
 def build_indexed_collate_fn(
-    tokenizer: Any = None, *, eod_token_id: int | None = None, layout: DeliveryLayout | None = None
+    tokenizer: Any = None,
+    *,
+    eod_token_id: int | None = None,
+    layout: DeliveryLayout | None = None,
+    delivery_plan: DeliveryPlan | None = None,
 ) -> IndexedStackingCollator:
     """Build the collator of the Indexed path (``IndexedStackingCollator``; picklable).
 
@@ -575,6 +619,7 @@ def build_indexed_collate_fn(
         eod_token_id: explicit EOD id.
         layout: the ``DeliveryLayout`` the rows are delivered in; rows it cannot cut are refused at the first
             batch. None: no check.
+        delivery_plan: the data rank's ``ParallelBatch.delivery_plan`` (see ``build_online_text_collate_fn``).
 
     Without an EOD id, each row is one sequence, and a warning says so.
 
@@ -588,4 +633,4 @@ def build_indexed_collate_fn(
             "the Indexed collator has no EOD id: cu_seq_lens mark row ends only, so each row is one sequence; "
             "pass the tokenizer (build_dataloaders does) or eod_token_id to build_indexed_collate_fn"
         )
-    return IndexedStackingCollator(eod_token_id=eod_token_id, layout=layout)
+    return IndexedStackingCollator(eod_token_id=eod_token_id, layout=layout, delivery_plan=delivery_plan)

@@ -3,7 +3,7 @@
 Owns: the last step of the pipeline, in two modes with one output.
 
 * Plain: ``get_batch(data_iterator)``. On a data rank (TP rank 0 of PP stage 0 of its (DP, CP) coordinate) it
-  pulls the next ``Batch``, keeps this CP rank's columns (``CPBatchSharder``) and relays the CP-local tokens and
+  pulls the next ``Batch``, keeps this CP rank's columns (one gather per token field) and relays the CP-local tokens and
   labels with the checked global ``cu_seq_lens`` to its TP peers and PP stages.
 * Scheduled (a ``scheduler=PackingSchedulerConfig``): once per step on every rank, ``step =
   get_batch.schedule(data_iterator, num_microbatches)`` fetches the step's micro-batches on the data ranks, all-gathers
@@ -14,11 +14,13 @@ Owns: the last step of the pipeline, in two modes with one output.
   same on every rank; ``get_batch(step)`` (or ``next(step)``, or iterating the step) delivers the next scheduled
   micro-batch, cut across its own CP group (dynamic CP), exactly as the plain mode delivers a batch.
 
-Every rank then builds the same position ids, loss mask and attention metadata from what it received, so peers
-agree without sending them. The end of the data and a reader's failure reach every rank of the TP group and every
-PP stage in the same call (``_relay``, the one place that moves a data rank's outcome). The layout of every batch is
-decided once, as ``.layout`` (a ``DeliveryLayout``), which the pipeline hands to the collator and the loaders.
-``source_type`` is accepted for the design's configs; nothing depends on it: every boundary is the ``Batch``'s
+Every rank then builds the same position ids and attention metadata from what it received, so peers agree without
+sending them (``batching.delivery_plan.delivery_metadata``, the one function of the boundaries); on the data rank a
+collator given ``.delivery_plan`` has already computed them in the DataLoader worker (``Batch.delivery``), so the
+training process only checks the plan and gathers. The end of the data and a reader's failure reach every rank of the TP
+group and every PP stage in the same call (``_relay``, the one place that moves a data rank's outcome). The layout of
+every batch is decided once, as ``.layout`` (a ``DeliveryLayout``), which the pipeline hands to the collator and the
+loaders. ``source_type`` is accepted for the design's configs; nothing depends on it: every boundary is the ``Batch``'s
 ``cu_seq_lens``, computed once by the collator (``build_collate_fn.indexed_batch`` converts a megatron-style dict, at
 the edge). Not responsible for: reading files or choosing samples (the loaders), the layouts' arithmetic and the
 collectives (``parallel``), the schedule's algorithms (``parallel.data_schedule_utils``), packing groups
@@ -56,18 +58,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyper_parallel.data.batching.attention_runtime import (
-    PackedSeqParams,
-    dense_attention_mask,
-    flex_block_mask,
-    packed_seq_params,
-)
+from hyper_parallel.data.batching.attention_runtime import PackedSeqParams
 from hyper_parallel.data.batching.batch import Batch
+from hyper_parallel.data.batching.delivery_plan import DeliveryMetadata, DeliveryPlan, delivery_metadata
 from hyper_parallel.data.batching.scheduled_packing import exchange_sequences, fetch_sequences, pack_rank_groups
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_choice, require_flag, require_int
-from hyper_parallel.data.indexed.ltor_fields import positions_within_sequences
-from hyper_parallel.data.parallel.batch_parallel import BatchRelay, CPBatchSharder, cp_local_columns, stage_fields
+from hyper_parallel.data.parallel.batch_parallel import BatchRelay, gather_columns, stage_fields
 from hyper_parallel.data.parallel.data_schedule_utils import (
     FlopsStats,
     PackingSchedulerConfig,
@@ -236,8 +233,8 @@ class ParallelBatch:
         self.layout = self._layout(cp_layout)
         self.cp_layout = self.layout.cp_layout
         self._check_layout()
-        self._sharder = CPBatchSharder(self.context.cp_size, self.context.cp_rank, self.cp_layout)
-        self._read_columns: np.ndarray | None = None  # the columns the data rank cut the batch being delivered at
+        self.delivery_plan = self._delivery_plan()
+        self._metadata: DeliveryMetadata | None = None  # the data rank's metadata of the batch being delivered
         self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
@@ -360,6 +357,16 @@ class ParallelBatch:
                 "cut; use cp_layout zigzag_thd (Megatron's) or contiguous"
             )
 
+    def _delivery_plan(self) -> DeliveryPlan:
+        """This rank's plan for the static CP group (a collator given it computes the metadata in the workers)."""
+        return DeliveryPlan(
+            cp_size=self.context.cp_size, cp_rank=self.context.cp_rank, cp_layout=self.cp_layout,
+            attention_mode=self.attention_mode, causal=self.causal, sliding_window=self.sliding_window,
+            reset_position_ids=self.reset_position_ids, eod_mask_loss=self.eod_mask_loss,
+            eod_token_id=self.eod_token_id,
+            capacity=None if self.scheduler is None else self.scheduler.thd_max_packed_sequences,
+        )  # fmt: skip
+
     def _relay_of(self, field_names: tuple[str, ...]) -> BatchRelay:
         """The one way a data rank's outcome reaches its TP peers and PP stages (each stage its own fields)."""
         return BatchRelay(self.context, field_names, mtp_stages=self.mtp_stages, device=self.device)
@@ -441,27 +448,56 @@ class ParallelBatch:
             )
         self._check_loss_tokens(batch)
         rows, row_length = batch.input_ids.shape
-        cu_seq_lens = check_cu_seq_lens(
-            batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
-        )
         size = _local_cp_size(batch)
         _, cp_size, cp_rank = self._cp_group(size)
-        loss_mask = batch.labels >= 0
-        if self.eod_mask_loss:
-            loss_mask &= batch.input_ids != self.eod_token_id
-        fields = {"input_ids": batch.input_ids, "labels": batch.labels, "loss_mask": loss_mask}
-        if (cp_size, cp_rank) == (self.context.cp_size, self.context.cp_rank):
-            local, columns = self._sharder.shard(fields, cu_seq_lens)
-        else:
-            local, columns = CPBatchSharder(cp_size, cp_rank, self.cp_layout).shard(fields, cu_seq_lens)
-        self._read_columns = columns.cpu().numpy()  # the data rank's _build reuses them
+        plan = self._plan(cp_size, cp_rank)
+        self._metadata = self._prepared(batch, plan)
+        if self._metadata is None:  # the boundaries are checked once here; a prepared batch's were, in the worker
+            cu_seq_lens = check_cu_seq_lens(
+                batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
+            )
+            self._metadata = delivery_metadata(
+                plan, cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
+            )
+        local = self._cut(batch, self._metadata, cp_size)
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
-        sent = {**local, "cu_seq_lens": cu_seq_lens, "local_shape": shape}
+        sent = {**local, "cu_seq_lens": batch.cu_seq_lens, "local_shape": shape}
         if batch.cu_seq_lens_real is not None:  # the real tokens of padded sequences (thd: cu_seqlens_q/kv)
             sent["cu_seq_lens_real"] = batch.cu_seq_lens_real
         if size is not None:
             sent["local_cp_size"] = torch.tensor([size], dtype=torch.int64)
         return sent
+
+    def _cut(self, batch: Batch, metadata: DeliveryMetadata, cp_size: int) -> dict[str, torch.Tensor]:
+        """The rank's ``input_ids`` and ``labels`` (one gather each) and its loss mask (the metadata's, cut from the
+        batch's own, ``delivery_plan._loss_mask``): bool when the relay has receivers, else float32 as delivered."""
+        ids, labels = batch.input_ids, batch.labels
+        if cp_size > 1:
+            columns = metadata.columns.to(ids.device)
+            ids, labels = gather_columns(ids, columns), gather_columns(labels, columns)
+        loss_mask = metadata.loss_mask
+        if self.context.tp_size > 1 or self.context.pp_size > 1:
+            loss_mask = loss_mask > 0  # a quarter of the bytes on the wire; every rank converts what it receives
+        return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask}
+
+    def _plan(self, cp_size: int, cp_rank: int) -> DeliveryPlan:
+        """This rank's plan for a micro-batch cut across ``cp_size`` ranks (the static one is kept)."""
+        plan = self.delivery_plan
+        if (cp_size, cp_rank) == (plan.cp_size, plan.cp_rank):
+            return plan
+        return replace(plan, cp_size=cp_size, cp_rank=cp_rank)
+
+    def _prepared(self, batch: Batch, plan: DeliveryPlan) -> DeliveryMetadata | None:
+        """The metadata the collator computed for ``plan`` (moved to the device), or None when it computed none."""
+        metadata = batch.delivery
+        if metadata is None:
+            return None
+        if metadata.plan != plan:
+            raise DataConfigError(
+                f"the micro-batch's delivery metadata was computed for {metadata.plan}, but this rank delivers "
+                f"{plan}; give the collator this stage's delivery_plan (ParallelBatch.delivery_plan), or none"
+            )
+        return metadata if self.device.type == "cpu" else metadata.to(self.device)
 
     def _check_loss_tokens(self, batch: Batch) -> None:
         """Under ``eod_mask_loss``, which masks the EOD inputs here, refuse a micro-batch left without a token that
@@ -505,52 +541,34 @@ class ParallelBatch:
         group, cp_size, cp_rank = self._cp_group(None if local_cp_size is None else int(local_cp_size[0]))
         rows, local = received["local_shape"].tolist()
         row_length = local * cp_size
-        bounds = cu_seq_lens.cpu().numpy()
-        columns, self._read_columns = self._read_columns, None
-        if columns is None:  # a TP peer or a later PP stage: the same columns from the same boundaries
-            columns = cp_local_columns(self.cp_layout, bounds, rows, row_length, cp_size, cp_rank)
-        device = self.device
+        metadata, self._metadata = self._metadata, None
+        if metadata is None:  # a TP peer or a later PP stage: the same metadata from the same boundaries
+            plan = self._plan(cp_size, cp_rank)
+            metadata = delivery_metadata(plan, cu_seq_lens, received.get("cu_seq_lens_real"), rows, row_length,
+                                         device=self.device)  # fmt: skip
+        packed = metadata.packed_seq_params
+        if packed is not None and self.pg_collection is not None:
+            packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
+        flex = metadata.flex_tables
         model_inputs = {
-            **self._attention(bounds, received.get("cu_seq_lens_real"), columns, row_length, group, cp_size),
             "input_ids": self._on_device(received.get("input_ids")),
             "labels": self._on_device(received.get("labels")),
-            "position_ids": None,
+            "position_ids": metadata.position_ids if "input_ids" in received else None,
+            "attention_mask": metadata.attention_mask if flex is None else flex.block_mask(),
+            "swa_mask": metadata.swa_mask,
+            "packed_seq_params": packed,
         }
-        if "input_ids" in received:  # the first stage (and the MTP stages) embed the tokens at their positions
-            model_inputs["position_ids"] = torch.from_numpy(self._positions(bounds, columns, row_length)).to(device)
         mask = received.get("loss_mask")
         loss_inputs = {
             "labels": model_inputs["labels"],
-            "loss_mask": None if mask is None else mask.to(device, torch.float32),
+            "loss_mask": None if mask is None else mask.to(self.device, torch.float32),
         }
-        model_inputs = {name: model_inputs[name] for name in MODEL_INPUT_KEYS}
         if logger.isEnabledFor(logging.DEBUG):
             self._log_shapes(model_inputs, row_length, cp_size, cp_rank)
         return model_inputs, loss_inputs
 
     def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(self.device)
-
-    def _attention(self, bounds: np.ndarray, real, columns: np.ndarray, row_length: int, group, cp_size: int) -> dict:
-        """``attention_mask``, ``swa_mask`` and ``packed_seq_params`` of the attention mode (the others None)."""
-        attention_mask = swa_mask = packed = None
-        if self.attention_mode == "dense":
-            attention_mask, swa_mask = dense_attention_mask(
-                bounds, columns, row_length, causal=self.causal, sliding_window=self.sliding_window, device=self.device
-            )
-        elif self.attention_mode == "flex":
-            attention_mask = flex_block_mask(
-                bounds, columns, row_length, causal=self.causal, sliding_window=self.sliding_window,
-                device=self.device,
-            )  # fmt: skip
-        elif self.attention_mode == "packed":
-            capacity = None if self.scheduler is None else self.scheduler.thd_max_packed_sequences
-            packed = packed_seq_params(
-                bounds, cu_seq_lens_real=real, cp_size=cp_size, capacity=capacity, device=self.device
-            )
-            if self.pg_collection is not None:
-                packed = replace(packed, cp_group=group, local_cp_size=cp_size, tp_cp_group=self._tp_cp_group(cp_size))
-        return {"attention_mask": attention_mask, "swa_mask": swa_mask, "packed_seq_params": packed}
 
     def _log_shapes(self, model_inputs: dict[str, Any], row_length: int, cp_size: int, cp_rank: int) -> None:
         """Log the delivered shapes at the first batch and whenever they change, never per batch."""
@@ -570,13 +588,6 @@ class ParallelBatch:
             self.context.tp_rank,
             self.context.tp_size,
         )
-
-    def _positions(self, bounds: np.ndarray, columns: np.ndarray, row_length: int) -> np.ndarray:
-        """int64 ``[R, s]``: the local tokens' global columns, or their distances from their sequences' starts."""
-        if not self.reset_position_ids:
-            return np.ascontiguousarray(columns, dtype=np.int64)
-        within = positions_within_sequences(bounds).reshape(len(columns), row_length)
-        return np.take_along_axis(within, columns, axis=1)
 
     # -- one scheduled step ------------------------------------------------------------------------------------------
 
