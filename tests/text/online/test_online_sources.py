@@ -163,6 +163,64 @@ def test_a_stream_restored_anywhere_continues_exactly(buffer_size, tmp_path):
     assert restored.epoch == 1 and restored.position == 0
 
 
+@pytest.mark.parametrize(("buffer_size", "dp_world_size"), [(0, 1), (40, 1), (0, 2), (40, 2)])
+def test_a_stream_restored_across_read_blocks_continues_exactly(buffer_size, dp_world_size, tmp_path):
+    # Two files of 300 records: the stream reads them in blocks of 128, so stops fall before, inside and after them.
+    records = [{"id": index, "text": f"record number {index}"} for index in range(600)]
+    paths = [write_format(tmp_path, "json", records[:300], "a"), write_format(tmp_path, "json", records[300:], "b")]
+    options = {"config": {"shuffle_buffer_size": buffer_size}, "seed": 5, "dp_world_size": dp_world_size}
+    shares = [read_all(stream(paths, dp_rank=rank, **options)) for rank in range(dp_world_size)]
+    assert sorted(sum(shares, [])) == list(range(600))
+    for stop in (1, 127, 128, 129, 250, 299):
+        source = stream(paths, dp_rank=dp_world_size - 1, **options)
+        head = [record["id"] for _, record in source.read(stop)]
+        state = json.loads(json.dumps(source.state_dict()))
+        restored = stream(paths, dp_rank=dp_world_size - 1, **options)
+        restored.load_state_dict(state)
+        assert head + read_all(restored) == shares[-1], stop
+
+
+def test_a_version_1_stream_state_still_resumes_exactly(tmp_path):
+    # A version 1 cursor, as the record-by-record reader saved it: the Hugging Face state after `stop` records.
+    from datasets.distributed import split_dataset_by_node
+
+    records = [{"id": index, "text": f"record number {index}"} for index in range(300)]
+    path = write_format(tmp_path, "json", records)
+    source = stream(path, config={"shuffle_buffer_size": 0})
+    shard = split_dataset_by_node(source.hf_dataset, rank=0, world_size=1)
+    stop = 70
+    for _, _ in zip(range(stop), shard, strict=False):
+        pass
+    state = {
+        "version": 1,
+        "epoch": 0,
+        "position": stop,
+        "dp_rank": 0,
+        "dp_world_size": 1,
+        "seed": 1234,
+        "shuffle_buffer_size": 0,
+        "source_state": shard.state_dict(),
+        "source_exhausted": False,
+        "buffer": [],
+        "rng": source.state_dict()["rng"],
+    }
+    source.load_state_dict(json.loads(json.dumps(state)))
+    assert read_all(source) == list(range(stop, 300))
+    assert read_all(source) == list(range(300))  # the next epoch reads in blocks again
+
+
+def test_a_stream_refuses_a_damaged_read_block(tmp_path):
+    path = write_format(tmp_path, "json")
+    source = stream(path, config={"shuffle_buffer_size": 0})
+    source.read(3)
+    state = source.state_dict()
+    assert [record["id"] for record in state["block"]] == list(range(3, 23))
+    with pytest.raises(ResumeStateError, match="block_records"):
+        stream(path, config={"shuffle_buffer_size": 0}).load_state_dict({**state, "block_records": 0})
+    with pytest.raises(ResumeStateError, match=r"\['block'\]\[0\]"):
+        stream(path, config={"shuffle_buffer_size": 0}).load_state_dict({**state, "block": ["text"]})
+
+
 def test_stream_positions_count_records_and_epochs_reshuffle(tmp_path):
     source = stream(write_format(tmp_path, "json"), config={"shuffle_buffer_size": 8})
     first = source.read(30)
