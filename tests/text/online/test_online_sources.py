@@ -273,3 +273,25 @@ def test_the_online_builder_names_what_is_missing(tmp_path, tokenizer):
         build_online_text_dataset(None, {"data_type": "plaintext", "max_seq_len": 8}, tokenizer=tokenizer)
     with pytest.raises(DataConfigError, match="data_transform"):
         build_online_text_dataset(write_format(tmp_path, "json"), None, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("view", ["plain", "shuffled", "formatted", "columns"])
+def test_mapping_batched_reads_give_the_records_datasets_gives(view, tmp_path):
+    from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
+
+    hf_dataset, description = open_hf_dataset(write_format(tmp_path, "parquet"), streaming=False)
+    hf_dataset = {
+        "plain": lambda d: d,
+        "shuffled": lambda d: d.shuffle(seed=2),  # an index mapping over the Arrow table
+        "formatted": lambda d: d.with_format("numpy"),
+        "columns": lambda d: d.select_columns(["text"]),
+    }[view](hf_dataset)
+    indices = [22, 0, 5, 5, 13]
+    expected = [hf_dataset[index] for index in indices]  # one record at a time, through datasets' own formatting
+    got = OnlineMappingDataset(hf_dataset, description).records(indices)
+    assert len(got) == len(expected)
+    for record, reference in zip(got, expected, strict=True):
+        assert record.keys() == reference.keys()
+        assert all(type(record[key]) is type(reference[key]) and record[key] == reference[key] for key in record)
+    if view == "plain":
+        assert [record["id"] for record in got] == indices
