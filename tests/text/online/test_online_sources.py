@@ -163,6 +163,64 @@ def test_a_stream_restored_anywhere_continues_exactly(buffer_size, tmp_path):
     assert restored.epoch == 1 and restored.position == 0
 
 
+@pytest.mark.parametrize(("buffer_size", "dp_world_size"), [(0, 1), (40, 1), (0, 2), (40, 2)])
+def test_a_stream_restored_across_read_blocks_continues_exactly(buffer_size, dp_world_size, tmp_path):
+    # Two files of 300 records: the stream reads them in blocks of 128, so stops fall before, inside and after them.
+    records = [{"id": index, "text": f"record number {index}"} for index in range(600)]
+    paths = [write_format(tmp_path, "json", records[:300], "a"), write_format(tmp_path, "json", records[300:], "b")]
+    options = {"config": {"shuffle_buffer_size": buffer_size}, "seed": 5, "dp_world_size": dp_world_size}
+    shares = [read_all(stream(paths, dp_rank=rank, **options)) for rank in range(dp_world_size)]
+    assert sorted(sum(shares, [])) == list(range(600))
+    for stop in (1, 127, 128, 129, 250, 299):
+        source = stream(paths, dp_rank=dp_world_size - 1, **options)
+        head = [record["id"] for _, record in source.read(stop)]
+        state = json.loads(json.dumps(source.state_dict()))
+        restored = stream(paths, dp_rank=dp_world_size - 1, **options)
+        restored.load_state_dict(state)
+        assert head + read_all(restored) == shares[-1], stop
+
+
+def test_a_version_1_stream_state_still_resumes_exactly(tmp_path):
+    # A version 1 cursor, as the record-by-record reader saved it: the Hugging Face state after `stop` records.
+    from datasets.distributed import split_dataset_by_node
+
+    records = [{"id": index, "text": f"record number {index}"} for index in range(300)]
+    path = write_format(tmp_path, "json", records)
+    source = stream(path, config={"shuffle_buffer_size": 0})
+    shard = split_dataset_by_node(source.hf_dataset, rank=0, world_size=1)
+    stop = 70
+    for _, _ in zip(range(stop), shard, strict=False):
+        pass
+    state = {
+        "version": 1,
+        "epoch": 0,
+        "position": stop,
+        "dp_rank": 0,
+        "dp_world_size": 1,
+        "seed": 1234,
+        "shuffle_buffer_size": 0,
+        "source_state": shard.state_dict(),
+        "source_exhausted": False,
+        "buffer": [],
+        "rng": source.state_dict()["rng"],
+    }
+    source.load_state_dict(json.loads(json.dumps(state)))
+    assert read_all(source) == list(range(stop, 300))
+    assert read_all(source) == list(range(300))  # the next epoch reads in blocks again
+
+
+def test_a_stream_refuses_a_damaged_read_block(tmp_path):
+    path = write_format(tmp_path, "json")
+    source = stream(path, config={"shuffle_buffer_size": 0})
+    source.read(3)
+    state = source.state_dict()
+    assert [record["id"] for record in state["block"]] == list(range(3, 23))
+    with pytest.raises(ResumeStateError, match="block_records"):
+        stream(path, config={"shuffle_buffer_size": 0}).load_state_dict({**state, "block_records": 0})
+    with pytest.raises(ResumeStateError, match=r"\['block'\]\[0\]"):
+        stream(path, config={"shuffle_buffer_size": 0}).load_state_dict({**state, "block": ["text"]})
+
+
 def test_stream_positions_count_records_and_epochs_reshuffle(tmp_path):
     source = stream(write_format(tmp_path, "json"), config={"shuffle_buffer_size": 8})
     first = source.read(30)
@@ -215,3 +273,25 @@ def test_the_online_builder_names_what_is_missing(tmp_path, tokenizer):
         build_online_text_dataset(None, {"data_type": "plaintext", "max_seq_len": 8}, tokenizer=tokenizer)
     with pytest.raises(DataConfigError, match="data_transform"):
         build_online_text_dataset(write_format(tmp_path, "json"), None, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("view", ["plain", "shuffled", "formatted", "columns"])
+def test_mapping_batched_reads_give_the_records_datasets_gives(view, tmp_path):
+    from hyper_parallel.data.text.online.online_mapping_dataset import OnlineMappingDataset
+
+    hf_dataset, description = open_hf_dataset(write_format(tmp_path, "parquet"), streaming=False)
+    hf_dataset = {
+        "plain": lambda d: d,
+        "shuffled": lambda d: d.shuffle(seed=2),  # an index mapping over the Arrow table
+        "formatted": lambda d: d.with_format("numpy"),
+        "columns": lambda d: d.select_columns(["text"]),
+    }[view](hf_dataset)
+    indices = [22, 0, 5, 5, 13]
+    expected = [hf_dataset[index] for index in indices]  # one record at a time, through datasets' own formatting
+    got = OnlineMappingDataset(hf_dataset, description).records(indices)
+    assert len(got) == len(expected)
+    for record, reference in zip(got, expected, strict=True):
+        assert record.keys() == reference.keys()
+        assert all(type(record[key]) is type(reference[key]) and record[key] == reference[key] for key in record)
+    if view == "plain":
+        assert [record["id"] for record in got] == indices

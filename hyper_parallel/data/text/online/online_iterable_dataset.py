@@ -1,6 +1,6 @@
 """The Online iterable source: a Hugging Face stream (``streaming=True``), sharded by DP rank and buffer-shuffled.
 
-Owns: reading records one after another, giving each DP rank a disjoint share (together they cover the data),
+Owns: reading records in blocks, giving each DP rank a disjoint share (together they cover the data),
 shuffling with a seeded bounded buffer, epochs, a cursor that can be saved, checked and restored exactly (the
 shuffle buffer included), and the identity of the files read. Not responsible for: tokenization (the transform) or
 batching (the loaders).
@@ -9,6 +9,8 @@ How a stream is read::
 
     Hugging Face IterableDataset (files in order)
       -> split_dataset_by_node(rank, world)   whole files per rank when they divide evenly, else every world-th record
+      -> blocks of _BLOCK_RECORDS records      one Arrow-to-Python conversion per block; the records of the current
+                                               block not yet taken are part of the cursor
       -> shuffle buffer of B records           seeded with (seed, epoch, dp_rank): each new record replaces and
                                                releases a random buffered one; the rest drain at the end
       -> (position, record)                    position counts this rank's records in the epoch
@@ -17,6 +19,7 @@ How a stream is read::
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -29,7 +32,9 @@ __all__ = ["OnlineIterableDataset"]
 
 logger = get_logger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 adds the current block ("block", "block_records"); a version 1 state still loads
+_LOADABLE_VERSIONS = (1, 2)
+_BLOCK_RECORDS = 128  # records converted from Arrow at once; a saved cursor holds at most this many of them
 # Cursor fields that must equal this stream's settings, and why.
 _SETTINGS = (
     ("dp_world_size", "each DP rank reads its own share of a stream, so the shares would differ"),
@@ -80,9 +85,10 @@ class OnlineIterableDataset:
         self._source_state: dict | None = None
         self._source_exhausted = False
         self._buffer: list = []
+        self._block: deque = deque()  # records of the current block not yet shuffled in or given out
+        self._block_records = _BLOCK_RECORDS  # a source state counts blocks of this size
         self._rng = np.random.default_rng([self.seed, epoch, self.dp_rank])
         self._records = None
-        self._shard = None
 
     def _rank_share(self, restore: bool = True):
         from datasets.distributed import split_dataset_by_node
@@ -96,8 +102,7 @@ class OnlineIterableDataset:
         """This epoch's records from the current cursor; keeps the cursor consistent at every ``yield``."""
         buffer, size, rng = self._buffer, self.shuffle_buffer_size, self._rng
         if not self._source_exhausted:
-            self._shard = self._rank_share()
-            for record in self._source_records(self._shard):
+            for record in self._source_records(self._rank_share()):
                 if size == 0:
                     yield record
                 elif len(buffer) < size:
@@ -113,10 +118,15 @@ class OnlineIterableDataset:
             yield buffer.pop()
 
     def _source_records(self, shard):
-        records = iter(shard)
+        """The rest of the current block, then the shard's records block by block; the cursor (the source state
+        after the block, the block's records not yet taken) stays exact at every ``yield``."""
+        block = self._block
+        while block:
+            yield block.popleft()
+        blocks = shard.iter(batch_size=self._block_records)
         while True:
             try:
-                yield next(records)
+                columns = next(blocks)
             except StopIteration:
                 return
             except Exception as error:  # noqa: BLE001 - the readers raise many types; all get the source named
@@ -124,6 +134,10 @@ class OnlineIterableDataset:
                     f"{self.description}: reading the stream failed after {self.position} records of DP rank "
                     f"{self.dp_rank} (epoch {self.epoch}): {error}. Fix or remove the malformed record"
                 ) from error
+            self._source_state = shard.state_dict()  # after this block, whose untaken records the cursor holds
+            block.extend(_column_records(columns))
+            while block:
+                yield block.popleft()
 
     def read(self, max_records: int) -> list[tuple[int, dict]]:
         """Up to ``max_records`` next ``(position, record)`` pairs; an empty list ends the epoch and starts the next."""
@@ -154,10 +168,8 @@ class OnlineIterableDataset:
     # Resume --------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The cursor: source position, the shuffle buffer's records and the shuffle generator's state."""
-        source_state = self._source_state
-        if self._shard is not None and not self._source_exhausted:
-            source_state = self._shard.state_dict()
+        """The cursor: source position after the current block, the block's untaken records, the shuffle buffer's
+        records and the shuffle generator's state."""
         return {
             "version": _STATE_VERSION,
             "epoch": self.epoch,
@@ -166,8 +178,10 @@ class OnlineIterableDataset:
             "dp_world_size": self.dp_world_size,
             "seed": self.seed,
             "shuffle_buffer_size": self.shuffle_buffer_size,
-            "source_state": source_state,
+            "source_state": self._source_state,
             "source_exhausted": self._source_exhausted,
+            "block": list(self._block),
+            "block_records": self._block_records,
             "buffer": list(self._buffer),
             "rng": self._rng.bit_generator.state,
         }
@@ -176,9 +190,10 @@ class OnlineIterableDataset:
         """Refuse a cursor this stream cannot continue: malformed, of another version, rank or shuffle."""
         where = "the stream cursor"
         check_state_type(state, Mapping, where)
-        if state.get("version") != _STATE_VERSION:
+        version = state.get("version")
+        if version not in _LOADABLE_VERSIONS:
             raise ResumeStateError(
-                f"stream state version {state.get('version')!r} is not supported (expected {_STATE_VERSION}); "
+                f"stream state version {version!r} is not supported (expected one of {_LOADABLE_VERSIONS}); "
                 "it was saved by an incompatible release"
             )
         for key, why in _SETTINGS:
@@ -194,6 +209,8 @@ class OnlineIterableDataset:
         state_field(state, "source_exhausted", bool, where)
         if state_field(state, "source_state", (Mapping, None), where) is not None:
             _check_like(state["source_state"], self._rank_share(restore=False).state_dict(), f"{where}['source_state']")
+        if version >= 2:
+            _check_block(state, where)
         buffer = state_field(state, "buffer", list, where)
         if len(buffer) > self.shuffle_buffer_size:
             raise ResumeStateError(
@@ -216,6 +233,9 @@ class OnlineIterableDataset:
         self._source_state = state["source_state"]
         self._source_exhausted = state["source_exhausted"]
         self._buffer = list(state["buffer"])
+        # A version 1 state counted single records: read the rest of its epoch one record at a time.
+        self._block = deque(state.get("block", ()))
+        self._block_records = state.get("block_records", 1)
         self._rng.bit_generator.state = state["rng"]
 
     def data_identity(self) -> dict | None:
@@ -230,6 +250,26 @@ class OnlineIterableDataset:
             f"OnlineIterableDataset({self.description}, dp {self.dp_rank}/{self.dp_world_size}, "
             f"shuffle buffer {self.shuffle_buffer_size}, epoch {self.epoch})"
         )
+
+
+def _check_block(state: Mapping, where: str) -> None:
+    """Check a version 2 cursor's current block: its block size and the records not yet taken from it."""
+    block_records = state_field(state, "block_records", int, where)
+    if block_records < 1:
+        raise ResumeStateError(f"{where}['block_records'] is {block_records}; a block holds at least one record")
+    block = state_field(state, "block", list, where)
+    if len(block) >= block_records:
+        raise ResumeStateError(
+            f"{where}['block'] holds {len(block)} untaken records of a block of {block_records}; the state is damaged"
+        )
+    for index, record in enumerate(block):
+        check_state_type(record, Mapping, f"{where}['block'][{index}]")
+
+
+def _column_records(columns: Mapping[str, list]) -> list[dict]:
+    """A block read as columns (``{name: values}``) as one record dict per row."""
+    names = list(columns)
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns.values(), strict=True)]
 
 
 def _check_like(value, template, name: str) -> None:

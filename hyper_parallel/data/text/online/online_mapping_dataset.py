@@ -1,6 +1,7 @@
 """The Online mapping source: a finite, random-access Hugging Face dataset read by index (``streaming=False``).
 
-Owns: ``dataset[index]`` over a ``datasets.Dataset``, naming a record in messages, and the identity of the data
+Owns: ``dataset[index]`` and batched reads over a ``datasets.Dataset`` (straight from its Arrow table when no
+feature needs decoding), naming a record in messages, and the identity of the data
 (the files' sizes and modification times). Order, DP assignment and resume belong
 to the batch sampler (``parallel.batch_sampler``); tokenization to the transform.
 """
@@ -32,6 +33,7 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
         self.description = description
         self.files = list(files)
         self._identity: dict | None = None
+        self._plain_arrow = _reads_as_plain_arrow(hf_dataset)
 
     def __len__(self) -> int:
         return len(self.hf_dataset)
@@ -52,6 +54,8 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
         indices = [int(index) for index in indices]
         if indices and not 0 <= min(indices) <= max(indices) < len(self.hf_dataset):
             self._check_range(next(i for i in indices if not 0 <= i < len(self.hf_dataset)))
+        if self._plain_arrow:  # the rows as Python dicts in one Arrow call, what ``datasets`` formats them into
+            return self.hf_dataset.data.fast_gather(indices).to_pylist()
         return self.hf_dataset.__getitems__(indices)
 
     def data_identity(self) -> dict:
@@ -67,3 +71,18 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"OnlineMappingDataset({self.description}, {len(self)} records)"
+
+
+def _reads_as_plain_arrow(hf_dataset) -> bool:
+    """Whether the rows of ``hf_dataset`` are its Arrow table's rows as they are: no index mapping, no output
+    format or column selection, and no feature (image, audio...) that ``datasets`` decodes when read."""
+    from datasets.features.features import require_decoding
+
+    form = hf_dataset.format
+    return (
+        getattr(hf_dataset, "_indices", None) is None
+        and form["type"] is None
+        and form["columns"] in (None, hf_dataset.column_names)
+        and not form["output_all_columns"]
+        and not any(require_decoding(feature) for feature in hf_dataset.features.values())
+    )
