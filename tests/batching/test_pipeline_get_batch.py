@@ -186,6 +186,46 @@ def test_the_pipeline_derives_the_collators_alignment_from_the_context_and_the_l
     assert (padded % 4 == 0).all() and (real <= padded).all() and (padded - real < 4).all()
 
 
+@pytest.mark.parametrize("name", ["online", "indexed"])
+def test_the_collator_computes_the_data_ranks_delivery_metadata_in_the_loader(
+    name, tmp_path, corpus, plaintext_path, hf_cache_dir, tokenizer
+):
+    """The collate_fn node is given the get_batch node's plan for this CP rank, so every batch arrives with that
+    rank's metadata, which the stage delivers as it would compute it itself."""
+    config = design_config(name, plaintext_path if name == "online" else corpus, hf_cache_dir / name)
+    context = DataLoaderParallelContext(cp_rank=1, cp_size=2)
+    loaders = build_dataloaders(config, tokenizer=tokenizer, parallel_context=context)
+    plan = loaders.get_batch.delivery_plan
+    assert (plan.cp_size, plan.cp_rank) == (2, 1) and loaders.train.collate_fn.delivery_plan == plan
+    batch = next(iter(loaders.train))
+    assert batch.delivery is not None and batch.delivery.plan == plan
+    without_plan = dict(config, collate_fn=dict(config["collate_fn"], delivery_plan=None))
+    plain = build_dataloaders(without_plan, tokenizer=tokenizer, parallel_context=context)
+    assert plain.train.collate_fn.delivery_plan is None
+    reference = next(iter(plain.train))
+    assert reference.delivery is None and torch.equal(reference.input_ids, batch.input_ids)
+    ours, theirs = loaders.get_batch(iter([batch])), plain.get_batch(iter([reference]))
+    for got, expected in zip(ours, theirs, strict=True):
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), key
+
+
+def test_a_packing_scheduler_gives_the_collator_no_delivery_plan(plaintext_path, hf_cache_dir, tokenizer):
+    """The scheduler re-packs every micro-batch into its own groups, so metadata of the loader's rows would be
+    wasted work: the collator is built without a plan."""
+    config = design_config("online", plaintext_path, hf_cache_dir)
+    config["get_batch"]["cp_layout"] = "zigzag_thd"
+    config["get_batch"]["attention_mode"] = "packed"
+    config["packing_scheduler"] = {
+        "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+        "max_seqlen_per_dp_cp_rank": 4096,
+    }
+    loaders = build_dataloaders(config, tokenizer=tokenizer, parallel_context=DataLoaderParallelContext())
+    assert loaders.train.collate_fn.delivery_plan is None
+
+
 def test_ranks_that_read_nothing_get_no_loaders_but_a_get_batch(plaintext_path, hf_cache_dir, tokenizer):
     config = design_config("online", plaintext_path, hf_cache_dir)
     loaders = build_dataloaders(

@@ -334,7 +334,8 @@ def test_the_declared_values_are_what_build_dataloaders_passes_each_node():
     assert set(recorded["model_assets.chat_template"]) == _declared("model_assets") == {"tokenizer"}
     for node in ("dataset", "dataloader", "get_batch"):
         assert set(recorded[node]) == _declared(node), node
-    assert set(recorded["collate_fn"]) == _declared("collate_fn")
+    # the plan is offered only by a ParallelBatch
+    assert set(recorded["collate_fn"]) == _declared("collate_fn", "delivery_plan")
     assert recorded["dataloader"]["dataset"] == "a dataset" and recorded["dataloader"]["collate_fn"] == "a collator"
     assert recorded["dataset"]["chat_template"] == "a chat template"
 
@@ -345,6 +346,7 @@ def test_the_declared_values_are_what_build_dataloaders_passes_each_node():
     recorded = _build(with_parallel_batch, tokenizer=str(BUNDLED_TOKENIZER_PATH))
     assert set(recorded["collate_fn"]) == _declared("collate_fn")
     assert recorded["collate_fn"]["layout"].cp_layout == "contiguous"
+    assert recorded["collate_fn"]["delivery_plan"].cp_layout == "contiguous"
     assert set(recorded["dataset"]) == _declared("dataset", "chat_template", "seed")
 
     scheduled = {**base, "packing_scheduler": _node("packing_scheduler")}
@@ -353,6 +355,7 @@ def test_the_declared_values_are_what_build_dataloaders_passes_each_node():
     assert recorded["packing_scheduler"]["sequence_parallel"] is True
     # the collator under a scheduler does not pad: it is given a layout without CP or TP, as documented
     layout = recorded["collate_fn"]["layout"]
+    assert "delivery_plan" not in recorded["collate_fn"]  # the scheduler re-packs the loader's rows
     assert (layout.cp_size, layout.tp_size, layout.sequence_parallel) == (1, 1, False)
     assert recorded["dataloader"]["micro_batch_size"] == 3
 

@@ -542,7 +542,11 @@ def build_dataloaders(
     )
     scheduler = _build_scheduler(config.get("packing_scheduler"), runtime, allowed_prefixes)
     get_batch = _build_get_batch(config.get("get_batch"), scheduler, runtime, allowed_prefixes)
-    runtime = replace(runtime, layout=_loader_layout(get_batch, scheduler, runtime))
+    runtime = replace(
+        runtime,
+        layout=_loader_layout(get_batch, scheduler, runtime),
+        delivery_plan=get_batch.delivery_plan if isinstance(get_batch, ParallelBatch) and scheduler is None else None,
+    )
     collate_fn = None
     if config.get("collate_fn") is not None:
         collate_fn = instantiate(

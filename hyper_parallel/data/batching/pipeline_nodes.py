@@ -120,6 +120,13 @@ RUNTIME_VALUES: dict[str, RuntimeValue] = {
         RuntimeValue("dataset", "yes", "each split's dataset in turn: one loader per non-empty split"),
         RuntimeValue("collate_fn", "yes", "the built `collate_fn` node, or null without one"),
         RuntimeValue("scheduler", "with a packing_scheduler node", "the built `packing_scheduler` node, or null"),
+        RuntimeValue(
+            "delivery_plan",
+            "with a get_batch node",
+            "this data rank's `get_batch.delivery_plan`, so each batch carries its CP rank's delivery metadata, "
+            "computed in the DataLoader workers; offered with a `ParallelBatch` node and no packing_scheduler (which "
+            "re-packs every micro-batch)",
+        ),
     )
 }
 
@@ -155,7 +162,7 @@ NODE_TABLE: tuple[PipelineNode, ...] = (
         required=False,
         built=True,
         example="hyper_parallel.data.batching.build_online_text_collate_fn",
-        receives=("tokenizer", "layout"),
+        receives=("tokenizer", "layout", "delivery_plan"),
         docs="turns the samples of a micro-batch into a batch, padded for the pipeline's `layout`; built on every rank",
     ),
     PipelineNode(
@@ -232,7 +239,7 @@ def built_nodes() -> dict[str, str]:
 
 
 # The values offered only when set: offering None would replace a target's own default (``seed``: 1234).
-_OFFERED_WHEN_SET = ("chat_template", "seed")
+_OFFERED_WHEN_SET = ("chat_template", "seed", "delivery_plan")
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,7 @@ class PipelineContext:
         parallel_context: this rank's ``DataLoaderParallelContext``, or None.
         pg_collection: this rank's ``ProcessGroupCollection`` (the scheduler's groups), or None.
         eod_token_id: the tokenizer's EOD id, or None.
+        delivery_plan: the ``get_batch`` node's ``DeliveryPlan`` for the collator, or None.
     """
 
     tokenizer: Any = None
@@ -268,6 +276,7 @@ class PipelineContext:
     parallel_context: Any = None
     pg_collection: Any = None
     eod_token_id: int | None = None
+    delivery_plan: Any = None
 
     def for_node(self, name: str, **built: Any) -> dict[str, Any]:
         """The values node ``name`` receives (its row's ``receives``), by parameter name.
