@@ -4,6 +4,7 @@ Usage::
 
     hp-data preview pipeline.yaml --tokenizer path/to/tokenizer_dir --batches 2
     hp-data preview pipeline.yaml   # the tokenizer of the config's model_assets node
+    hp-data preview pipeline.yaml --html preview.html --cp-size 2   # tokens, CP slices and schedule in a browser
     python -m hyper_parallel.data.tools.preview_batches pipeline.yaml --tokenizer DIR --json
 
 For each batch it prints the shapes, the number of sequences and tokens, the tokens that carry loss, and each
@@ -11,27 +12,35 @@ sequence's text with those tokens between ``[[`` and ``]]`` (or highlighted on a
 contract (``batching.batch.Batch``) alone, so Online and Indexed batches are shown the same way: sequences as
 ``cu_seq_lens`` cuts them (the Online padding is the last one; Indexed rows are cut after each EOD), trained
 tokens as the loss mask counts them. Nothing is trained; the loaders are built exactly as a trainer builds them
-(``batching.dataloader.build_dataloaders``).
+(``batching.dataloader.build_dataloaders``). ``--html`` writes the same batches as one self-contained page
+(``tools.preview_html``).
 Not responsible for: building the pipeline (that is the config) or checking masks (the transforms do).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
 from hyper_parallel.data.batching.batch import Batch
-from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
+from hyper_parallel.data.batching.dataloader import SPLITS, DataLoaders, build_dataloaders
+from hyper_parallel.data.batching.delivery_plan import DeliveryPlan
+from hyper_parallel.data.batching.get_batch import ParallelBatch
+from hyper_parallel.data.batching.scheduled_packing import fetch_sequences
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.tools.preview_html import batch_view, render_page, schedule_view, visible_piece
 
-__all__ = ["describe_batch", "main", "marked_text"]
+__all__ = ["describe_batch", "main", "marked_text", "open_loaders", "parse_args", "write_html"]
 
 _PLAIN_MARKS = ("[[", "]]")
 _TERMINAL_MARKS = ("\033[1;32m", "\033[0m")
@@ -60,13 +69,18 @@ def marked_text(input_ids: np.ndarray, labels: np.ndarray, decode, marks: tuple[
     return "".join(pieces)
 
 
-def describe_batch(batch: Batch, decode, *, max_sequences: int = 4, marks: tuple[str, str] = _PLAIN_MARKS) -> dict:
-    """Shapes, token counts and the marked text of the first ``max_sequences`` sequences of ``batch``."""
+def _require_batch(batch: object) -> Batch:
     if not isinstance(batch, Batch):
         raise DataConfigError(
             f"the collate_fn returned a {type(batch).__name__}, not a Batch; preview reads the batch contract, so use "
             "build_online_text_collate_fn or build_indexed_collate_fn (or a collate_fn that returns a Batch)"
         )
+    return batch
+
+
+def describe_batch(batch: Batch, decode, *, max_sequences: int = 4, marks: tuple[str, str] = _PLAIN_MARKS) -> dict:
+    """Shapes, token counts and the marked text of the first ``max_sequences`` sequences of ``batch``."""
+    _require_batch(batch)
     texts = []
     for ids, labels in batch.sequences():
         if len(texts) == max_sequences:
@@ -79,6 +93,12 @@ def describe_batch(batch: Batch, decode, *, max_sequences: int = 4, marks: tuple
         "trained_tokens": batch.trained_tokens,
         "texts": texts,
     }
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks >= 1")
+    return int(text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +115,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sequences", type=int, default=4, help="sequences shown per batch (default: 4)")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="micro batch size (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per batch instead of text")
+    parser.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="write one self-contained HTML page instead: every token coloured by whether it is trained on, the "
+        "sequence boundaries, each CP rank's columns in every layout, and with a packing_scheduler node one "
+        "step's schedule per rank",
+    )
+    parser.add_argument(
+        "--cp-size",
+        type=_positive,
+        default=1,
+        help="the context-parallel size whose slices --html outlines; the batches are built for it (default: 1)",
+    )
+    parser.add_argument(
+        "--dp-size",
+        type=_positive,
+        default=1,
+        help="with a packing_scheduler node: the DP ranks whose micro-batches one scheduled step plans (default: 1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -109,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _preview(args: argparse.Namespace) -> None:
+def open_loaders(args: argparse.Namespace, *, dp_rank: int = 0) -> tuple[DataLoaders, object]:
+    """The pipeline of ``args.config`` built as a trainer builds it, and the loader of ``args.split``.
+
+    Without a packing scheduler the loaders are those of one rank of ``args.cp_size`` CP ranks (the batches then
+    carry that layout's padding); with one, those of DP rank ``dp_rank`` of ``args.dp_size`` (the scheduler pads).
+    """
     config = load_config(args.config)
     assets = config.get("model_assets")
     if args.tokenizer is None and not (isinstance(assets, Mapping) and assets.get("tokenizer") is not None):
@@ -119,13 +163,72 @@ def _preview(args: argparse.Namespace) -> None:
     tokenizer = None if args.tokenizer is None else build_tokenizer(args.tokenizer)
     # Only the split shown gets a loader, so a small other split (a 1% test split) cannot refuse the micro-batch size.
     shown = [None if split == args.split else 0 for split in SPLITS]
+    if config.get("packing_scheduler") is not None:  # its ParallelBatch needs real groups over several ranks
+        ranks = {"dp_rank": dp_rank, "dp_world_size": args.dp_size}
+    else:
+        ranks = {"parallel_context": DataLoaderParallelContext(cp_size=args.cp_size)}
     loaders = build_dataloaders(
-        config, tokenizer=tokenizer, micro_batch_size=args.micro_batch_size, train_valid_test_num_samples=shown
+        config,
+        tokenizer=tokenizer,
+        micro_batch_size=args.micro_batch_size,
+        train_valid_test_num_samples=shown,
+        **ranks,
     )
-    tokenizer = loaders.tokenizer
     loader = getattr(loaders, args.split)
     if loader is None:
         raise DataConfigError(f"the config builds no {args.split} split; choose another with --split")
+    return loaders, loader
+
+
+def write_html(args: argparse.Namespace) -> None:
+    """Write ``args.html``: the first ``args.batches`` micro-batches of DP rank 0, and with a packing scheduler the
+    step it plans from ``args.batches`` micro-batches of each of ``args.dp_size`` DP ranks."""
+    loaders, loader = open_loaders(args)
+    batches = [_require_batch(batch) for batch in itertools.islice(loader, args.batches)]
+    if not batches:
+        raise DataConfigError(f"the {args.split} loader yields no batch; nothing to preview")
+    get_batch, scheduler = loaders.get_batch, loaders.packing_scheduler
+    cp_plan = None  # under a scheduler the loader's batches are unpacked and packed again per CP group
+    if scheduler is None:
+        cp_plan = get_batch.delivery_plan if isinstance(get_batch, ParallelBatch) else DeliveryPlan(args.cp_size)
+    pad_token_id = getattr(loaders.collate_fn, "pad_token_id", None)
+    views = [batch_view(batch, pad_token_id=pad_token_id, cp_plan=cp_plan) for batch in batches]
+    schedule = None
+    if scheduler is not None:
+        lengths, names = [], []
+        for dp_rank in range(args.dp_size):
+            read = batches if dp_rank == 0 else itertools.islice(open_loaders(args, dp_rank=dp_rank)[1], args.batches)
+            step = fetch_sequences(iter(read), args.batches)
+            lengths.append(step.lengths)
+            names += [f"DP {dp_rank} sequence {index}" for index in range(len(step.lengths))]
+        layout = scheduler.layout(cp_size=args.cp_size, tp_size=1)
+        schedule = schedule_view(
+            scheduler, np.concatenate(lengths), layout=layout, dp_size=args.dp_size, sequence_names=names
+        )
+    pieces: dict[int, str] = {}
+
+    def piece(token: int) -> str:
+        if token not in pieces:
+            pieces[token] = visible_piece(loaders.tokenizer.decode([token]))
+        return pieces[token]
+
+    layout = get_batch.cp_layout if isinstance(get_batch, ParallelBatch) else "contiguous"
+    page = render_page(views, piece=piece, title=str(args.config), cp_layout=layout, schedule=schedule)
+    try:
+        Path(args.html).write_text(page, encoding="utf-8")
+    except OSError as error:
+        raise DataFileError(
+            f"cannot write the preview page {args.html}: {error.strerror}; choose another path"
+        ) from None
+    print(f"wrote {args.html}: {len(views)} micro-batch(es){', one scheduled step' if schedule else ''}")
+
+
+def _preview(args: argparse.Namespace) -> None:
+    if args.html is not None:
+        write_html(args)
+        return
+    loaders, loader = open_loaders(args)
+    tokenizer = loaders.tokenizer
     marks = _TERMINAL_MARKS if sys.stdout.isatty() and not args.json else _PLAIN_MARKS
     for number, batch in enumerate(loader):
         if number == args.batches:
