@@ -17,7 +17,7 @@ COMMANDS = {
     "prepare": ("offline_preparation", "tokenize local JSON/JSONL/Parquet/CSV/Arrow/text files into .bin/.idx"),
     "prepare-hf": ("huggingface_offline", "tokenize a saved or local Hugging Face dataset into .bin/.idx"),
     "inspect": ("read_indexed_dataset", "summarise, verify, decode or plot a .bin/.idx pair"),
-    "preview": ("preview_batches", "show the batches of a pipeline config, with trained tokens marked"),
+    "preview": ("preview_batches", "show the batches of a pipeline config, trained tokens marked (--html: a page)"),
     "prepare-cache": ("prepare_cache", "build a training run's index caches ahead of training"),
     "sequences-per-dataset": (
         "build_sequences_per_dataset",

@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--html",
         metavar="OUT.html",
-        help="write one self-contained HTML page instead: every token coloured by whether it is trained on, the "
+        help="write one self-contained HTML page instead: every token coloured by whether a loss is taken there, the "
         "sequence boundaries, each CP rank's columns in every layout, and with a packing_scheduler node one "
         "step's schedule per rank",
     )
