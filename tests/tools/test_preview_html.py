@@ -86,7 +86,7 @@ class _Tokens(HTMLParser):
             self._open = None
 
 
-def _render(page: Path, tmp_path: Path) -> tuple[_Tokens, Image.Image]:
+def _render(page: Path, tmp_path: Path) -> tuple[_Tokens, Image.Image, str]:
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run(
         [*command, "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, check=True, timeout=120
@@ -100,7 +100,7 @@ def _render(page: Path, tmp_path: Path) -> tuple[_Tokens, Image.Image]:
     )
     parsed = _Tokens()
     parsed.feed(dom)
-    return parsed, Image.open(shot).convert("RGB")
+    return parsed, Image.open(shot).convert("RGB"), dom
 
 
 def _assert_not_blank(image: Image.Image) -> None:
@@ -192,8 +192,9 @@ def test_the_page_of_a_known_batch_in_a_browser(tmp_path):
     page = tmp_path / "page.html"
     page.write_text(render_page([view], piece=piece, title="known <batch>", cp_layout="zigzag_thd"))
     assert "<b>&" not in page.read_text() and "<script src" not in page.read_text()
-    parsed, image = _render(page, tmp_path)
+    parsed, image, dom = _render(page, tmp_path)
     tokens = parsed.tokens
+    assert "<td>dataset 1</td><td>100.0%</td>" in dom  # the source's share of the real tokens
     assert [int(t["data-id"]) for t in tokens] == IDS and [int(t["data-pos"]) for t in tokens] == list(range(12))
     assert [int(t["data-label"]) for t in tokens] == LABELS
     kinds = [({"sup", "unsup", "pad"} & t["classes"]).pop() for t in tokens]
@@ -229,7 +230,7 @@ def test_a_conversation_shows_its_supervised_answer_and_cp_slices(conversations,
     page = tmp_path / "preview.html"
     command = ["preview", str(conversations), "--tokenizer", str(tokenizer_path), "--micro-batch-size", "2"]
     assert hp_data([*command, "--cp-size", "2", "--html", str(page)]) == 0
-    parsed, image = _render(page, tmp_path)
+    parsed, image, _ = _render(page, tmp_path)
     tokens = parsed.tokens
     starts = [i for i, t in enumerate(tokens) if "boundary" in t["classes"]]
     assert len(starts) == 2 and starts[0] == 0  # the two conversations, each padded to a multiple of 2 * cp
@@ -269,7 +270,7 @@ def test_a_packing_scheduler_draws_one_bar_per_rank_per_micro_batch(tokenizer_pa
     page = tmp_path / "schedule.html"
     command = ["preview", str(config), "--tokenizer", str(tokenizer_path), "--html", str(page), "--batches", "2"]
     assert hp_data([*command, "--cp-size", "2", "--dp-size", "2", "--micro-batch-size", "2"]) == 0
-    parsed, image = _render(page, tmp_path)
+    parsed, image, _ = _render(page, tmp_path)
     bars = [(int(b["data-micro-batch"]), int(b["data-rank"])) for b in parsed.rank_bars]
     micro_batches = max(m for m, _ in bars) + 1
     assert sorted(bars) == [(m, rank) for m in range(micro_batches) for rank in range(4)]

@@ -377,27 +377,24 @@ def _schedule_section(view: ScheduleView) -> str:
 
 
 def _summary_section(views: Sequence[BatchView]) -> str:
-    rows = []
-    sources: dict[str, list[float]] = {}
-    for number, view in enumerate(views):
-        summary = view.summary()
-        rows.append(
-            f"<tr><td>{number}</td><td>{summary['sequences']}</td><td>{summary['tokens']:,}</td>"
-            f"<td>{summary['real_tokens']:,}</td><td>{summary['trained_tokens']:,}</td>"
-            f"<td>{summary['packing_efficiency']:.1%}</td><td>{summary['supervised_fraction']:.1%}</td></tr>"
-        )
-        for name, share in summary.get("sources", {}).items():
-            sources.setdefault(name, []).append(share["tokens"])
+    summaries = [view.summary() for view in views]
+    rows = [
+        f"<tr><td>{number}</td><td>{summary['sequences']}</td><td>{summary['tokens']:,}</td>"
+        f"<td>{summary['real_tokens']:,}</td><td>{summary['trained_tokens']:,}</td>"
+        f"<td>{summary['packing_efficiency']:.1%}</td><td>{summary['supervised_fraction']:.1%}</td></tr>"
+        for number, summary in enumerate(summaries)
+    ]
     table = (
         '<table class="summary"><tr><th>micro-batch</th><th>sequences</th><th>tokens</th><th>real</th>'
         "<th>with a loss</th><th>packing efficiency</th><th>supervised fraction</th></tr>" + "".join(rows) + "</table>"
     )
-    if sources:
-        table += '<table class="sources"><tr><th>source</th><th>share of real tokens, per micro-batch</th></tr>'
-        table += "".join(
-            f"<tr><td>{html.escape(name)}</td><td>{', '.join(f'{s:.1%}' for s in shares)}</td></tr>"
-            for name, shares in sources.items()
-        )
+    names = list(dict.fromkeys(name for summary in summaries for name in summary.get("sources", {})))
+    if names:
+        header = "".join(f"<th>{number}</th>" for number in range(len(summaries)))
+        table += f'<table class="sources"><tr><th>share of real tokens, per micro-batch</th>{header}</tr>'
+        for name in names:
+            shares = (summary.get("sources", {}).get(name, {"tokens": 0.0})["tokens"] for summary in summaries)
+            table += f"<tr><td>{html.escape(name)}</td>{''.join(f'<td>{share:.1%}</td>' for share in shares)}</tr>"
         table += "</table>"
     return f'<section class="overview"><h2>summary</h2>{table}</section>'
 
