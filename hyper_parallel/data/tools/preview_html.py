@@ -370,7 +370,8 @@ def _schedule_section(view: ScheduleView) -> str:
     for position, cost in enumerate(view.rank_costs):
         lines.append(
             f'<div class="rank-line"><span class="rank-label">rank {position}: {cost:,.0f}</span>'
-            f'<div class="cost-bar" data-rank="{position}" style="width:{60 * cost / top:.3f}%"></div></div>'
+            f'<div class="cost-track"><div class="cost-bar" data-rank="{position}" '
+            f'style="width:{100 * cost / top:.3f}%"></div></div></div>'
         )
     lines.append("</div></section>")
     return "\n".join(lines)
@@ -422,7 +423,7 @@ table { border-collapse: collapse; margin: 6px 0; } td, th { border: 1px solid #
 .seg { height: 100%; } .seg.real { background: #3b7dd8; border-right: 1px solid #fff; }
 .seg.cp-pad { background: #a9c6ee; }
 .seg.tail { background: repeating-linear-gradient(45deg, #bbb 0 3px, #eee 3px 6px); }
-.cost-bar { height: 12px; background: #d8643b; }
+.cost-track { width: 52%; } .cost-bar { height: 12px; background: #d8643b; }
 #tip { position: fixed; display: none; background: #222; color: #fff; padding: 4px 8px; font: 12px monospace;
        border-radius: 4px; pointer-events: none; white-space: pre; z-index: 9; }
 """
