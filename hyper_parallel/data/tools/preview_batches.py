@@ -114,8 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=2, help="batches to show (default: 2)")
     parser.add_argument("--sequences", type=int, default=4, help="sequences shown per batch (default: 4)")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="micro batch size (default: 1)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per batch instead of text")
-    parser.add_argument(
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object per batch instead of text")
+    output.add_argument(
         "--html",
         metavar="OUT.html",
         help="write one self-contained HTML page instead: every token coloured by whether a loss is taken there, the "

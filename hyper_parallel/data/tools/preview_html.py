@@ -107,7 +107,6 @@ def batch_view(
     *,
     pad_token_id: int | None = None,
     cp_plan: DeliveryPlan | None = None,
-    source_names: Sequence[str] | None = None,
 ) -> BatchView:
     """The page's view of ``batch``.
 
@@ -116,7 +115,6 @@ def batch_view(
         pad_token_id: the collator's padding id: a last sequence holding only it, without labels, is padding.
         cp_plan: the delivery plan whose ``cp_size`` ranks are outlined (every layout is tried); None or one CP
             rank outlines none.
-        source_names: names of the ``dataset_id`` values (a blend's sources), else ``dataset N``.
     """
     ids, labels = batch.input_ids.numpy(), batch.labels.numpy()
     rows, width = ids.shape
@@ -131,7 +129,7 @@ def batch_view(
         labels=labels,
         kinds=kinds,
         starts=starts.reshape(rows, width),
-        sources=_row_sources(batch, source_names),
+        sources=_row_sources(batch),
         owners={} if cp_plan is None or cp_plan.cp_size == 1 else _cp_owners(batch, cp_plan),
         sequences=batch.num_sequences,
     )
@@ -153,14 +151,12 @@ def _padding(batch: Batch, bounds: np.ndarray, pad_token_id: int | None) -> np.n
     return padding
 
 
-def _row_sources(batch: Batch, source_names: Sequence[str] | None) -> list[str] | None:
+def _row_sources(batch: Batch) -> list[str] | None:
+    """Each row's source (``dataset N`` for a blend's ``dataset_id``), or None when the samples carry none."""
     for name in SOURCE_EXTRAS:
         value = batch.extras.get(name)
         if value is not None:
-            indices = value.reshape(value.shape[0], -1)[:, 0].tolist()
-            if source_names is not None:
-                return [source_names[int(index)] for index in indices]
-            return [f"dataset {int(index)}" for index in indices]
+            return [f"dataset {int(index)}" for index in value.reshape(value.shape[0], -1)[:, 0].tolist()]
     return None
 
 
