@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -86,11 +87,15 @@ class _Tokens(HTMLParser):
             self._open = None
 
 
+def _dom(page: Path, tmp_path: Path, fragment: str = "") -> str:
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    url = page.resolve().as_uri() + fragment
+    return subprocess.run([*command, "--dump-dom", url], capture_output=True, text=True, check=True, timeout=120).stdout
+
+
 def _render(page: Path, tmp_path: Path) -> tuple[_Tokens, Image.Image, str]:
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run(
-        [*command, "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
+    dom = _dom(page, tmp_path)
     shot = tmp_path / "shot.png"
     subprocess.run(
         [*command, f"--screenshot={shot}", "--window-size=1200,900", page.resolve().as_uri()],
@@ -147,16 +152,29 @@ def test_a_known_batch_classes_each_position_and_finds_every_layout_s_cp_ranks()
     assert summary["sources"] == {"dataset 1": {"tokens": 1.0, "trained": 1.0}}
 
 
-def test_a_layout_that_cannot_cut_the_batch_says_why():
-    batch = Batch(
+def _uncut_batch() -> Batch:
+    """10 columns, sequences of 3 and 7: contiguous halves cut it, the zigzag layouts (chunks of 2 * cp) cannot."""
+    return Batch(
         input_ids=torch.arange(10).reshape(1, 10),
         labels=torch.arange(10).reshape(1, 10),
         cu_seq_lens=torch.tensor([0, 3, 10], dtype=torch.int32),
     )
-    owners = batch_view(batch, cp_plan=DeliveryPlan(cp_size=2)).owners
+
+
+def test_a_layout_that_cannot_cut_the_batch_says_why():
+    owners = batch_view(_uncut_batch(), cp_plan=DeliveryPlan(cp_size=2)).owners
     assert owners["contiguous"][0].tolist() == [0] * 5 + [1] * 5
-    assert "zigzag" in owners["zigzag"] and "zigzag_thd" in owners["zigzag_thd"]  # 10 columns, lengths 3 and 7
+    assert "zigzag" in owners["zigzag"] and "zigzag_thd" in owners["zigzag_thd"]
     assert isinstance(owners["zigzag"], str) and isinstance(owners["zigzag_thd"], str)
+
+
+@needs_chromium
+def test_the_page_says_why_the_layout_shown_cannot_cut_a_batch(tmp_path):
+    page = tmp_path / "page.html"
+    view = batch_view(_uncut_batch(), cp_plan=DeliveryPlan(cp_size=2))
+    page.write_text(render_page([view], piece=str, title="uncut"))
+    notes = re.findall(r'<p class="cp-note( shown)?" data-layout="(\w+)">', _dom(page, tmp_path, "#zigzag_thd"))
+    assert notes == [("", "zigzag"), (" shown", "zigzag_thd")]
 
 
 def test_the_schedule_view_gives_each_rank_its_groups_and_cost():
@@ -207,6 +225,11 @@ def test_the_page_of_a_known_batch_in_a_browser(tmp_path):
     assert [int(next(c for c in t["classes"] if c in {"cp0", "cp1"})[2]) for t in tokens] == OWNERS["zigzag_thd"]
     assert [i for i, t in enumerate(tokens) if "cp-start" in t["classes"]] == [0, 1, 3, 6, 10]
     _assert_not_blank(image)
+
+    switched = _Tokens()  # the script outlines the layout the address names
+    switched.feed(_dom(page, tmp_path, "#zigzag"))
+    assert [int(next(c for c in t["classes"] if c in {"cp0", "cp1"})[2]) for t in switched.tokens] == OWNERS["zigzag"]
+    assert [i for i, t in enumerate(switched.tokens) if "cp-start" in t["classes"]] == [0, 3, 9]
 
 
 # -- the command on real pipelines ----------------------------------------------------------------------------------

@@ -458,7 +458,12 @@ function showLayout(layout) {
   }
 }
 const chooser = document.getElementById('cp-layout');
-if (chooser) { chooser.addEventListener('change', () => showLayout(chooser.value)); showLayout(chooser.value); }
+if (chooser) {
+  const asked = decodeURIComponent(location.hash.slice(1));  // page.html#zigzag opens on that layout
+  if (Array.from(chooser.options).some((option) => option.value === asked)) chooser.value = asked;
+  chooser.addEventListener('change', () => showLayout(chooser.value));
+  showLayout(chooser.value);
+}
 """
 
 
