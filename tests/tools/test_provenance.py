@@ -103,6 +103,8 @@ def _check_indexed(sequences, batch) -> None:
 def _check_online(sequences, batch, transform, lines) -> None:
     row = batch.input_ids[0]
     for sequence in sequences:
+        if sequence.record is None:  # a stream sample a saved state buffered: the state keeps tokens, not records
+            continue
         windows = transform(lines[sequence.record])
         tokens = np.concatenate([window["input_ids"] for window in windows])
         start, end = sequence.tokens
@@ -155,6 +157,9 @@ def test_online_mapping_with_the_dynamic_loader_and_its_length_cache(tmp_path, t
     again = batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer)
     assert again == sequences
     assert cache.stat().st_mtime_ns == written  # every length came from the cache: nothing new to write
+    cache.write_bytes(b"damaged")
+    assert batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer) == sequences
+    assert cache.stat().st_size > len(b"damaged")  # an unreadable cache is ignored and written again
 
 
 def test_online_stream(tmp_path, tokenizer):
@@ -192,6 +197,25 @@ def test_resumed_dynamic_loader_counts_from_the_saved_position(tmp_path, tokeniz
     for number in (0, 1, len(after) - 1):
         sequences = batch_provenance(config, batch=number, state=state, tokenizer=tokenizer)
         _check_online(sequences, after[number], transform, lines)
+
+
+def test_resumed_stream_names_the_records_it_reads_again(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path, dataset_type="iterable")
+    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    iterator = iter(loaders.train)
+    for _ in range(2):
+        next(iterator)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loaders.state_dict()))
+    after = list(iterator)
+    transform = loaders.datasets[0].transform
+    numbers = (0, 1, len(after) - 1)
+    traced = [batch_provenance(config, batch=number, state=state, tokenizer=tokenizer) for number in numbers]
+    for sequences, number in zip(traced, numbers, strict=True):
+        _check_online(sequences, after[number], transform, lines)
+    records = [sequence.record for sequences in traced for sequence in sequences]
+    assert None in records and records[-1] is not None  # buffered first, then the records read again or anew
 
 
 def test_resumed_indexed_loader_from_a_torch_saved_state(tmp_path, tokenizer):

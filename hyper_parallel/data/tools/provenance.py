@@ -25,6 +25,7 @@ scheduler's re-scheduling across the DP x CP mesh.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ import torch
 from hyper_parallel.data.batching.build_dataloader import DynamicBatchDataLoader, FixedBatchDataLoader
 from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
 from hyper_parallel.data.batching.key_sources import MappingKeys
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
@@ -44,10 +46,12 @@ from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset
 from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.resume_checks import stable_hash
-from hyper_parallel.data.text.build_tokenizer import build_tokenizer
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["SequenceProvenance", "batch_provenance", "main", "step_provenance"]
+
+logger = get_logger(__name__)
 
 _LENGTH_CACHE_VERSION = 1
 
@@ -273,10 +277,7 @@ class _WindowLengths:
         self._cache = _cache_path(loader) if isinstance(loader._source, MappingKeys) else None
         self._new = False
         if self._cache is not None and self._cache.is_file():
-            with np.load(self._cache) as saved:
-                if int(saved["version"]) == _LENGTH_CACHE_VERSION:
-                    splits = np.split(saved["lengths"], np.cumsum(saved["counts"])[:-1])
-                    self._lengths = {r: s.tolist() for r, s in zip(saved["records"].tolist(), splits, strict=True)}
+            self._lengths = _read_length_cache(self._cache)
 
     def of(self, keys: list) -> list[list[int]]:
         """Each key's window lengths (a mapping source's keys are record indices, a stream's (position, record))."""
@@ -301,9 +302,20 @@ class _WindowLengths:
         self._new = False
 
 
-def _npz_bytes(**arrays) -> bytes:
-    import io
+def _read_length_cache(path: Path) -> dict[int, list[int]]:
+    """The cached window lengths by record; an unreadable or older cache is ignored (and rewritten once)."""
+    try:
+        with np.load(path) as saved:
+            if int(saved["version"]) != _LENGTH_CACHE_VERSION:
+                return {}
+            splits = np.split(saved["lengths"], np.cumsum(saved["counts"])[:-1])
+            return {record: lengths.tolist() for record, lengths in zip(saved["records"].tolist(), splits, strict=True)}
+    except (OSError, ValueError, KeyError) as error:
+        logger.warning("ignored the unreadable provenance length cache %s (%s); it is written again", path, error)
+        return {}
 
+
+def _npz_bytes(**arrays) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
@@ -334,7 +346,7 @@ def _online_sequences(entries: list, path: str, pad_each_sequence_to: int) -> li
 
 
 def _record_key(key) -> int:
-    return key[0] if isinstance(key, tuple) else int(key)  # a stream's (position, record), a mapping's index
+    return key[0] if isinstance(key, tuple | list) else int(key)  # a stream's (position, record), a mapping's index
 
 
 def _windows(key, lengths: list[int]) -> list[tuple[tuple[int, int], int]]:
@@ -521,8 +533,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _query(args: argparse.Namespace) -> list[list[SequenceProvenance]]:
-    from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
-
     config = load_config(args.config)
     assets = config.get("model_assets")
     tokenizer = args.tokenizer
