@@ -109,8 +109,8 @@ def batch_provenance(
             samples cannot be traced.
         ResumeStateError: a missing or unreadable state file, or a state the loader refuses.
     """
-    return _provenance(config, batch, 1, split, dp_rank, dp_size, state, micro_batch_size, global_batch_size,
-                       tokenizer)[0]  # fmt: skip
+    options = (split, dp_rank, dp_size, state, micro_batch_size, global_batch_size, tokenizer)
+    return _provenance(config, batch, 1, *options)[0]
 
 
 def step_provenance(
@@ -130,8 +130,8 @@ def step_provenance(
     like the micro-batches), in order."""
     _check_count("num_micro_batches", num_micro_batches, 1)
     _check_count("step", step, 0)
-    return _provenance(config, step * num_micro_batches, num_micro_batches, split, dp_rank, dp_size, state,
-                       micro_batch_size, global_batch_size, tokenizer)  # fmt: skip
+    options = (split, dp_rank, dp_size, state, micro_batch_size, global_batch_size, tokenizer)
+    return _provenance(config, step * num_micro_batches, num_micro_batches, *options)
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -296,9 +296,10 @@ class _WindowLengths:
         records = sorted(self._lengths)
         counts = np.array([len(self._lengths[r]) for r in records], dtype=np.int64)
         flat = np.fromiter((n for r in records for n in self._lengths[r]), dtype=np.int64, count=int(counts.sum()))
-        buffer = _npz_bytes(version=_LENGTH_CACHE_VERSION, records=np.array(records, np.int64), counts=counts,
-                            lengths=flat)  # fmt: skip
-        write_atomically(self._cache, buffer)
+        indices = np.array(records, np.int64)
+        write_atomically(
+            self._cache, _npz_bytes(version=_LENGTH_CACHE_VERSION, records=indices, counts=counts, lengths=flat)
+        )
         self._new = False
 
 
@@ -466,8 +467,8 @@ class _DynamicTracer:
                     break
                 for key, windows in zip(pulled.keys, lengths.of(pulled.keys), strict=True):
                     for entry_key, length in _windows(key, windows):
-                        policy.put(_Window(*entry_key), {"input_ids": np.zeros(length, np.int64),
-                                               "labels": np.zeros(length, np.int64)})  # fmt: skip
+                        stand_in = np.zeros(length, np.int64)
+                        policy.put(_Window(*entry_key), {"input_ids": stand_in, "labels": stand_in})
                     while policy.ready() and not done:
                         done = take()
                     if done:
@@ -521,9 +522,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps(sequence.as_dict()))
                     continue
-                tokens = "its tokens saved in the state" if sequence.tokens is None else (
-                    f"record {sequence.record} tokens [{sequence.tokens[0]}, {sequence.tokens[1]})"
-                )  # fmt: skip
+                tokens = "record unknown (a sample the state buffered)"
+                if sequence.tokens is not None:
+                    tokens = f"record {sequence.record} tokens [{sequence.tokens[0]}, {sequence.tokens[1]})"
                 span = f"[{sequence.span[0]}, {sequence.span[1]})"
                 print(f"batch {sequence.batch} span {span}: {sequence.path} {tokens}")
     except (DataConfigError, DataFileError, ResumeStateError) as error:
