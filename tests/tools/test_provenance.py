@@ -146,19 +146,22 @@ def test_indexed_blend_names_each_sequences_prefix(tmp_path, tokenizer):
 def test_online_mapping_with_the_dynamic_loader_and_its_length_cache(tmp_path, tokenizer):
     path, lines = _jsonl(tmp_path)
     config = _online_config(path, tmp_path)
-    loaders, batches = _delivered(config, tokenizer)
+    loaders, batches = _delivered(config, tokenizer, dp_rank=1, dp_size=2)
     transform = loaders.datasets[0].transform
-    assert len(batches) > 5
+    assert len(batches) > 3
+    ranks = {"dp_rank": 1, "dp_size": 2, "tokenizer": tokenizer}
     for number in (0, 2, len(batches) - 1):
-        sequences = batch_provenance(config, batch=number, tokenizer=tokenizer)
+        sequences = batch_provenance(config, batch=number, **ranks)
         _check_online(sequences, batches[number], transform, lines)
     (cache,) = (tmp_path / "arrow").rglob("provenance_lengths-*.npz")
     written = cache.stat().st_mtime_ns
-    again = batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer)
+    again = batch_provenance(config, batch=len(batches) - 1, **ranks)
     assert again == sequences
     assert cache.stat().st_mtime_ns == written  # every length came from the cache: nothing new to write
+    with pytest.raises(DataConfigError, match=f"micro-batch {len(batches)} is past the end of the epoch"):
+        batch_provenance(config, batch=len(batches), **ranks)
     cache.write_bytes(b"damaged")
-    assert batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer) == sequences
+    assert batch_provenance(config, batch=len(batches) - 1, **ranks) == sequences
     assert cache.stat().st_size > len(b"damaged")  # an unreadable cache is ignored and written again
 
 
@@ -262,3 +265,8 @@ def test_command_prints_one_json_object_per_sequence(tmp_path, tokenizer, tokeni
     assert capsys.readouterr().out.startswith(f"batch 3 span [0, {expected[0].span[1]}): {prefix} record ")
     assert hp_data([*command, "--batch", "0", "--state", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert hp_data([*command, "--step", "1", "--num-micro-batches", "2", "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted({sequence["batch"] for sequence in printed}) == [2, 3]
+    assert hp_data([*command, "--step", "1"]) == 2
+    assert "--step needs --num-micro-batches" in capsys.readouterr().err
