@@ -143,6 +143,22 @@ def test_indexed_blend_names_each_sequences_prefix(tmp_path, tokenizer):
     assert paths == {first, second}
 
 
+def test_indexed_offline_packed_records(tmp_path, tokenizer):
+    prefix = tmp_path / "packed_text_document"
+    rng = np.random.default_rng(4)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(20):  # records of seq_length + 1 tokens, as --pack-to-seq-len 32 writes them (no EOD: one row each)
+        builder.add_document(rng.integers(2, 8000, size=33).tolist(), [33])
+    builder.finalize(f"{prefix}.idx")
+    config = _indexed_config(str(prefix), tmp_path)
+    config["dataset"]["data_config"]["is_dataset_from_mr"] = True
+    _, batches = _delivered(config, tokenizer, micro_batch_size=2)
+    for number in (0, len(batches) - 1):
+        sequences = batch_provenance(config, batch=number, micro_batch_size=2, tokenizer=tokenizer)
+        assert [sequence.tokens for sequence in sequences] == [(0, 32), (0, 32)]
+        _check_indexed(sequences, batches[number])
+
+
 def test_online_mapping_with_the_dynamic_loader_and_its_length_cache(tmp_path, tokenizer):
     path, lines = _jsonl(tmp_path)
     config = _online_config(path, tmp_path)

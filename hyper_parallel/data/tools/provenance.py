@@ -43,7 +43,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
-from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset
+from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset, GPTFromMRDataset
 from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.resume_checks import stable_hash
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
@@ -220,16 +220,27 @@ def _build_loader(config, split, dp_rank, dp_size, micro_batch_size, global_batc
 
 
 def _indexed_pieces(dataset, index: int) -> list[tuple[str, int, int, int]]:
-    """``(prefix, document, start, end)`` of each piece of the input tokens of sample ``index``, in row order."""
+    """``(prefix, document, start, end)`` of each piece of the input tokens of sample ``index``, in row order (an
+    offline-packed record is one piece: the documents packed into it are not told apart without reading it)."""
     if isinstance(dataset, LazyDatasetProxy):
         dataset = dataset.dataset
     if isinstance(dataset, BlendedDataset):
         inner = dataset.datasets[int(dataset.dataset_index[index])]
         return _indexed_pieces(inner, int(dataset.dataset_sample_index[index]))
+    if isinstance(dataset, GPTFromMRDataset):  # an offline-packed record is one sample, read from its start
+        record = int(dataset.indices[index])
+        return [
+            (
+                dataset.dataset_path,
+                record,
+                0,
+                min(int(dataset.dataset.sequence_lengths[record]), dataset.config.seq_length),
+            )
+        ]
     if not isinstance(dataset, GPTDataset):
         raise DataConfigError(
-            f"provenance traces GPTDataset samples and blends of them, not {type(dataset).__name__}; use "
-            "is_dataset_from_mr: false and simple_blend: 'no' in data_config"
+            f"provenance traces GPTDataset and GPTFromMRDataset samples and weighted blends of them, not "
+            f"{type(dataset).__name__}; use simple_blend: 'no' in data_config"
         )
     j = int(dataset.shuffle_index[index])
     (d0, o0), (d1, o1) = dataset.sample_index[j].tolist(), dataset.sample_index[j + 1].tolist()
