@@ -286,3 +286,17 @@ def test_command_prints_one_json_object_per_sequence(tmp_path, tokenizer, tokeni
     assert sorted({sequence["batch"] for sequence in printed}) == [2, 3]
     assert hp_data([*command, "--step", "1"]) == 2
     assert "--step needs --num-micro-batches" in capsys.readouterr().err
+
+
+def test_a_packing_scheduler_is_named_as_outside_the_trace(tmp_path, tokenizer, logs):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path)
+    config["packing_scheduler"] = {
+        "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+        "max_seqlen_per_dp_cp_rank": 256,
+    }
+    loaders, batches = _delivered(config, tokenizer)
+    _check_online(
+        batch_provenance(config, batch=1, tokenizer=tokenizer), batches[1], loaders.datasets[0].transform, lines
+    )
+    assert any("the micro-batches traced are the loader's" in record.getMessage() for record in logs.records)

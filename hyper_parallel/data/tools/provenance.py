@@ -213,6 +213,11 @@ def _build_loader(config, split, dp_rank, dp_size, micro_batch_size, global_batc
     loader = getattr(loaders, split)
     if loader is None:
         raise DataConfigError(f"the config builds no {split} split; choose another with --split")
+    if loaders.packing_scheduler is not None:
+        logger.warning(
+            "the config has a packing_scheduler: the micro-batches traced are the loader's, before the scheduler "
+            "re-schedules their sequences over the DP x CP ranks of each step"
+        )
     return loader
 
 
