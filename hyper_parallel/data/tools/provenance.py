@@ -5,6 +5,7 @@ Usage::
     hp-data provenance pipeline.yaml --batch 3
     hp-data provenance pipeline.yaml --batch 0 --dp-rank 1 --dp-size 2 --state loader_state.json --json
     hp-data provenance pipeline.yaml --step 10 --num-micro-batches 4
+    hp-data provenance scheduled.yaml --step 0 --num-micro-batches 4 --rank 3 --dp-size 2 --cp-size 2
 
 For every sequence of the N-th micro-batch (0-based) that a DP rank's loader delivers, it names the ``source`` and
 ``path`` (the ``.bin`` prefix or the data file), the ``record`` (the document of the ``.bin`` for Indexed data, the
@@ -19,7 +20,7 @@ micro-batch is read. Online answers replay the loader's choices over the records
 record once; a mapping source keeps those lengths in a cache beside its Arrow cache, so a second query tokenizes
 nothing it has seen. The loaders are built exactly as a trainer builds them (``batching.dataloader
 .build_dataloaders``), in this process. Not responsible for: delivering batches (the loaders) or the packing
-scheduler's re-scheduling across the DP x CP mesh.
+scheduler's own delivery (``scheduled_provenance`` plans a step as every rank does, from the traced lengths).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import io
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,12 @@ from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset, GPTFromMRDataset
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.parallel.scheduling.plan import build_schedule
 from hyper_parallel.data.resume_checks import stable_hash
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
 
-__all__ = ["SequenceProvenance", "batch_provenance", "main", "step_provenance"]
+__all__ = ["SequenceProvenance", "batch_provenance", "main", "scheduled_provenance", "step_provenance"]
 
 logger = get_logger(__name__)
 
@@ -61,14 +63,16 @@ class SequenceProvenance:
     """One sequence of a micro-batch and where its tokens come from.
 
     Attributes:
-        batch: the micro-batch's number, counted from the loader's position (0-based).
+        batch: the micro-batch's number, counted from the loader's position (0-based); for a scheduled rank
+            (``scheduled_provenance``), the scheduled micro-batch within the step.
         source: the source the sequence was drawn from: the ``.bin`` prefix or the data file.
         path: the ``.bin`` prefix or the data file that holds the tokens.
         record: the document of the ``.bin`` (Indexed), the row of a mapping source or the position in this DP
             rank's stream (Online); None for a stream sample restored from a state (the state keeps its tokens).
         tokens: ``[start, end)`` within that document, or within the record's tokens (EOS appended) as the
             transform makes them; None where the record is None.
-        span: ``[start, end)`` of the sequence's tokens within the micro-batch's rows flattened one after another.
+        span: ``[start, end)`` of the sequence's tokens within the micro-batch's rows flattened one after another
+            (for a scheduled rank, within its group's packed row before the cut over the group's CP ranks).
     """
 
     batch: int
@@ -150,16 +154,7 @@ def _provenance(config, first, count, split, dp_rank, dp_size, state, micro_batc
     loader = _build_loader(config, split, dp_rank, dp_size, micro_batch_size, global_batch_size, tokenizer)
     if saved is not None:
         _restore(loader, saved, split)
-    if isinstance(loader, DynamicBatchDataLoader):
-        tracer = _DynamicTracer(loader)
-    elif isinstance(loader, FixedBatchDataLoader):
-        tracer = _FixedTracer(loader)
-    else:
-        raise DataConfigError(
-            f"the {split} loader is a {type(loader).__name__}; provenance follows FixedBatchDataLoader and "
-            "DynamicBatchDataLoader"
-        )
-    found = tracer.micro_batches(first, count)
+    found = _tracer(loader, split).micro_batches(first, count)
     if len(found) < count:
         delivered = first + len(found)
         raise DataConfigError(
@@ -168,6 +163,103 @@ def _provenance(config, first, count, split, dp_rank, dp_size, state, micro_batc
             f"ask for a micro-batch below {delivered}"
         )
     return [[provenance_of(first + number) for provenance_of in sequences] for number, sequences in enumerate(found)]
+
+
+def _tracer(loader, split: str):
+    if isinstance(loader, DynamicBatchDataLoader):
+        return _DynamicTracer(loader)
+    if isinstance(loader, FixedBatchDataLoader):
+        return _FixedTracer(loader)
+    raise DataConfigError(
+        f"the {split} loader is a {type(loader).__name__}; provenance follows FixedBatchDataLoader and "
+        "DynamicBatchDataLoader"
+    )
+
+
+def scheduled_provenance(
+    config,
+    *,
+    step: int,
+    num_micro_batches: int,
+    rank: int,
+    dp_size: int = 1,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    dynamic_cp_sizes: Sequence[int] = (),
+    split: str = "train",
+    micro_batch_size: int = 1,
+    global_batch_size: int | None = None,
+    tokenizer=None,
+) -> list[list[SequenceProvenance]]:
+    """The sequences of every micro-batch the packing scheduler gives rank ``rank`` of the DP x CP domain
+    (``dp_rank * cp_size + cp_rank``) in step ``step`` (0-based, from the start of the epoch), when each DP rank's
+    loader gives the scheduler ``num_micro_batches`` micro-batches per step (``wrap_data_iterator``).
+
+    Every DP rank's micro-batches of the step are traced, their sequences numbered in DP-rank order, and the step is
+    planned from their lengths as every rank plans it (``build_schedule``). ``batch`` is the scheduled micro-batch
+    within the step and ``span`` the range within the group's packed row, before it is cut over the group's CP
+    ranks (each sequence padded to the group's CP multiple inside its own span).
+
+    Raises:
+        DataConfigError: a config without a ``packing_scheduler`` node, a bad rank or size, a step past the end of
+            the epoch, ``dynamic_cp`` without ``dynamic_cp_sizes``, or VPP without
+            ``microbatch_group_size_per_vp_stage``.
+    """
+    _check_count("step", step, 0)
+    _check_count("num_micro_batches", num_micro_batches, 1)
+    _check_count("dp_size", dp_size, 1)
+    _check_count("cp_size", cp_size, 1)
+    _check_count("tp_size", tp_size, 1)
+    positions = dp_size * cp_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < positions:
+        raise DataConfigError(
+            f"rank is {rank!r}, but the DP x CP domain of {dp_size} x {cp_size} holds ranks 0 to {positions - 1}"
+        )
+    traced: list[SequenceProvenance] = []
+    for dp_rank in range(dp_size):
+        sizes = (dp_rank, dp_size, micro_batch_size, global_batch_size)
+        loaders = _build_loaders(config, split, *sizes, tokenizer, cp_size=cp_size)
+        scheduler = loaders.packing_scheduler
+        if scheduler is None:
+            raise DataConfigError(
+                "the config has no packing_scheduler node, so no rank of the DP x CP domain re-schedules the "
+                "loaders' micro-batches; trace a DP rank's own micro-batches with --batch or --step and --dp-rank"
+            )
+        found = _tracer(_split_loader(loaders, split), split).micro_batches(step * num_micro_batches, num_micro_batches)
+        traced += [sequence(-1) for sequences in found for sequence in sequences]
+    if not traced:
+        raise DataConfigError(
+            f"step {step} is past the end of the epoch: no DP rank's loader has a micro-batch left for it with "
+            f"{num_micro_batches} micro-batches per step"
+        )
+    layout = scheduler.layout(cp_size=cp_size, tp_size=tp_size)  # what every rank's ParallelBatch plans with
+    lengths = np.array([sequence.span[1] - sequence.span[0] for sequence in traced], dtype=np.int64)
+    planning = {"dp_size": dp_size, "dynamic_cp_sizes": dynamic_cp_sizes, "vpp_group": _vpp_group(scheduler)}
+    schedule = build_schedule(scheduler, lengths, layout=layout, **planning)
+    micro_batches = []
+    for micro_batch in range(schedule.num_micro_batches):
+        group = schedule.group_at(micro_batch, rank)
+        chosen = list(group.sequence_ids)
+        starts = np.cumsum([0, *layout.padded_lengths(lengths[chosen], group.cp_size)[:-1]]).tolist()
+        micro_batches.append(
+            [
+                replace(traced[k], batch=micro_batch, span=(start, start + int(lengths[k])))
+                for k, start in zip(chosen, starts, strict=True)
+            ]
+        )
+    return micro_batches
+
+
+def _vpp_group(scheduler) -> int:
+    """The multiple of the step's micro-batch count under VPP, as ``ParallelBatch.plan`` takes it."""
+    if (scheduler.vpp_size or 1) == 1:
+        return 1
+    if scheduler.microbatch_group_size_per_vp_stage is None:
+        raise DataConfigError(
+            "the packing_scheduler has vpp_size > 1 without microbatch_group_size_per_vp_stage, whose default is the "
+            "PP size the mesh gives; set microbatch_group_size_per_vp_stage to trace its steps"
+        )
+    return scheduler.microbatch_group_size_per_vp_stage
 
 
 def _read_state(path: str | Path):
@@ -194,6 +286,23 @@ def _restore(loader, saved, split: str) -> None:
 
 
 def _build_loader(config, split, dp_rank, dp_size, micro_batch_size, global_batch_size, tokenizer):
+    loaders = _build_loaders(config, split, dp_rank, dp_size, micro_batch_size, global_batch_size, tokenizer)
+    if loaders.packing_scheduler is not None:
+        logger.warning(
+            "the config has a packing_scheduler: the micro-batches traced are the loader's, before the scheduler "
+            "re-schedules their sequences over the DP x CP ranks of each step (trace those with --rank)"
+        )
+    return _split_loader(loaders, split)
+
+
+def _split_loader(loaders, split: str):
+    loader = getattr(loaders, split)
+    if loader is None:
+        raise DataConfigError(f"the config builds no {split} split; choose another with --split")
+    return loader
+
+
+def _build_loaders(config, split, dp_rank, dp_size, micro_batch_size, global_batch_size, tokenizer, cp_size=1):
     if isinstance(config, str | Path):
         config = load_config(config)
     if isinstance(tokenizer, str | Path):
@@ -207,18 +316,11 @@ def _build_loader(config, split, dp_rank, dp_size, micro_batch_size, global_batc
         global_batch_size=global_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_size,
+        cp_size=cp_size,
         train_valid_test_num_samples=wanted,
         num_workers=0,
     )
-    loader = getattr(loaders, split)
-    if loader is None:
-        raise DataConfigError(f"the config builds no {split} split; choose another with --split")
-    if loaders.packing_scheduler is not None:
-        logger.warning(
-            "the config has a packing_scheduler: the micro-batches traced are the loader's, before the scheduler "
-            "re-schedules their sequences over the DP x CP ranks of each step"
-        )
-    return loader
+    return loaders
 
 
 # -- Indexed samples ---------------------------------------------------------------------------------------------
@@ -500,7 +602,8 @@ class _DynamicTracer:
 _EXAMPLES = """examples:
   hp-data provenance examples/indexed_documents.yaml --batch 3
   hp-data provenance pipeline.yaml --batch 0 --dp-rank 1 --dp-size 2 --state state.json --json
-  hp-data provenance pipeline.yaml --step 10 --num-micro-batches 4 --micro-batch-size 2"""
+  hp-data provenance pipeline.yaml --step 10 --num-micro-batches 4 --micro-batch-size 2
+  hp-data provenance scheduled.yaml --step 0 --num-micro-batches 4 --rank 3 --dp-size 2 --cp-size 2"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -518,6 +621,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dp-rank", type=int, default=0, help="the DP rank whose loader is traced (default: 0)")
     parser.add_argument("--dp-size", type=int, default=1, help="the number of DP ranks (default: 1)")
     parser.add_argument("--state", help="a saved loader state (JSON or torch.save) to count micro-batches from")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        help="with --step and a packing_scheduler node: the DP x CP rank (dp_rank * cp_size + cp_rank) whose "
+        "scheduled micro-batches are traced",
+    )
+    parser.add_argument("--cp-size", type=int, default=1, help="the CP size, with --rank (default: 1)")
+    parser.add_argument("--tp-size", type=int, default=1, help="the TP size, with --rank (default: 1)")
+    parser.add_argument(
+        "--dynamic-cp-sizes", type=int, nargs="+", default=(), help="the dynamic CP sizes of a dynamic_cp scheduler"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=1, help="micro batch size (default: 1)")
     parser.add_argument("--global-batch-size", type=int, help="global batch size (default: micro x DP size)")
     parser.add_argument(
@@ -564,9 +678,26 @@ def _query(args: argparse.Namespace) -> list[list[SequenceProvenance]]:
         "global_batch_size": args.global_batch_size,
         "tokenizer": tokenizer,
     }
+    if args.step is not None and args.num_micro_batches is None:
+        raise DataConfigError("--step needs --num-micro-batches (the micro-batches of one step on a DP rank)")
+    if args.rank is not None:
+        if args.step is None or args.state is not None or args.dp_rank != 0:
+            raise DataConfigError(
+                "--rank traces one step of the packing scheduler from the start of the epoch: give it with --step "
+                "and --num-micro-batches, without --batch, --dp-rank or --state"
+            )
+        del common["state"], common["dp_rank"]
+        return scheduled_provenance(
+            config,
+            step=args.step,
+            num_micro_batches=args.num_micro_batches,
+            rank=args.rank,
+            cp_size=args.cp_size,
+            tp_size=args.tp_size,
+            dynamic_cp_sizes=tuple(args.dynamic_cp_sizes),
+            **common,
+        )
     if args.step is not None:
-        if args.num_micro_batches is None:
-            raise DataConfigError("--step needs --num-micro-batches (the micro-batches of one step on a DP rank)")
         return step_provenance(config, step=args.step, num_micro_batches=args.num_micro_batches, **common)
     if args.num_micro_batches is not None:
         raise DataConfigError("--num-micro-batches goes with --step; with --batch, leave it out")
