@@ -28,6 +28,7 @@ from benchmarks import (
     bench_offline,
     bench_online,
     bench_parallel,
+    bench_provenance,
     bench_schedule,
 )
 from benchmarks.common import DEVICES, BenchContext, Row, environment, format_table
@@ -41,6 +42,7 @@ GROUPS: dict[str, ModuleType] = {
         bench_online,
         bench_parallel,
         bench_schedule,
+        bench_provenance,
         bench_memory,
     )
 }

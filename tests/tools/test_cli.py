@@ -27,7 +27,7 @@ def test_help_lists_every_command(capsys, argv):
     out = capsys.readouterr().out
     assert out.startswith("usage: hp-data COMMAND")
     commands = ("quickstart", "prepare", "prepare-hf", "inspect", "preview", "prepare-cache", "sequences-per-dataset")
-    commands += ("config-reference",)
+    commands += ("config-reference", "provenance")
     for command in commands:
         assert f"  {command} " in out
     assert set(COMMANDS) == set(commands)

@@ -18,6 +18,7 @@ COMMANDS = {
     "prepare-hf": ("huggingface_offline", "tokenize a saved or local Hugging Face dataset into .bin/.idx"),
     "inspect": ("read_indexed_dataset", "summarise, verify, decode or plot a .bin/.idx pair"),
     "preview": ("preview_batches", "show the batches of a pipeline config, trained tokens marked (--html: a page)"),
+    "provenance": ("provenance", "name the file, record and token range of every sequence of a micro-batch"),
     "prepare-cache": ("prepare_cache", "build a training run's index caches ahead of training"),
     "sequences-per-dataset": (
         "build_sequences_per_dataset",

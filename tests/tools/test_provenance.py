@@ -1,0 +1,302 @@
+"""``hp-data provenance``: the tokens each traced sequence points to are the tokens the loader delivered there.
+
+Every test reads the tokens back independently of the tracer (from the ``.bin`` with ``IndexedDataReader``, or by
+tokenizing the JSON line again with the dataset's transform) and compares them, token for token, with the span of
+the batch the loader actually delivered.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hyper_parallel.data.batching.dataloader import build_dataloaders
+from hyper_parallel.data.errors import DataConfigError, ResumeStateError
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.tools.cli import main as hp_data
+from hyper_parallel.data.tools.provenance import batch_provenance, step_provenance
+
+WORDS = ["the", "sister", "said", "that", "Elinor", "walked", "home", "through", "the", "park", "while", "Marianne"]
+
+
+def _indexed_prefix(directory, name: str, eod: int, seed: int, documents: int = 60):
+    prefix = directory / name
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(documents):
+        document = [*rng.integers(2, 8000, size=int(rng.integers(3, 50))).tolist(), eod]
+        builder.add_document(document, [len(document)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _indexed_config(data_path, tmp_path) -> dict:
+    return {
+        "dataset": {
+            "_target_": "hyper_parallel.data.text.build_dataset.build_indexed_text_dataset",
+            "data_path": data_path,
+            "data_config": {"seq_length": 32, "split": "100, 0, 0", "data_cache_path": str(tmp_path / "cache")},
+        },
+        "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
+        "collate_fn": {"_target_": "hyper_parallel.data.batching.build_indexed_collate_fn"},
+    }
+
+
+def _jsonl(tmp_path, records: int = 40):
+    rng = np.random.default_rng(3)
+    lines = [{"text": " ".join(rng.choice(WORDS, size=int(rng.integers(5, 150))))} for _ in range(records)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path, lines
+
+
+def _online_config(path, tmp_path, *, dataset_type="mapping", loader="DynamicBatchDataLoader", max_seq_len=64):
+    dataloader = {"_target_": f"hyper_parallel.data.batching.{loader}"}
+    if loader == "DynamicBatchDataLoader":
+        dataloader["min_buffered_samples"] = 6
+    data_config = {"dataset_type": dataset_type, "cache_dir": str(tmp_path / "arrow")}
+    if dataset_type == "iterable":
+        data_config["shuffle_buffer_size"] = 0  # file order: a single rank's stream position is the line
+    return {
+        "dataset": {
+            "_target_": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
+            "data_path": str(path),
+            "data_transform": {
+                "_target_": "hyper_parallel.data.text.build_data_transform.build_llm_data_transform",
+                "data_type": "plaintext",
+                "text_keys": "text",
+                "max_seq_len": max_seq_len,
+            },
+            "data_config": data_config,
+        },
+        "dataloader": dataloader,
+        "collate_fn": {"_target_": "hyper_parallel.data.batching.build_online_text_collate_fn"},
+    }
+
+
+def _delivered(config, tokenizer, *, micro_batch_size=1, dp_rank=0, dp_size=1):
+    loaders = build_dataloaders(
+        config,
+        tokenizer=tokenizer,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_size,
+        train_valid_test_num_samples=[None, 0, 0],
+    )
+    return loaders, list(loaders.train)
+
+
+def _check_indexed(sequences, batch) -> None:
+    flat = batch.input_ids.flatten()
+    for sequence in sequences:
+        start, end = sequence.tokens
+        expected = IndexedDataReader(sequence.path).get(sequence.record, offset=start, length=end - start)
+        assert flat[sequence.span[0] : sequence.span[1]].tolist() == expected.tolist()
+    # the spans are the batch's sequences, as cu_seq_lens cuts them at each document's EOD
+    assert [0] + [sequence.span[1] for sequence in sequences] == batch.cu_seq_lens.tolist()
+
+
+def _check_online(sequences, batch, transform, lines) -> None:
+    row = batch.input_ids[0]
+    for sequence in sequences:
+        if sequence.record is None:  # a stream sample a saved state buffered: the state keeps tokens, not records
+            continue
+        windows = transform(lines[sequence.record])
+        tokens = np.concatenate([window["input_ids"] for window in windows])
+        start, end = sequence.tokens
+        assert row[sequence.span[0] : sequence.span[1]].tolist() == tokens[start:end].tolist()
+    assert [sequence.span[0] for sequence in sequences] == batch.cu_seq_lens[: len(sequences)].tolist()
+
+
+def test_indexed_gpt_dataset_on_a_dp_rank(tmp_path, tokenizer):
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    config = _indexed_config(prefix, tmp_path)
+    _, batches = _delivered(config, tokenizer, micro_batch_size=2, dp_rank=1, dp_size=2)
+    assert len(batches) > 4
+    pieces = 0
+    for number in (0, 3, len(batches) - 1):
+        sequences = batch_provenance(
+            config, batch=number, dp_rank=1, dp_size=2, micro_batch_size=2, tokenizer=tokenizer
+        )
+        assert {sequence.batch for sequence in sequences} == {number}
+        assert {sequence.path for sequence in sequences} == {prefix}
+        _check_indexed(sequences, batches[number])
+        pieces += len(sequences)
+    assert pieces > 6  # samples span several documents
+
+
+def test_indexed_blend_names_each_sequences_prefix(tmp_path, tokenizer):
+    first = _indexed_prefix(tmp_path, "first_text_document", tokenizer.eod, seed=1)
+    second = _indexed_prefix(tmp_path, "second_text_document", tokenizer.eod, seed=2)
+    config = _indexed_config(["70", first, "30", second], tmp_path)
+    config["dataset"]["train_valid_test_num_samples"] = [40, 0, 0]
+    _, batches = _delivered(config, tokenizer, micro_batch_size=2)
+    paths = set()
+    for number in range(len(batches)):
+        sequences = batch_provenance(config, batch=number, micro_batch_size=2, tokenizer=tokenizer)
+        _check_indexed(sequences, batches[number])
+        paths |= {sequence.path for sequence in sequences}
+    assert paths == {first, second}
+
+
+def test_indexed_offline_packed_records(tmp_path, tokenizer):
+    prefix = tmp_path / "packed_text_document"
+    rng = np.random.default_rng(4)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(20):  # records of seq_length + 1 tokens, as --pack-to-seq-len 32 writes them (no EOD: one row each)
+        builder.add_document(rng.integers(2, 8000, size=33).tolist(), [33])
+    builder.finalize(f"{prefix}.idx")
+    config = _indexed_config(str(prefix), tmp_path)
+    config["dataset"]["data_config"]["is_dataset_from_mr"] = True
+    _, batches = _delivered(config, tokenizer, micro_batch_size=2)
+    for number in (0, len(batches) - 1):
+        sequences = batch_provenance(config, batch=number, micro_batch_size=2, tokenizer=tokenizer)
+        assert [sequence.tokens for sequence in sequences] == [(0, 32), (0, 32)]
+        _check_indexed(sequences, batches[number])
+
+
+def test_online_mapping_with_the_dynamic_loader_and_its_length_cache(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path)
+    loaders, batches = _delivered(config, tokenizer, dp_rank=1, dp_size=2)
+    transform = loaders.datasets[0].transform
+    assert len(batches) > 3
+    ranks = {"dp_rank": 1, "dp_size": 2, "tokenizer": tokenizer}
+    for number in (0, 2, len(batches) - 1):
+        sequences = batch_provenance(config, batch=number, **ranks)
+        _check_online(sequences, batches[number], transform, lines)
+    (cache,) = (tmp_path / "arrow").rglob("provenance_lengths-*.npz")
+    written = cache.stat().st_mtime_ns
+    again = batch_provenance(config, batch=len(batches) - 1, **ranks)
+    assert again == sequences
+    assert cache.stat().st_mtime_ns == written  # every length came from the cache: nothing new to write
+    with pytest.raises(DataConfigError, match=f"micro-batch {len(batches)} is past the end of the epoch"):
+        batch_provenance(config, batch=len(batches), **ranks)
+    cache.write_bytes(b"damaged")
+    assert batch_provenance(config, batch=len(batches) - 1, **ranks) == sequences
+    assert cache.stat().st_size > len(b"damaged")  # an unreadable cache is ignored and written again
+
+
+def test_online_stream(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path, dataset_type="iterable")
+    loaders, batches = _delivered(config, tokenizer)
+    transform = loaders.datasets[0].transform
+    for number in (0, 1, len(batches) - 1):
+        _check_online(batch_provenance(config, batch=number, tokenizer=tokenizer), batches[number], transform, lines)
+
+
+def test_online_fixed_loader(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path, loader="FixedBatchDataLoader", max_seq_len=4096)
+    loaders, batches = _delivered(config, tokenizer, micro_batch_size=3, dp_rank=0, dp_size=2)
+    transform = loaders.datasets[0].transform
+    for number in range(len(batches)):
+        sequences = batch_provenance(config, batch=number, micro_batch_size=3, dp_size=2, tokenizer=tokenizer)
+        assert len(sequences) == 3
+        _check_online(sequences, batches[number], transform, lines)
+
+
+def test_resumed_dynamic_loader_counts_from_the_saved_position(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path)
+    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    iterator = iter(loaders.train)
+    for _ in range(3):
+        next(iterator)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loaders.state_dict()))
+    assert json.loads(state.read_text())["splits"]["train"]["buffered_samples"] > 0
+    after = list(iterator)
+    transform = loaders.datasets[0].transform
+    for number in (0, 1, len(after) - 1):
+        sequences = batch_provenance(config, batch=number, state=state, tokenizer=tokenizer)
+        _check_online(sequences, after[number], transform, lines)
+
+
+def test_resumed_stream_names_the_records_it_reads_again(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path, dataset_type="iterable")
+    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    iterator = iter(loaders.train)
+    for _ in range(2):
+        next(iterator)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loaders.state_dict()))
+    after = list(iterator)
+    transform = loaders.datasets[0].transform
+    numbers = (0, 1, len(after) - 1)
+    traced = [batch_provenance(config, batch=number, state=state, tokenizer=tokenizer) for number in numbers]
+    for sequences, number in zip(traced, numbers, strict=True):
+        _check_online(sequences, after[number], transform, lines)
+    records = [sequence.record for sequences in traced for sequence in sequences]
+    assert None in records and records[-1] is not None  # buffered first, then the records read again or anew
+
+
+def test_resumed_indexed_loader_from_a_torch_saved_state(tmp_path, tokenizer):
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    config = _indexed_config(prefix, tmp_path)
+    loaders = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=2)
+    iterator = iter(loaders.train)
+    next(iterator), next(iterator)
+    state = tmp_path / "state.pt"
+    torch.save(loaders.train.state_dict(), state)
+    after = list(iterator)
+    sequences = batch_provenance(config, batch=1, state=state, micro_batch_size=2, tokenizer=tokenizer)
+    _check_indexed(sequences, after[1])
+
+
+def test_a_step_is_its_micro_batches(tmp_path, tokenizer):
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    config = _indexed_config(prefix, tmp_path)
+    step = step_provenance(config, step=1, num_micro_batches=2, tokenizer=tokenizer)
+    assert step == [batch_provenance(config, batch=number, tokenizer=tokenizer) for number in (2, 3)]
+
+
+def test_clear_errors(tmp_path, tokenizer):
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    config = _indexed_config(prefix, tmp_path)
+    with pytest.raises(DataConfigError, match="micro-batch 10000 is past the end of the epoch: DP rank 0 of 1 "):
+        batch_provenance(config, batch=10_000, tokenizer=tokenizer)
+    with pytest.raises(DataConfigError, match="dp_rank is 2, but the DP ranks of dp_size 2 are 0 to 1"):
+        batch_provenance(config, batch=0, dp_rank=2, dp_size=2, tokenizer=tokenizer)
+    with pytest.raises(ResumeStateError, match="missing.json does not exist"):
+        batch_provenance(config, batch=0, state=tmp_path / "missing.json", tokenizer=tokenizer)
+
+
+def test_command_prints_one_json_object_per_sequence(tmp_path, tokenizer, tokenizer_path, capsys):
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps(_indexed_config(prefix, tmp_path)))  # JSON is YAML
+    command = ["provenance", str(config), "--tokenizer", str(tokenizer_path)]
+    assert hp_data([*command, "--batch", "3", "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = batch_provenance(str(config), batch=3, tokenizer=tokenizer)
+    assert printed == [json.loads(json.dumps(sequence.as_dict())) for sequence in expected]
+    assert hp_data([*command, "--batch", "3"]) == 0
+    assert capsys.readouterr().out.startswith(f"batch 3 span [0, {expected[0].span[1]}): {prefix} record ")
+    assert hp_data([*command, "--batch", "0", "--state", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert hp_data([*command, "--step", "1", "--num-micro-batches", "2", "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted({sequence["batch"] for sequence in printed}) == [2, 3]
+    assert hp_data([*command, "--step", "1"]) == 2
+    assert "--step needs --num-micro-batches" in capsys.readouterr().err
+
+
+def test_a_packing_scheduler_is_named_as_outside_the_trace(tmp_path, tokenizer, logs):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path)
+    config["packing_scheduler"] = {
+        "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+        "max_seqlen_per_dp_cp_rank": 256,
+    }
+    loaders, batches = _delivered(config, tokenizer)
+    _check_online(
+        batch_provenance(config, batch=1, tokenizer=tokenizer), batches[1], loaders.datasets[0].transform, lines
+    )
+    assert any("the micro-batches traced are the loader's" in record.getMessage() for record in logs.records)
