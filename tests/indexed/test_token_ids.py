@@ -245,3 +245,21 @@ def test_a_read_fails_exactly_when_what_it_returns_holds_a_bad_id(tmp_path, monk
             with pytest.raises(DataFileError, match=r"the token id 1000 in document 9 \(sequence 9, token 1\)"):
                 read()
     np.testing.assert_array_equal(reader.gather(good), np.concatenate([documents[i] for i in good]))
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "pread"])
+def test_ids_are_checked_from_check_token_ids_on_after_reads_without_it(tmp_path, mmap):
+    """A reader that has already read without the check (the plain ``reader[i]``) refuses a bad id once
+    ``check_token_ids`` is called, and still returns the good documents."""
+    documents = edge_documents(1000, count=20, seed=5)
+    documents[6][0] = 1000
+    reader = IndexedDataReader(write_pair(tmp_path / "pair", documents, np.uint16), mmap=mmap)
+    np.testing.assert_array_equal(reader[6], documents[6])
+    np.testing.assert_array_equal(reader[-1], documents[-1])
+    reader.check_token_ids(1000)
+    with pytest.raises(DataFileError, match=r"the token id 1000 in document 6 \(sequence 6, token 0\)"):
+        reader[6]
+    with pytest.raises(DataFileError, match=r"the token id 1000 in document 6 \(sequence 6, token 0\)"):
+        reader[-14]
+    for i in (0, 5, 7, 19):
+        np.testing.assert_array_equal(reader[i], documents[i])
