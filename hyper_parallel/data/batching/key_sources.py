@@ -180,8 +180,10 @@ class MappingKeys(_KeySource):
             raise ResumeStateError(
                 f"cannot resume a loader saved with dp_world_size={size} on dp_world_size="
                 f"{here.dp_world_size} mid-epoch: each DP rank packs its own share of the data into token-budget "
-                "batches, so a different DP size gives different batches. Resume with the saved DP size, or from a "
-                "state saved at an epoch boundary"
+                "batches, so a different DP size gives different batches. Resume with the saved DP size, from a "
+                "state saved at an epoch boundary, or merge every rank's state with "
+                "batching.merge_rank_states(states) and give the merged state to every new loader (each record of "
+                "the epoch is then delivered once, in another order)"
             )
         if size == here.dp_world_size and rank != here.dp_rank:
             raise ResumeStateError(
