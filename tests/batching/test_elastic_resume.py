@@ -9,6 +9,7 @@ import pytest
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, merge_rank_states
 from hyper_parallel.data.errors import ResumeStateError
 
+from .conftest import paragraphs, write_jsonl
 from .resume_check import plain, roundtrip
 from .test_build_dataloader import document_tokens, plaintext_dataset
 
@@ -184,14 +185,6 @@ def test_merging_refuses_states_that_are_not_of_one_run_at_one_step(plaintext_pa
         merge_rank_states([states[0], make_loaders(paths, "dynamic", 2, dataset=other_data)[1].state_dict()])
 
 
-def test_a_stream_is_not_merged(plaintext_path, tokenizer, hf_cache_dir):
-    paths = (plaintext_path, tokenizer, hf_cache_dir)
-    stream = plaintext_dataset(*paths, dataset_type="iterable", max_seq_len=4096)
-    loader = FixedBatchDataLoader(stream, micro_batch_size=2)
-    with pytest.raises(ResumeStateError, match="mapping source"):
-        merge_rank_states([loader.state_dict()])
-
-
 def test_a_damaged_remaining_bitmap_is_refused(plaintext_path, tokenizer, hf_cache_dir):
     paths = (plaintext_path, tokenizer, hf_cache_dir)
     old = make_loaders(paths, "fixed", 2)
@@ -200,3 +193,116 @@ def test_a_damaged_remaining_bitmap_is_refused(plaintext_path, tokenizer, hf_cac
     merged["sampler"]["remaining"] = merged["sampler"]["remaining"][:-1]
     with pytest.raises(ResumeStateError, match="remaining must be a bitmap of 8 bytes"):
         make_loaders(paths, "fixed", 3)[0].load_state_dict(merged)
+
+
+# Streams ---------------------------------------------------------------------------------------------------------
+
+
+def stream_loaders(paths, loader: str, dp_world_size: int, *, workers: int = 0, shuffle_buffer_size: int = 16):
+    """Every rank's loader of one DP size over the plaintext records streamed, each rank its share of the stream."""
+    ranks = []
+    for rank in range(dp_world_size):
+        stream = plaintext_dataset(
+            *paths,
+            dataset_type="iterable",
+            max_seq_len=MAX_SEQ_LEN[loader],
+            dp_rank=rank,
+            dp_world_size=dp_world_size,
+            shuffle_buffer_size=shuffle_buffer_size,
+        )
+        options = {"micro_batch_size": 2, "dp_rank": rank, "dp_world_size": dp_world_size, "drop_last": False}
+        if loader == "dynamic":
+            ranks.append(DynamicBatchDataLoader(stream, min_buffered_samples=4, num_workers=workers, **options))
+        else:
+            ranks.append(FixedBatchDataLoader(stream, num_workers=workers, **options))
+    return ranks
+
+
+def stream_resized(paths, loader: str, old, new_size: int, **options):
+    merged = roundtrip(merge_rank_states([roundtrip(rank.state_dict()) for rank in old]))
+    new = stream_loaders(paths, loader, new_size, **options)
+    for rank in new:
+        rank.load_state_dict(merged)
+    return new
+
+
+@pytest.mark.parametrize(("old_size", "new_size"), [(2, 1), (2, 3), (2, 4), (3, 2)])
+@pytest.mark.parametrize("loader", ["dynamic", "fixed"])
+def test_a_stream_dp_change_mid_epoch_delivers_every_record_once(
+    loader, old_size, new_size, plaintext_path, tokenizer, hf_cache_dir
+):
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    old = stream_loaders(paths, loader, old_size)
+    before = take_sequences(old, [3, 5, 1][:old_size])  # with records in the shuffle buffers and packing buffers
+    new = stream_resized(paths, loader, old, new_size)
+    after = rest_of_epoch(new)
+    assert before + after == epoch_sequences(paths, loader)
+    assert before and after
+
+    fresh = stream_loaders(paths, loader, new_size)
+    for rank in fresh:
+        rank.set_epoch(1)
+    assert [[plain(b) for b in rank] for rank in new] == [[plain(b) for b in rank] for rank in fresh]
+
+
+def test_a_stream_change_with_workers_gives_the_batches_of_one_without(plaintext_path, tokenizer, hf_cache_dir):
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    runs = []
+    for workers in (0, 2):
+        old = stream_loaders(paths, "dynamic", 2, workers=workers)
+        before = take_sequences(old, [2, 4])  # the workers have read ahead of these
+        new = stream_resized(paths, "dynamic", old, 3, workers=workers)
+        batches = [list(rank) for rank in new]
+        after = Counter(seq for rank in batches for batch in rank for seq in document_tokens(batch))
+        assert before + after == epoch_sequences(paths, "dynamic")
+        runs.append([[plain(batch) for batch in rank] for rank in batches])
+    assert runs[0] == runs[1]
+
+
+def test_a_restored_stream_rank_resumes_its_own_state_exactly(plaintext_path, tokenizer, hf_cache_dir):
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    old = stream_loaders(paths, "dynamic", 2)
+    take_sequences(old, [3, 3])
+    merged = merge_rank_states([rank.state_dict() for rank in old])
+    reference, stopped = stream_loaders(paths, "dynamic", 3), stream_loaders(paths, "dynamic", 3)
+    for rank in (*reference, *stopped):
+        rank.load_state_dict(merged)
+    expected = [plain(b) for b in reference[2]]
+    head = [plain(b) for _, b in zip(range(2), stopped[2], strict=False)]
+    again = stream_loaders(paths, "dynamic", 3)[2]
+    again.load_state_dict(roundtrip(stopped[2].state_dict()))
+    assert head + [plain(b) for b in again] == expected
+
+    with pytest.raises(ResumeStateError, match="still reading the epoch an earlier DP change handed over"):
+        merge_rank_states([rank.state_dict() for rank in stopped])
+
+
+def test_stream_states_are_checked_against_each_other(plaintext_path, tokenizer, hf_cache_dir):
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    old = stream_loaders(paths, "fixed", 2)
+    take_sequences(old, [2, 2])
+    states = [rank.state_dict() for rank in old]
+    with pytest.raises(ResumeStateError, match="merge_rank_states"):
+        stream_loaders(paths, "fixed", 3)[0].load_state_dict(states[0])
+    with pytest.raises(ResumeStateError, match=r"DP ranks \[1\] are missing"):
+        merge_rank_states(states[:1])
+    reshuffled = stream_loaders(paths, "fixed", 2, shuffle_buffer_size=8)
+    with pytest.raises(ResumeStateError, match="seed or shuffle_buffer_size of DP rank 1"):
+        merge_rank_states([states[0], reshuffled[1].state_dict()])
+    with pytest.raises(ResumeStateError, match="shuffle_buffer_size=16 but this run has 8"):
+        stream_loaders(paths, "fixed", 3, shuffle_buffer_size=8)[0].load_state_dict(merge_rank_states(states))
+    with pytest.raises(ResumeStateError, match="source of kind 'iterable'"):
+        make_loaders(paths, "fixed", 3)[0].load_state_dict(merge_rank_states(states))
+
+
+def test_a_stream_split_by_whole_files_changes_dp_size_too(tmp_path, tokenizer, hf_cache_dir):
+    """Two files over two ranks: each old rank streams a whole file; the new ranks read the rest of both."""
+    texts = paragraphs(50)
+    files = [write_jsonl(tmp_path / f"part{i}.jsonl", [{"text": t} for t in texts[i::2]]) for i in range(2)]
+    paths = ([str(f) for f in files], tokenizer, hf_cache_dir)
+    old = stream_loaders(paths, "fixed", 2)
+    before = take_sequences(old, [4, 2])
+    new = stream_resized(paths, "fixed", old, 3)
+    after = rest_of_epoch(new)
+    whole = plaintext_dataset(*paths, dataset_type="mapping", max_seq_len=4096)
+    assert before + after == Counter(tuple(whole[i][0]["input_ids"].tolist()) for i in range(len(whole)))

@@ -16,19 +16,33 @@ for the dynamic loader) is lost and none is delivered twice. What the new ranks 
     buffered       the dynamic loader's buffered samples ([record index, window]) of the old ranks, in rank order
                    then buffer order, dealt round-robin: sample i goes to new rank i mod D', packed first
 
+and for a stream (old rank ``s`` streamed ``split_dataset_by_node(s, D)``)::
+
+    old shares     every new rank reads each old share in turn from the old rank's Hugging Face state on (a share
+                   read to its end is skipped) and keeps the j-th record read of share s when (j + s) % D' == r
+                   (``OnlineIterableDataset``'s handover)
+    read, not      the records the old ranks had read but not delivered (replayed, in the cursor's block or
+    delivered      shuffle buffer), in rank order, dealt round-robin: record i to new rank i mod D', read first
+    buffered       as for a mapping source (the samples' tokens)
+
 So the order after the change depends only on ``(D, D', states)``. The elastic state is compact: the positions left
-as a bitmap of the epoch (one bit per position), the replayed records and the buffered samples as short lists.
+as a bitmap of the records (one bit each), the replayed records and the buffered samples as short lists; for a
+stream, one Hugging Face state per old rank and the records read but not delivered.
 
 Layout::
 
     {"version": 1, "kind": "elastic", "loader", "dp_world_size" (D), "micro_batch_size", "data", "transform",
-     "epoch": the epoch merged, "sampler": the sampler state with the positions left as its ``remaining`` bitmap,
-     "replay": record indices read but not batched, dynamic loader only: "packing": the packing policy's settings
-     with every old rank's ``buffer``, in rank order, and their ``buffer_tokens``}
+     "source_kind": "mapping" | "iterable", "epoch": the epoch merged,
+     mapping: "sampler": the sampler state with the positions left as its ``remaining`` bitmap,
+              "replay": record indices read but not batched,
+     iterable: "stream": {"seed", "shuffle_buffer_size", "shares": [{"source_state", "done"}] per old rank},
+               "records": the records read but not delivered,
+     dynamic loader only: "packing": the packing policy's settings with every old rank's ``buffer``, in rank
+     order, and their ``buffer_tokens``}
 
 The packing policy's state must keep its buffered samples, encoded by the key source, under ``buffer`` and their
-cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). Streams (iterable sources) are not merged: each rank
-resumes its own state, with the saved DP size.
+cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). A stream state still reading a handed-over epoch is not
+merged again until that epoch is over.
 """
 
 from __future__ import annotations
@@ -70,8 +84,9 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
 
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
-            data, transform, sampler or packing settings than the others; ranks in epochs that do not meet (one
-            mid-epoch, another past its end); a stream's states; data sharding.
+            data, transform, sampler, stream or packing settings than the others; ranks in epochs that do not meet
+            (one mid-epoch, another past its end); data sharding; a stream state restored by a handover that has
+            not finished its epoch.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
@@ -81,46 +96,14 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     states = [migrate_loader_state(state, "merge_rank_states") for state in states]
     first = _common_envelope(states)
     by_rank = _states_by_rank(states, first["dp_world_size"])
-    samplers = [_sampler_state(state, rank) for rank, state in enumerate(by_rank)]
-    settings = _sampler_settings(samplers[0])
-    for rank, sampler in enumerate(samplers[1:], start=1):
-        changed = [key for key, value in _sampler_settings(sampler).items() if settings.get(key) != value]
-        if changed:
-            shown = ", ".join(f"{key} {settings.get(key)!r} and {sampler[key]!r}" for key in changed)
-            raise ResumeStateError(
-                f"the batch sampler settings of DP rank 0 and DP rank {rank} differ ({shown}): the states are not of "
-                "one run; give every rank's state saved at the same step"
-            )
-    epoch = _merged_epoch(by_rank, samplers)
-    left, replay = [], []
-    for rank, (state, sampler) in enumerate(zip(by_rank, samplers, strict=True)):
-        source = state["source"]
-        if source["replay"] and source["replay_epoch"] == epoch:
-            replay += [index for keys in source["replay"] for index in keys]
-        if sampler["epoch"] == epoch:
-            plan = _sampler_plan(sampler)
-            left.append(
-                pending_positions(
-                    plan,
-                    sampler["consumed_samples"],
-                    micro_batch_size=sampler["micro_batch_size"],
-                    dp_rank=rank,
-                    dp_world_size=sampler["dp_world_size"],
-                )
-            )
-    positions = np.sort(np.concatenate(left)) if left else np.zeros(0, dtype=np.int64)
-    merged_sampler = {**samplers[0], "epoch": epoch, "consumed_samples": 0}
-    merged_sampler["remaining"] = remaining_bitmap(positions, samplers[0]["total_samples"])
     merged = {
         "version": ELASTIC_VERSION,
         "kind": "elastic",
         **{key: first[key] for key in ("loader", "dp_world_size", "micro_batch_size", "data", "transform")},
-        "epoch": epoch,
-        "sampler": merged_sampler,
-        "replay": replay,
+        **(_merge_mapping(by_rank) if first["source"]["kind"] == "mapping" else _merge_streams(by_rank)),
     }
     if first["loader"] == "DynamicBatchDataLoader":
-        merged["packing"] = _merged_packing(by_rank, epoch)
+        merged["packing"] = _merged_packing(by_rank)
     return merged
 
 
@@ -129,14 +112,14 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> dict:
 
     Args:
         merged: from ``merge_rank_states``.
-        source: the loader's key source (a ``MappingKeys``): its sampler places the replayed records in the
-            epoch and reads the buffered samples again.
+        source: the loader's key source: a mapping source's sampler places the replayed records in the epoch and
+            its dataset reads the buffered samples again; a stream's cursor reads the old ranks' shares.
         layout: the loader's ``BatchLayout`` (this rank and the new DP size).
         policy: the dynamic loader's packing policy (its ``cost`` of the buffered samples); None for the fixed one.
 
     Raises:
-        ResumeStateError: a malformed elastic state, other data, sampler settings this loader does not have, or a
-            replayed record that is not left in the epoch.
+        ResumeStateError: a malformed elastic state, other data, another source kind, sampler or stream settings
+            this loader does not have, or a replayed record that is not left in the epoch.
     """
     check_state_type(merged, Mapping, _WHERE)
     if state_field(merged, "version", int, _WHERE) != ELASTIC_VERSION:
@@ -144,36 +127,16 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> dict:
             f"elastic state version {merged['version']!r} is not supported (expected {ELASTIC_VERSION}); merge the "
             "ranks' states again with this release"
         )
-    sampler = getattr(source, "sampler", None)
-    if sampler is None:
-        raise ResumeStateError(
-            "an elastic state restores loaders over a mapping source, but this loader reads a stream: resume each "
-            "rank with its own state, with the saved DP size"
-        )
+    source.check_kind(state_field(merged, "source_kind", str, _WHERE), _WHERE)
     check_same_data(state_field(merged, "data", (Mapping, None), _WHERE), source.identities[0], f"{_WHERE}['data']")
-    saved = state_field(merged, "sampler", Mapping, _WHERE)
     epoch = state_field(merged, "epoch", int, _WHERE)
-    # The same order (sampler type, seed, records, map); the global batch size may change with the DP size, as the
-    # positions left are given, not cut by it.
-    saved = {**saved, "global_batch_size": sampler.global_batch_size}
-    sampler.check_state(saved)
-    positions = sampler.saved_remaining(saved)
-    if positions is None:
-        raise ResumeStateError(f"{_WHERE}['sampler'] has no 'remaining' positions; merge the ranks' states again")
-    replay = state_field(merged, "replay", list, _WHERE)
-    source.check_keys(replay, f"{_WHERE}['replay']")
-    positions = _with_replayed(positions, replay, sampler, epoch, _epoch_len(saved))
-    position = {
-        **sampler.state_dict(),
-        "epoch": epoch if len(positions) else epoch + 1,
-        "consumed_samples": 0,
-    }
-    position.pop("remaining", None)
-    if len(positions):
-        position["remaining"] = remaining_bitmap(positions, sampler.total_samples)
+    if source.kind == "mapping":
+        source_state, reads_on = _mapping_source_state(merged, source, epoch)
+    else:
+        source_state, reads_on = _stream_source_state(merged, source, layout, epoch)
     state = {
         **envelope(state_field(merged, "loader", str, _WHERE), layout, (merged["data"], merged["transform"])),
-        "source": {"kind": source.kind, "position": position, "replay": [], "replay_epoch": None},
+        "source": source_state,
     }
     if policy is not None:
         packing = state_field(merged, "packing", Mapping, _WHERE)
@@ -187,11 +150,57 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> dict:
             )
         share = slice(layout.dp_rank, None, layout.dp_world_size)
         state.update(
-            flushing=not len(positions),
+            flushing=not reads_on,
             buffered_samples=len(buffer[share]),
             packing={**packing, "buffer": buffer[share], "buffer_tokens": sum(costs[share])},
         )
     return state
+
+
+def _mapping_source_state(merged: Mapping, source, epoch: int) -> tuple[dict, bool]:
+    """A mapping source's state for this rank, and whether it has positions of the epoch left to read."""
+    sampler = source.sampler
+    # The same order (sampler type, seed, records, map); the global batch size may change with the DP size, as the
+    # positions left are given, not cut by it.
+    saved = {**state_field(merged, "sampler", Mapping, _WHERE), "global_batch_size": sampler.global_batch_size}
+    sampler.check_state(saved)
+    positions = sampler.saved_remaining(saved)
+    if positions is None:
+        raise ResumeStateError(f"{_WHERE}['sampler'] has no 'remaining' positions; merge the ranks' states again")
+    replay = state_field(merged, "replay", list, _WHERE)
+    source.check_keys(replay, f"{_WHERE}['replay']")
+    positions = _with_replayed(positions, replay, sampler, epoch, _epoch_len(saved))
+    position = {**sampler.state_dict(), "epoch": epoch if len(positions) else epoch + 1, "consumed_samples": 0}
+    position.pop("remaining", None)
+    if len(positions):
+        position["remaining"] = remaining_bitmap(positions, sampler.total_samples)
+    return {"kind": source.kind, "position": position, "replay": [], "replay_epoch": None}, bool(len(positions))
+
+
+def _stream_source_state(merged: Mapping, source, layout, epoch: int) -> tuple[dict, bool]:
+    """A stream's state for this rank: a handover cursor over the old ranks' shares, and its share of the records
+    they had read but not delivered, read again first."""
+    stream = source.stream
+    saved = state_field(merged, "stream", Mapping, _WHERE)
+    for key in ("seed", "shuffle_buffer_size"):
+        if state_field(saved, key, int, f"{_WHERE}['stream']") != getattr(stream, key):
+            raise ResumeStateError(
+                f"cannot resume the stream of {stream.description}: the elastic state has {key}={saved[key]!r} but "
+                f"this run has {getattr(stream, key)!r}; resume with the same value, or start without the state"
+            )
+    shares = state_field(saved, "shares", list, f"{_WHERE}['stream']")
+    position = stream.handover_state(epoch, shares, state_field(merged, "dp_world_size", int, _WHERE))
+    records = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
+    size = layout.micro_batch_size
+    keys = [[index, record] for index, record in enumerate(records)]
+    replay = [keys[start : start + size] for start in range(0, len(keys), size)]
+    source_state = {
+        "kind": source.kind,
+        "position": position,
+        "replay": replay,
+        "replay_epoch": epoch if replay else None,
+    }
+    return source_state, True
 
 
 # Merging ---------------------------------------------------------------------------------------------------------
@@ -203,11 +212,10 @@ def _common_envelope(states: list[dict]) -> dict:
     for key, expected in (("loader", str), ("dp_world_size", int), ("micro_batch_size", int), ("source", Mapping)):
         for state in states:
             state_field(state, key, expected, "a rank's loader state")
-    if first["source"].get("kind") != "mapping":
+    if first["source"].get("kind") not in ("mapping", "iterable"):
         raise ResumeStateError(
-            f"merge_rank_states merges states of loaders over a mapping source, got a source of kind "
-            f"{first['source'].get('kind')!r}: a stream is split between the DP ranks, so resume each rank with its "
-            "own state, with the saved DP size"
+            f"merge_rank_states merges states of loaders over a mapping or iterable source, got a source of kind "
+            f"{first['source'].get('kind')!r}"
         )
     for position, state in enumerate(states[1:], start=1):
         for key in ("loader", "dp_world_size", "micro_batch_size", "data", "transform"):
@@ -217,8 +225,10 @@ def _common_envelope(states: list[dict]) -> dict:
                     f"{_shown(first.get(key))}, state {position} has {_shown(state.get(key))}): they are not the "
                     "states of one run; give every rank's state saved at the same step"
                 )
-        if state["source"].get("kind") != "mapping":
-            raise ResumeStateError(f"state {position} given to merge_rank_states is not over a mapping source")
+        if state["source"].get("kind") != first["source"]["kind"]:
+            raise ResumeStateError(
+                f"state {position} given to merge_rank_states is over a source of another kind than state 0's"
+            )
     return first
 
 
@@ -264,13 +274,108 @@ def _sampler_state(state: Mapping, rank: int) -> Mapping:
         )
     if "remaining" in sampler:
         state_field(sampler, "remaining", (bytes, None), where)
-    replay = state_field(source, "replay", list, f"DP rank {rank}'s loader state['source']")
-    for index, keys in enumerate(replay):
-        check_state_type(keys, list, f"DP rank {rank}'s loader state['source']['replay'][{index}]")
-        for key in keys:
-            check_state_type(key, int, f"DP rank {rank}'s loader state['source']['replay'][{index}]")
-    state_field(source, "replay_epoch", (int, None), f"DP rank {rank}'s loader state['source']")
+    for keys in _replay(state, rank):
+        for index, key in enumerate(keys):
+            check_state_type(key, int, f"DP rank {rank}'s replayed key {index}")
     return sampler
+
+
+def _replay(state: Mapping, rank: int) -> list[list]:
+    """A rank's replayed key batches, checked to be lists, and its ``replay_epoch``."""
+    where = f"DP rank {rank}'s loader state['source']"
+    replay = state_field(state["source"], "replay", list, where)
+    for index, keys in enumerate(replay):
+        check_state_type(keys, list, f"{where}['replay'][{index}]")
+    state_field(state["source"], "replay_epoch", (int, None), where)
+    return replay
+
+
+def _merge_mapping(states: list[dict]) -> dict:
+    """The mapping part of an elastic state: the positions left as the sampler's bitmap, the replayed records."""
+    samplers = [_sampler_state(state, rank) for rank, state in enumerate(states)]
+    settings = _sampler_settings(samplers[0])
+    for rank, sampler in enumerate(samplers[1:], start=1):
+        changed = [key for key, value in _sampler_settings(sampler).items() if settings.get(key) != value]
+        if changed:
+            shown = ", ".join(f"{key} {settings.get(key)!r} and {sampler[key]!r}" for key in changed)
+            raise ResumeStateError(
+                f"the batch sampler settings of DP rank 0 and DP rank {rank} differ ({shown}): the states are not of "
+                "one run; give every rank's state saved at the same step"
+            )
+    epoch = _merged_epoch(
+        states,
+        [(s["epoch"], s["consumed_samples"] == 0 and s.get("remaining") is None) for s in samplers],
+    )
+    left, replay = [], []
+    for rank, (state, sampler) in enumerate(zip(states, samplers, strict=True)):
+        source = state["source"]
+        if source["replay"] and source["replay_epoch"] == epoch:
+            replay += [index for keys in source["replay"] for index in keys]
+        if sampler["epoch"] == epoch:
+            left.append(
+                pending_positions(
+                    _sampler_plan(sampler),
+                    sampler["consumed_samples"],
+                    micro_batch_size=sampler["micro_batch_size"],
+                    dp_rank=rank,
+                    dp_world_size=sampler["dp_world_size"],
+                )
+            )
+    positions = np.sort(np.concatenate(left)) if left else np.zeros(0, dtype=np.int64)
+    merged_sampler = {**samplers[0], "epoch": epoch, "consumed_samples": 0}
+    merged_sampler["remaining"] = remaining_bitmap(positions, samplers[0]["total_samples"])
+    return {"source_kind": "mapping", "epoch": epoch, "sampler": merged_sampler, "replay": replay}
+
+
+def _merge_streams(states: list[dict]) -> dict:
+    """The stream part of an elastic state: each old rank's share from its cursor on, and the records the ranks
+    had read but not delivered (the replayed ones, the cursor's current block and shuffle buffer), in rank order."""
+    cursors = []
+    for rank, state in enumerate(states):
+        where = f"DP rank {rank}'s loader state['source']['position']"
+        cursor = state_field(state["source"], "position", Mapping, f"DP rank {rank}'s loader state['source']")
+        for key in ("epoch", "position", "dp_rank", "dp_world_size", "seed", "shuffle_buffer_size"):
+            state_field(cursor, key, int, where)
+        if (cursor["dp_rank"], cursor["dp_world_size"]) != (rank, state["dp_world_size"]):
+            raise ResumeStateError(f"{where} is the stream cursor of another DP rank; the state is damaged")
+        first = states[0]["source"]["position"]
+        if (cursor["seed"], cursor["shuffle_buffer_size"]) != (first.get("seed"), first.get("shuffle_buffer_size")):
+            raise ResumeStateError(
+                f"the stream seed or shuffle_buffer_size of DP rank {rank} differ from DP rank 0's: the states are "
+                "not of one run"
+            )
+        if cursor.get("handover") is not None:
+            raise ResumeStateError(
+                f"DP rank {rank}'s stream is still reading the epoch an earlier DP change handed over; merge the "
+                "states again once that epoch is over, or resume each rank with its own state, with this DP size"
+            )
+        state_field(cursor, "source_exhausted", bool, where)
+        state_field(cursor, "source_state", (Mapping, None), where)
+        for key in ("buffer", "block"):
+            for index, record in enumerate(state_field(cursor, key, list, where) if key in cursor else []):
+                check_state_type(record, Mapping, f"{where}['{key}'][{index}]")
+        for keys in _replay(state, rank):
+            for index, key in enumerate(keys):
+                check_state_type(key, (list, tuple), f"DP rank {rank}'s replayed key {index}")
+                if len(key) != 2 or not isinstance(key[1], Mapping):
+                    raise ResumeStateError(f"DP rank {rank}'s replayed key {index} is not a (position, record) pair")
+        cursors.append(cursor)
+    at_start = [
+        c["position"] == 0 and c["source_state"] is None and not c["buffer"] and not c.get("block") for c in cursors
+    ]
+    epoch = _merged_epoch(states, [(c["epoch"], fresh) for c, fresh in zip(cursors, at_start, strict=True)])
+    shares, records = [], []
+    for state, cursor in zip(states, cursors, strict=True):
+        source = state["source"]
+        if source["replay"] and source["replay_epoch"] == epoch:
+            records += [record for keys in source["replay"] for _, record in keys]
+        reading = cursor["epoch"] == epoch
+        if reading:
+            records += [*cursor.get("block", []), *cursor["buffer"]]
+        done = not reading or cursor["source_exhausted"]
+        shares.append({"source_state": cursor["source_state"] if reading else None, "done": done})
+    stream = {key: cursors[0][key] for key in ("seed", "shuffle_buffer_size")}
+    return {"source_kind": "iterable", "epoch": epoch, "stream": {**stream, "shares": shares}, "records": records}
 
 
 def _sampler_settings(sampler: Mapping) -> dict:
@@ -292,21 +397,21 @@ def _sampler_plan(sampler: Mapping) -> np.ndarray:
     return bitmap_positions(bitmap, total)
 
 
-def _open_epoch(state: Mapping, sampler: Mapping) -> tuple[int, bool]:
-    """The epoch a rank's state is in, and whether it is at that epoch's very start (nothing read or buffered)."""
+def _open_epoch(state: Mapping, source_epoch: int, at_start: bool) -> tuple[int, bool]:
+    """The epoch a rank's state is in, and whether it is at that epoch's very start (nothing read or buffered);
+    ``source_epoch`` and ``at_start``: where its sampler or stream cursor is."""
     source = state["source"]
-    flushing = state.get("flushing", False)
     if source["replay"]:
         return source["replay_epoch"], False
-    if flushing:
-        return sampler["epoch"] - 1, False
-    fresh = sampler["consumed_samples"] == 0 and sampler.get("remaining") is None and not state.get("buffered_samples")
-    return sampler["epoch"], fresh
+    if state.get("flushing", False):  # the source has moved on; the buffer is the end of the epoch before
+        return source_epoch - 1, False
+    return source_epoch, at_start and not state.get("buffered_samples")
 
 
-def _merged_epoch(states: list[dict], samplers: list[Mapping]) -> int:
-    """The epoch the ranks are in: the earliest; a rank may only be past it at the very start of the next."""
-    opened = [_open_epoch(state, sampler) for state, sampler in zip(states, samplers, strict=True)]
+def _merged_epoch(states: list[dict], positions: list[tuple[int, bool]]) -> int:
+    """The epoch the ranks are in: the earliest; a rank may only be past it at the very start of the next
+    (``positions``: each rank's source epoch and whether its source is at that epoch's start)."""
+    opened = [_open_epoch(state, *position) for state, position in zip(states, positions, strict=True)]
     epoch = min(rank_epoch for rank_epoch, _ in opened)
     for rank, (rank_epoch, fresh) in enumerate(opened):
         if rank_epoch != epoch and not (rank_epoch == epoch + 1 and fresh):
@@ -317,7 +422,7 @@ def _merged_epoch(states: list[dict], samplers: list[Mapping]) -> int:
     return epoch
 
 
-def _merged_packing(states: list[dict], epoch: int) -> dict:
+def _merged_packing(states: list[dict]) -> dict:
     """The packing settings (the same on every rank) and every rank's buffered samples, in rank order."""
     buffer, tokens, settings = [], 0, None
     for rank, state in enumerate(states):
