@@ -306,7 +306,7 @@ class FixedBatchDataLoader(_Loader):
         the ranks' states.
         """
         if is_elastic(state):
-            state = rank_state(state, self._source, self.options.layout)
+            state, _ = rank_state(state, self._source, self.options.layout)
         state = self._checked(state)
         self._tracked.load_state_dict(state["source"])
         logger.info("%r restored: %d key batches to read again", self, len(self._tracked.replay))
@@ -501,10 +501,11 @@ class DynamicBatchDataLoader(_Loader):
         every loader of the new DP size the elastic state ``merge_rank_states`` makes of all the ranks' states
         (a mapping source): together they deliver the rest of the epoch, each record once.
         """
+        codec = self._source
         if is_elastic(state):
-            state = rank_state(state, self._source, self.options.layout, self.policy)
+            state, codec = rank_state(state, self._source, self.options.layout, self.policy)
         state = self._checked(state, _DYNAMIC_FIELDS, packs_per_rank=True)
-        self.policy.load_state_dict(state["packing"], self._source)  # checked whole first, like the parts above
+        self.policy.load_state_dict(state["packing"], codec)  # checked whole first, like the parts above
         self._tracked.load_state_dict(state["source"])
         self._reading, self._flushing, self._epoch = None, state["flushing"], None
         logger.info(

@@ -61,7 +61,7 @@ from hyper_parallel.data.parallel.batch_sampler import (
 )
 from hyper_parallel.data.resume_checks import check_same_data, check_state_type, state_field
 
-__all__ = ["ELASTIC_VERSION", "is_elastic", "merge_rank_states", "rank_state"]
+__all__ = ["ELASTIC_VERSION", "DecodedSamples", "is_elastic", "merge_rank_states", "rank_state"]
 
 ELASTIC_VERSION = 1
 _WHERE = "the elastic state"
@@ -107,8 +107,9 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     return merged
 
 
-def rank_state(merged: Mapping, source, layout, policy=None) -> dict:
-    """This rank's ordinary loader state from an elastic one: its share of what is left of the merged epoch.
+def rank_state(merged: Mapping, source, layout, policy=None) -> tuple[dict, DecodedSamples | None]:
+    """This rank's ordinary loader state from an elastic one: its share of what is left of the merged epoch, and
+    (with a policy) its buffered samples as read again, the codec for the policy's load.
 
     Args:
         merged: from ``merge_rank_states``.
@@ -141,20 +142,29 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> dict:
     if policy is not None:
         packing = state_field(merged, "packing", Mapping, _WHERE)
         buffer = state_field(packing, "buffer", list, f"{_WHERE}['packing']")
-        entries = source.decode_samples(buffer, f"{_WHERE}['packing']['buffer']")
-        costs = [policy.cost(sample) for _, sample in entries]
-        if sum(costs) != state_field(packing, "buffer_tokens", int, f"{_WHERE}['packing']"):
-            raise ResumeStateError(
-                f"the buffered samples of the elastic state hold {sum(costs)} tokens but the ranks' states recorded "
-                f"{packing['buffer_tokens']}: the data files or the transform changed since they were saved"
-            )
-        share = slice(layout.dp_rank, None, layout.dp_world_size)
+        share = buffer[layout.dp_rank :: layout.dp_world_size]
+        entries = source.decode_samples(share, f"{_WHERE}['packing']['buffer']")
+        tokens = sum(policy.cost(sample) for _, sample in entries)
         state.update(
             flushing=not reads_on,
-            buffered_samples=len(buffer[share]),
-            packing={**packing, "buffer": buffer[share], "buffer_tokens": sum(costs[share])},
+            buffered_samples=len(share),
+            packing={**packing, "buffer": share, "buffer_tokens": tokens},
         )
-    return state
+        return state, DecodedSamples(share, entries)
+    return state, None
+
+
+class DecodedSamples:
+    """A codec that gives back samples already read again (this rank's share, read to count its tokens), so that
+    the packing policy's load does not read them a second time."""
+
+    def __init__(self, saved: list, entries: list) -> None:
+        self.saved, self.entries = saved, entries
+
+    def decode_samples(self, saved: list, where: str) -> list:
+        if saved != self.saved:
+            raise ResumeStateError(f"{where} is not the buffer share of the elastic state")
+        return self.entries
 
 
 def _mapping_source_state(merged: Mapping, source, epoch: int) -> tuple[dict, bool]:
