@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, merge_rank_states
@@ -306,3 +307,25 @@ def test_a_stream_split_by_whole_files_changes_dp_size_too(tmp_path, tokenizer, 
     after = rest_of_epoch(new)
     whole = plaintext_dataset(*paths, dataset_type="mapping", max_seq_len=4096)
     assert before + after == Counter(tuple(whole[i][0]["input_ids"].tolist()) for i in range(len(whole)))
+
+
+def test_drop_last_keeps_the_saved_epoch_when_the_global_batch_size_changes(plaintext_path, tokenizer, hf_cache_dir):
+    """With drop_last the epoch is the whole global batches of the saved run (56 of the 60 records for 8): the new
+    ranks (global batch 6) deliver the rest of those, and the next epoch is cut by the new global batch size."""
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    dataset = plaintext_dataset(*paths, dataset_type="mapping", max_seq_len=4096)
+
+    def loaders(size: int, global_batch_size: int):
+        options = {"micro_batch_size": 2, "global_batch_size": global_batch_size, "sampler_type": "cyclic", "seed": 5}
+        return [FixedBatchDataLoader(dataset, dp_rank=r, dp_world_size=size, **options) for r in range(size)]
+
+    old = loaders(2, 8)
+    before = take_sequences(old, [3, 5])
+    merged = merge_rank_states([rank.state_dict() for rank in old])
+    new = loaders(3, 6)
+    for rank in new:
+        rank.load_state_dict(merged)
+    after = rest_of_epoch(new)
+    epoch = np.random.default_rng([5, 0]).permutation(60)[:56]  # the cyclic order of epoch 0, whole steps of 8
+    assert before + after == Counter(tuple(dataset[int(i)][0]["input_ids"].tolist()) for i in epoch)
+    assert sum(len(rank) for rank in new) == 60 // 2  # epoch 1: every record (10 whole steps of 6), by twos
