@@ -329,3 +329,16 @@ def test_drop_last_keeps_the_saved_epoch_when_the_global_batch_size_changes(plai
     epoch = np.random.default_rng([5, 0]).permutation(60)[:56]  # the cyclic order of epoch 0, whole steps of 8
     assert before + after == Counter(tuple(dataset[int(i)][0]["input_ids"].tolist()) for i in epoch)
     assert sum(len(rank) for rank in new) == 60 // 2  # epoch 1: every record (10 whole steps of 6), by twos
+
+
+@pytest.mark.parametrize("loader", ["dynamic", "fixed"])
+def test_new_ranks_left_without_records_end_the_epoch_quietly(loader, plaintext_path, tokenizer, hf_cache_dir):
+    """Near the end of an epoch some new ranks get nothing of it: they deliver nothing, and no error is raised."""
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    old = make_loaders(paths, loader, 2)
+    epoch = [len(list(rank)) for rank in make_loaders(paths, loader, 2)]
+    before = take_sequences(old, [epoch[0], epoch[1] - 1])  # one batch of rank 1 left
+    new = resized(paths, loader, old, 4)
+    after = [[document_tokens(batch) for batch in rank] for rank in new]
+    assert before + Counter(s for rank in after for batch in rank for s in batch) == epoch_sequences(paths, loader)
+    assert any(not rank for rank in after)

@@ -199,7 +199,7 @@ class MappingKeys(_KeySource):
         return self.sampler.epoch
 
     def in_fresh_epoch(self) -> bool:
-        return self.sampler.consumed_samples == 0
+        return self.sampler.consumed_samples == 0 and not self.sampler.reads_remaining
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)

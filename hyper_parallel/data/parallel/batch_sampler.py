@@ -503,21 +503,10 @@ class DatasetBatchSampler:
             data_sharding=self.data_sharding,
         )
 
-    def resume_remaining(self, epoch: int, positions: np.ndarray) -> None:
-        """Read only ``positions`` (sorted epoch positions, all ranks) of ``epoch``, from its first micro-step: the
-        rest of an epoch whose reading an elastic change of the DP size handed over."""
-        self._set_position(epoch, 0, np.asarray(positions))
-
-    def pending_positions(self) -> np.ndarray:
-        """The current epoch's positions this rank has still to read, in its reading order (no data sharding)."""
-        plan = self._remaining if self._remaining is not None else np.arange(self.epoch_len)
-        return pending_positions(
-            plan,
-            self._consumed,
-            micro_batch_size=self.micro_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-        )
+    @property
+    def reads_remaining(self) -> bool:
+        """Whether the current epoch reads only the positions an elastic change of the DP size left to read."""
+        return self._remaining is not None
 
     def physical_indices(self, positions: np.ndarray, epoch: int | None = None) -> np.ndarray:
         """The dataset indices at ``positions`` of ``epoch``'s order (default: the current epoch's), rearrange map
