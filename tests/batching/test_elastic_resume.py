@@ -274,8 +274,21 @@ def test_a_restored_stream_rank_resumes_its_own_state_exactly(plaintext_path, to
     again.load_state_dict(roundtrip(stopped[2].state_dict()))
     assert head + [plain(b) for b in again] == expected
 
-    with pytest.raises(ResumeStateError, match="still reading the epoch an earlier DP change handed over"):
-        merge_rank_states([rank.state_dict() for rank in stopped])
+
+@pytest.mark.parametrize("loader", ["dynamic", "fixed"])
+def test_stream_changes_back_and_forth_within_an_epoch_deliver_every_record_once(
+    loader, plaintext_path, tokenizer, hf_cache_dir
+):
+    paths = (plaintext_path, tokenizer, hf_cache_dir)
+    two = stream_loaders(paths, loader, 2)
+    delivered = take_sequences(two, [4, 2])
+    three = stream_resized(paths, loader, two, 3)
+    delivered += take_sequences(three, [2, 3, 0]) + rest_of_epoch(three[2:])  # rank 2 read all its part
+    four = stream_resized(paths, loader, three, 4)
+    delivered += take_sequences(four, [1, 0, 2, 1])
+    one = stream_resized(paths, loader, four, 1)
+    delivered += rest_of_epoch(one)
+    assert delivered == epoch_sequences(paths, loader)
 
 
 def test_stream_states_are_checked_against_each_other(plaintext_path, tokenizer, hf_cache_dir):

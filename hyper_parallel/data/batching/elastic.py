@@ -35,14 +35,15 @@ Layout::
      "source_kind": "mapping" | "iterable", "epoch": the epoch merged,
      mapping: "sampler": the sampler state with the positions left as its ``remaining`` bitmap,
               "replay": record indices read but not batched,
-     iterable: "stream": {"seed", "shuffle_buffer_size", "shares": [{"source_state", "done"}] per old rank},
+     iterable: "stream": {"seed", "shuffle_buffer_size", "base_world_size", "shares": [{"source_state", "done"}]
+               per rank of the first split, "levels": the frontiers of each later change},
                "records": the records read but not delivered,
      dynamic loader only: "packing": the packing policy's settings with every old rank's ``buffer``, in rank
      order, and their ``buffer_tokens``}
 
 The packing policy's state must keep its buffered samples, encoded by the key source, under ``buffer`` and their
-cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). A stream state still reading a handed-over epoch is not
-merged again until that epoch is over.
+cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). Stream states still reading a handed-over epoch merge
+into one more level of the same handover (``OnlineIterableDataset``).
 """
 
 from __future__ import annotations
@@ -85,8 +86,7 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
             data, transform, sampler, stream or packing settings than the others; ranks in epochs that do not meet
-            (one mid-epoch, another past its end); data sharding; a stream state restored by a handover that has
-            not finished its epoch.
+            (one mid-epoch, another past its end); data sharding.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
@@ -198,8 +198,9 @@ def _stream_source_state(merged: Mapping, source, layout, epoch: int) -> tuple[d
                 f"cannot resume the stream of {stream.description}: the elastic state has {key}={saved[key]!r} but "
                 f"this run has {getattr(stream, key)!r}; resume with the same value, or start without the state"
             )
-    shares = state_field(saved, "shares", list, f"{_WHERE}['stream']")
-    position = stream.handover_state(epoch, shares, state_field(merged, "dp_world_size", int, _WHERE))
+    where = f"{_WHERE}['stream']"
+    shares, levels = state_field(saved, "shares", list, where), state_field(saved, "levels", list, where)
+    position = stream.handover_state(epoch, shares, state_field(saved, "base_world_size", int, where), levels)
     records = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
     size = layout.micro_batch_size
     keys = [[index, record] for index, record in enumerate(records)]
@@ -355,10 +356,11 @@ def _merge_streams(states: list[dict]) -> dict:
                 "not of one run"
             )
         if cursor.get("handover") is not None:
-            raise ResumeStateError(
-                f"DP rank {rank}'s stream is still reading the epoch an earlier DP change handed over; merge the "
-                "states again once that epoch is over, or resume each rank with its own state, with this DP size"
-            )
+            handover = state_field(cursor, "handover", Mapping, where)
+            state_field(handover, "share", int, f"{where}['handover']")
+            dealt = state_field(handover, "dealt", list, f"{where}['handover']")
+            if not dealt or not all(isinstance(count, int) for count in dealt):
+                raise ResumeStateError(f"{where}['handover']['dealt'] must be a list of counts; the state is damaged")
         state_field(cursor, "source_exhausted", bool, where)
         state_field(cursor, "source_state", (Mapping, None), where)
         for key in ("buffer", "block"):
@@ -374,18 +376,55 @@ def _merge_streams(states: list[dict]) -> dict:
         c["position"] == 0 and c["source_state"] is None and not c["buffer"] and not c.get("block") for c in cursors
     ]
     epoch = _merged_epoch(states, [(c["epoch"], fresh) for c, fresh in zip(cursors, at_start, strict=True)])
-    shares, records = [], []
+    records = []
     for state, cursor in zip(states, cursors, strict=True):
         source = state["source"]
         if source["replay"] and source["replay_epoch"] == epoch:
             records += [record for keys in source["replay"] for _, record in keys]
-        reading = cursor["epoch"] == epoch
-        if reading:
-            records += [*cursor.get("block", []), *cursor["buffer"]]
-        done = not reading or cursor["source_exhausted"]
-        shares.append({"source_state": cursor["source_state"] if reading else None, "done": done})
+        if cursor["epoch"] == epoch:
+            # A handover's block holds records not yet dealt, which the next level deals again: not handed over.
+            records += [*(cursor.get("block", []) if cursor.get("handover") is None else []), *cursor["buffer"]]
+    handovers = [c["handover"] for c in cursors if c["epoch"] == epoch and c.get("handover") is not None]
+    reading = [c for c in cursors if c["epoch"] == epoch]
+    if handovers and len(handovers) != len(reading):
+        raise ResumeStateError(
+            f"some ranks' streams read epoch {epoch} as handed over by a DP change and others as their own share: "
+            "the states are not of one run at one step"
+        )
     stream = {key: cursors[0][key] for key in ("seed", "shuffle_buffer_size")}
-    return {"source_kind": "iterable", "epoch": epoch, "stream": {**stream, "shares": shares}, "records": records}
+    if handovers:
+        stream.update(_next_level(handovers[0], cursors, epoch))
+    else:
+        shares = []
+        for cursor in cursors:
+            if cursor["epoch"] == epoch:
+                shares.append({"source_state": cursor["source_state"], "done": cursor["source_exhausted"]})
+            else:
+                shares.append({"source_state": None, "done": True})
+        stream.update(base_world_size=len(cursors), shares=shares, levels=[])
+    return {"source_kind": "iterable", "epoch": epoch, "stream": stream, "records": records}
+
+
+def _next_level(handover: Mapping, cursors: list[Mapping], epoch: int) -> dict:
+    """A handover of a handover: the same old shares, and one more level whose frontiers say, per share and per rank
+    of the current DP size, how many of the records dealt to that rank it had read (None: all of them)."""
+    frontiers = []
+    for share in range(handover["base_world_size"]):
+        counts = []
+        for cursor in cursors:
+            if cursor["epoch"] != epoch:  # the rank has read its whole part of the handed-over epoch
+                counts.append(None)
+                continue
+            current = cursor["handover"]
+            reached = current["share"]
+            counts.append(None if share < reached else current["dealt"][-1] if share == reached else 0)
+        frontiers.append(counts)
+    level = {"deal_world_size": len(cursors), "frontiers": frontiers}
+    return {
+        "base_world_size": handover["base_world_size"],
+        "shares": handover["shares"],
+        "levels": [*handover["levels"], level],
+    }
 
 
 def _sampler_settings(sampler: Mapping) -> dict:

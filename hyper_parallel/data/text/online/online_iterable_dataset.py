@@ -19,7 +19,9 @@ A handover (an elastic change of the DP size, ``batching.elastic``) gives every 
 rest of one epoch that the ``D`` ranks of the old split had begun: the new rank reads each old rank's share in
 turn (``split_dataset_by_node(s, D)``), from where that rank's cursor had read it to (its Hugging Face state), and
 keeps the ``j``-th record read of share ``s`` when ``(j + s) % D' == dp_rank``; the records the old ranks had read
-but not delivered are handed to the new ranks by the loader. The next epoch is read with the new split.
+but not delivered are handed to the new ranks by the loader. A handover of a handover adds a level: the records
+each rank of the previous one had dealt itself below its frontier (its count dealt) are left out, and the rest
+dealt again. The next epoch is read with the new split.
 """
 
 from __future__ import annotations
@@ -149,7 +151,6 @@ class OnlineIterableDataset:
         shares, old_size = handover["shares"], handover["base_world_size"]
         while handover["share"] < old_size:
             share = handover["share"]
-            offset = (self.dp_rank - share) % self.dp_world_size  # the dealt records of this share that are ours
             if not shares[share]["done"]:
                 shard = split_dataset_by_node(self.hf_dataset, rank=share, world_size=old_size)
                 start = self._source_state if self._source_state is not None else shares[share]["source_state"]
@@ -159,16 +160,30 @@ class OnlineIterableDataset:
                 while True:
                     while block:
                         record = block.popleft()
-                        handover["dealt"] += 1
-                        if (handover["dealt"] - 1) % self.dp_world_size == offset:
+                        if self._dealt_here(share):
                             yield record
                     columns = self._next_block(blocks)
                     if columns is None:
                         break
                     self._source_state = shard.state_dict()
                     block.extend(_column_records(columns))
-            handover.update(share=share + 1, dealt=0)
+            handover.update(share=share + 1, dealt=[0] * len(handover["dealt"]))
             self._source_state = None
+
+    def _dealt_here(self, share: int) -> bool:
+        """Whether the next record of ``share`` is this rank's: each earlier handover level dealt it to a rank that
+        had not reached it (at or past that rank's frontier), and this one deals it here."""
+        handover = self._handover
+        dealt = handover["dealt"]
+        for level, step in enumerate(handover["levels"]):
+            index = dealt[level]
+            dealt[level] += 1
+            frontier = step["frontiers"][share][(index + share) % step["deal_world_size"]]
+            if frontier is None or index < frontier:  # that rank had it: delivered, or handed over as a record
+                return False
+        index = dealt[-1]
+        dealt[-1] += 1
+        return (index + share) % self.dp_world_size == self.dp_rank
 
     def _next_block(self, blocks):
         """The next block of a shard's block iterator, as columns; None at its end (a read error names the
@@ -183,10 +198,11 @@ class OnlineIterableDataset:
                 f"{self.dp_rank} (epoch {self.epoch}): {error}. Fix or remove the malformed record"
             ) from error
 
-    def handover_state(self, epoch: int, shares: list[dict], base_world_size: int) -> dict:
+    def handover_state(self, epoch: int, shares: list[dict], base_world_size: int, levels: list[dict]) -> dict:
         """The cursor of this rank at the start of a handover of ``epoch``: ``shares`` (one per rank of the old
         split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from the start, "done":
-        whether the old rank had read all of it}``)."""
+        whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the same epoch
+        (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for all}``)."""
         fresh = np.random.default_rng([self.seed, epoch, self.dp_rank]).bit_generator.state
         return {
             **self.state_dict(),
@@ -198,7 +214,13 @@ class OnlineIterableDataset:
             "block_records": _BLOCK_RECORDS,
             "buffer": [],
             "rng": fresh,
-            "handover": {"base_world_size": base_world_size, "shares": shares, "share": 0, "dealt": 0},
+            "handover": {
+                "base_world_size": base_world_size,
+                "shares": shares,
+                "levels": levels,
+                "share": 0,
+                "dealt": [0] * (len(levels) + 1),
+            },
         }
 
     @property
@@ -305,11 +327,24 @@ class OnlineIterableDataset:
         shares = state_field(handover, "shares", list, where)
         if old_size < 1 or len(shares) != old_size:
             raise ResumeStateError(f"{where} holds {len(shares)} shares of an old split of {old_size}; it is damaged")
-        if (
-            not 0 <= state_field(handover, "share", int, where) <= old_size
-            or state_field(handover, "dealt", int, where) < 0
-        ):
-            raise ResumeStateError(f"{where}['share'] or ['dealt'] is out of range; the state is damaged")
+        levels = state_field(handover, "levels", list, where)
+        dealt = state_field(handover, "dealt", list, where)
+        if not 0 <= state_field(handover, "share", int, where) <= old_size or len(dealt) != len(levels) + 1:
+            raise ResumeStateError(f"{where}['share'] or ['dealt'] does not fit its levels; the state is damaged")
+        for index, count in enumerate(dealt):
+            check_state_type(count, int, f"{where}['dealt'][{index}]")
+        for index, level in enumerate(levels):
+            name = f"{where}['levels'][{index}]"
+            check_state_type(level, Mapping, name)
+            size = state_field(level, "deal_world_size", int, name)
+            frontiers = state_field(level, "frontiers", list, name)
+            if len(frontiers) != old_size or any(
+                not isinstance(share, list) or len(share) != size for share in frontiers
+            ):
+                raise ResumeStateError(f"{name}['frontiers'] must hold {size} counts for each of {old_size} shares")
+            for share in frontiers:
+                for count in share:
+                    check_state_type(count, (int, None), f"{name}['frontiers']")
         for index, share in enumerate(shares):
             name = f"{where}['shares'][{index}]"
             check_state_type(share, Mapping, name)
