@@ -190,15 +190,14 @@ def _mapping_source_state(merged: Mapping, source, epoch: int) -> tuple[dict, bo
 def _stream_source_state(merged: Mapping, source, layout, epoch: int) -> tuple[dict, bool]:
     """A stream's state for this rank: a handover cursor over the old ranks' shares, and its share of the records
     they had read but not delivered, read again first."""
-    stream = source.stream
+    stream, where = source.stream, f"{_WHERE}['stream']"
     saved = state_field(merged, "stream", Mapping, _WHERE)
     for key in ("seed", "shuffle_buffer_size"):
-        if state_field(saved, key, int, f"{_WHERE}['stream']") != getattr(stream, key):
+        if state_field(saved, key, int, where) != getattr(stream, key):
             raise ResumeStateError(
                 f"cannot resume the stream of {stream.description}: the elastic state has {key}={saved[key]!r} but "
                 f"this run has {getattr(stream, key)!r}; resume with the same value, or start without the state"
             )
-    where = f"{_WHERE}['stream']"
     shares, levels = state_field(saved, "shares", list, where), state_field(saved, "levels", list, where)
     position = stream.handover_state(epoch, shares, state_field(saved, "base_world_size", int, where), levels)
     records = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
