@@ -12,6 +12,10 @@ micro-batches): throughput vs the bare tokenizer, packing efficiency, and the co
 * **Resume.** A loader stopped half way through the epoch is restored in a fresh loader with ``load_state_dict``;
   the time to its first batch is compared with a fresh loader's time to its first batch at the start of the epoch.
   The restored batches are asserted equal to the uninterrupted run's.
+* **Elastic resume.** The loaders of two DP ranks stopped half way through their shares are merged
+  (``merge_rank_states``) and restored at three ranks; the time to the first batch of new rank 0 (merge, load and
+  the batch) is compared with a fresh rank 0 of three ranks' first batch. Every sequence of the epoch is asserted
+  delivered once over the old ranks and the new ones.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +61,7 @@ PACKING_GOAL = 0.95
 
 RESUME_GOAL = 2.0
 RESUME_REPEATS_FACTOR = 3  # the first batch takes tens of milliseconds: more repetitions steady the best one
+ELASTIC_SIZES = (2, 3)  # the DP size the states are saved at, and the one they are restored at
 
 
 @contextmanager
@@ -382,6 +388,76 @@ def resume_row(context: BenchContext, kind: str, open_source: Callable[[str], An
     )
 
 
+def sequences(batches: list[Batch]) -> Counter:
+    """The token sequences of packed batches, as a multiset."""
+    found = Counter()
+    for batch in batches:
+        ids, bounds = batch["input_ids"].reshape(-1).tolist(), batch["cu_seq_lens"].tolist()
+        found.update(tuple(ids[start:end]) for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+    return found
+
+
+def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform, uninterrupted: list) -> Row:
+    """Time merge + load + first batch at the new DP size vs a fresh first batch there; assert every sequence of the
+    epoch is delivered once across the change."""
+    from hyper_parallel.data.batching import merge_rank_states
+    from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+
+    old_size, new_size = ELASTIC_SIZES
+    cache = context.workdir / "online_cache"
+    data_config = {"dataset_type": kind, "cache_dir": str(cache), "shuffle_buffer_size": SHUFFLE_BUFFER}
+
+    def rank_loader(rank: int, size: int):
+        dataset = build_online_text_dataset(str(jsonl), transform, data_config, dp_rank=rank, dp_world_size=size)
+        return dynamic_loader(dataset, dp_rank=rank, dp_world_size=size, global_batch_size=MICRO_BATCH * size)
+
+    stop = len(uninterrupted) // (2 * old_size)  # half of each old rank's share of the epoch
+    with _quiet():
+        delivered, states = [], []
+        for rank in range(old_size):
+            loader = rank_loader(rank, old_size)
+            batches = iter(loader)
+            delivered += [next(batches) for _ in range(stop)]
+            states.append(copy.deepcopy(loader.state_dict()))
+            del batches, loader
+
+        loaders: dict[str, Any] = {}
+
+        def before(name: str) -> None:
+            loaders[name] = rank_loader(0, new_size)
+            loaders["states"] = copy.deepcopy(states)  # new copies, as if read back from the checkpoints
+
+        def fresh() -> Batch:
+            return next(iter(loaders["fresh"]))
+
+        def resumed() -> Batch:
+            loader = loaders["resumed"]
+            loader.load_state_dict(merge_rank_states(loaders["states"]))
+            return next(iter(loader))
+
+        timings = measure({"fresh": fresh, "resumed": resumed}, context.repeats * RESUME_REPEATS_FACTOR, before)
+
+        # Once, untimed: the old ranks' batches and the new ranks' rest of the epoch hold every sequence once.
+        merged = merge_rank_states(copy.deepcopy(states))
+        for rank in range(new_size):
+            loader = rank_loader(rank, new_size)
+            loader.load_state_dict(merged)
+            delivered += list(loader)
+    assert sequences(delivered) == sequences(uninterrupted), f"{kind}: the elastic resume lost or repeated records"
+    return Row.compare(
+        f"elastic resume {kind} {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",
+        timings["resumed"].best * 1e3,
+        timings["fresh"].best * 1e3,
+        "ms",
+        RESUME_GOAL,
+        f"the states of {old_size} ranks saved after {stop} batches each (half of each share), deep-copied before "
+        f"each round; ours: merge_rank_states + load_state_dict on rank 0 of {new_size} + its first batch; ref: a "
+        f"fresh rank 0 of {new_size}'s first batch; loader construction untimed on both sides; every sequence of the "
+        "epoch is asserted delivered once over the old and the new ranks",
+        higher_is_better=False,
+    )
+
+
 def run(context: BenchContext) -> list[Row]:
     """Throughput (bare encode and the loaders, interleaved), then packing, then resume on the same datasets."""
     from hyper_parallel.data.text.build_data_transform import build_llm_data_transform
@@ -401,4 +477,6 @@ def run(context: BenchContext) -> list[Row]:
     rows += packing_rows(context)
     log("resume: mapping and iterable")
     rows += [resume_row(context, kind, open_source, uninterrupted[kind]) for kind in SOURCES]
+    log("elastic resume: mapping and iterable")
+    rows += [elastic_resume_row(context, kind, jsonl, transform, uninterrupted[kind]) for kind in SOURCES]
     return rows

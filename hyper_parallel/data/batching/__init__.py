@@ -23,6 +23,7 @@ from hyper_parallel.data.batching.data_schedule import (
     get_batch_on_this_rank_for_sequence_packing,
     wrap_data_iterator,
 )
+from hyper_parallel.data.batching.elastic import merge_rank_states
 from hyper_parallel.data.batching.get_batch import ParallelBatch, ScheduledStep
 from hyper_parallel.data.batching.loader_options import BatchLayout, LoaderOptions, SamplerOptions, WorkerOptions
 from hyper_parallel.data.batching.packing_policy import PackingPolicy, SampleCodec
@@ -55,4 +56,5 @@ __all__ = [
     "build_indexed_collate_fn",
     "build_online_text_collate_fn",
     "calculate_num_micro_batches",
+    "merge_rank_states",
 ]

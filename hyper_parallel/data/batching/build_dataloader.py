@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_online_text_collate_fn
+from hyper_parallel.data.batching.elastic import is_elastic, rank_state
 from hyper_parallel.data.batching.key_sources import KeyBatch, key_source_for
 from hyper_parallel.data.batching.loader_options import LoaderOptions, takes_loader_options
 from hyper_parallel.data.batching.loader_state import check_envelope, envelope, migrate_loader_state
@@ -300,8 +301,12 @@ class FixedBatchDataLoader(_Loader):
         """Continue after the batches ``state`` describes; a refused state changes nothing.
 
         With a mapping source the DP size may differ from the saved one when the global batch size is the same
-        and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses).
+        and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses);
+        anywhere else, give every loader of the new DP size the elastic state ``merge_rank_states`` makes of all
+        the ranks' states.
         """
+        if is_elastic(state):
+            state, _ = rank_state(state, self._source, self.options.layout)
         state = self._checked(state)
         self._tracked.load_state_dict(state["source"])
         logger.info("%r restored: %d key batches to read again", self, len(self._tracked.replay))
@@ -492,10 +497,15 @@ class DynamicBatchDataLoader(_Loader):
         """Continue exactly where ``state`` was saved, buffer included; a refused state changes nothing.
 
         The DP size may change only at an epoch boundary with nothing buffered: each rank packs its own share of
-        the data, so the packs of a different DP size are different batches.
+        the data, so the packs of a different DP size are different batches. To change it anywhere else, give
+        every loader of the new DP size the elastic state ``merge_rank_states`` makes of all the ranks' states
+        (a mapping source): together they deliver the rest of the epoch, each record once.
         """
+        codec = self._source
+        if is_elastic(state):
+            state, codec = rank_state(state, self._source, self.options.layout, self.policy)
         state = self._checked(state, _DYNAMIC_FIELDS, packs_per_rank=True)
-        self.policy.load_state_dict(state["packing"], self._source)  # checked whole first, like the parts above
+        self.policy.load_state_dict(state["packing"], codec)  # checked whole first, like the parts above
         self._tracked.load_state_dict(state["source"])
         self._reading, self._flushing, self._epoch = None, state["flushing"], None
         logger.info(

@@ -180,8 +180,10 @@ class MappingKeys(_KeySource):
             raise ResumeStateError(
                 f"cannot resume a loader saved with dp_world_size={size} on dp_world_size="
                 f"{here.dp_world_size} mid-epoch: each DP rank packs its own share of the data into token-budget "
-                "batches, so a different DP size gives different batches. Resume with the saved DP size, or from a "
-                "state saved at an epoch boundary"
+                "batches, so a different DP size gives different batches. Resume with the saved DP size, from a "
+                "state saved at an epoch boundary, or merge every rank's state with "
+                "batching.merge_rank_states(states) and give the merged state to every new loader (each record of "
+                "the epoch is then delivered once, in another order)"
             )
         if size == here.dp_world_size and rank != here.dp_rank:
             raise ResumeStateError(
@@ -197,7 +199,7 @@ class MappingKeys(_KeySource):
         return self.sampler.epoch
 
     def in_fresh_epoch(self) -> bool:
-        return self.sampler.consumed_samples == 0
+        return self.sampler.consumed_samples == 0 and not self.sampler.reads_remaining
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -241,7 +243,8 @@ class StreamKeys(_KeySource):
     """Record batches read from an iterable source in this process; the workers only transform them.
 
     The stream's cursor is always ahead of the caller, so unconsumed records are kept and read again first. A
-    stream is split between the DP ranks, so a state only continues on the rank and DP size that saved it.
+    stream is split between the DP ranks, so a state only continues on the rank and DP size that saved it (another
+    DP size takes the states of every rank merged: ``batching.elastic``).
     """
 
     kind = "iterable"
@@ -310,7 +313,8 @@ class StreamKeys(_KeySource):
             raise ResumeStateError(
                 f"the state was saved by DP rank {saved[0]} of {saved[1]}, but this loader is rank "
                 f"{here.dp_rank} of {here.dp_world_size}: a stream is split between the DP ranks, so each rank "
-                "resumes its own state, with the saved DP size"
+                "resumes its own state, with the saved DP size; to change the DP size, merge every rank's state with "
+                "batching.merge_rank_states(states) and give the merged state to every new loader"
             )
 
     def restore(self, state: dict) -> None:
@@ -321,7 +325,7 @@ class StreamKeys(_KeySource):
         return self.stream.epoch
 
     def in_fresh_epoch(self) -> bool:
-        return self.stream.position == 0
+        return self.stream.position == 0 and not self.stream.handing_over
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)

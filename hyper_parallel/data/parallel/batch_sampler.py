@@ -43,13 +43,16 @@ __all__ = [
     "BatchLayout",
     "DatasetBatchSampler",
     "SamplerOptions",
+    "bitmap_positions",
     "cyclic_order",
     "epoch_length",
     "load_rearrange_map",
     "num_micro_steps",
+    "pending_positions",
     "rearrange_map_identity",
     "rank_batch_positions",
     "rank_num_batches",
+    "remaining_bitmap",
     "sharded_bucket",
 ]
 
@@ -273,6 +276,30 @@ def sharded_bucket(epoch_len: int, *, dp_rank: int, dp_world_size: int, seed: in
     return bucket
 
 
+def remaining_bitmap(positions: np.ndarray, total_samples: int) -> bytes:
+    """Epoch positions as a state stores them: a bitmap of ``total_samples`` bits, one per position, packed (the
+    length does not depend on the global batch size, which may change with the DP size)."""
+    bits = np.zeros(total_samples, dtype=bool)
+    bits[positions] = True
+    return np.packbits(bits).tobytes()
+
+
+def bitmap_positions(bitmap: bytes, total_samples: int) -> np.ndarray:
+    """The positions set in a packed bitmap of ``total_samples`` bits, in epoch order."""
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=total_samples)
+    return np.flatnonzero(bits).astype(_index_dtype(total_samples))
+
+
+def pending_positions(
+    plan: np.ndarray, consumed: int, *, micro_batch_size: int, dp_rank: int, dp_world_size: int
+) -> np.ndarray:
+    """The epoch positions of ``plan`` that rank ``dp_rank`` has still to read after ``consumed`` of them (all ranks
+    together, a micro-step boundary): its slices of the micro-steps from there on, in its reading order."""
+    step = micro_batch_size * dp_world_size
+    offsets = np.arange(consumed, len(plan))
+    return plan[consumed:][(offsets % step) // micro_batch_size == dp_rank]
+
+
 def _map_chunks(array: np.ndarray, total_samples: int) -> Iterator[tuple[int, np.ndarray]]:
     """``(start, entries)`` over the first ``total_samples`` entries of a map, ``_MAP_CHUNK`` at a time."""
     for start in range(0, total_samples, _MAP_CHUNK):
@@ -403,18 +430,14 @@ class DatasetBatchSampler:
             )
         self.rearrange_map = load_rearrange_map(options.data_rearrange_map, self.total_samples)
         self.num_micro_steps = num_micro_steps(self.epoch_len, self.micro_batch_size, self.dp_world_size)
-        self._rank_batches = rank_num_batches(
-            epoch_len=self.epoch_len,
-            micro_batch_size=self.micro_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            data_sharding=self.data_sharding,
-        )
+        # After an elastic change of the DP size: the positions of the current epoch left to read (all ranks), in
+        # epoch order; the epoch's micro-steps then cover these instead of every position. None: the whole epoch.
+        self._remaining: np.ndarray | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None  # (epoch, cyclic order or sharded bucket)
         self._generation = 0  # bumped by every new iterator and state change; older iterators then stop
         epoch = require_int("epoch", epoch, 0)
         consumed = require_int("consumed_samples", consumed_samples, 0)
-        problem = self._position_problem(consumed, layout.micro_step)
+        problem = self._position_problem(consumed, layout.micro_step, self.epoch_len)
         if problem:
             raise DataConfigError(f"consumed_samples {consumed}: {problem}")
         self._set_position(epoch, consumed)
@@ -444,21 +467,57 @@ class DatasetBatchSampler:
         """Global positions of the current epoch already handed out (all ranks together)."""
         return self._consumed
 
-    def _position_problem(self, consumed: int, micro_step: int) -> str | None:
-        """Why ``consumed`` is not a micro-step boundary of an epoch cut in micro-steps of ``micro_step``."""
-        if consumed > self.epoch_len:
-            return f"beyond the epoch, which holds {self.epoch_len} positions"
-        if consumed % micro_step and consumed != self.epoch_len:
+    @staticmethod
+    def _position_problem(consumed: int, micro_step: int, length: int) -> str | None:
+        """Why ``consumed`` is not a micro-step boundary of ``length`` positions cut in micro-steps of
+        ``micro_step``."""
+        if consumed > length:
+            return f"beyond the epoch, which holds {length} positions"
+        if consumed % micro_step and consumed != length:
             return f"not a multiple of micro_batch_size x dp_world_size = {micro_step} (nor the epoch end)"
         return None
 
-    def _normalized(self, epoch: int, consumed: int) -> tuple[int, int]:
+    @staticmethod
+    def _normalized(epoch: int, consumed: int, length: int) -> tuple[int, int]:
         # The epoch's end is the next epoch's start: store it that way so no empty epoch is ever iterated.
-        return (epoch + 1, 0) if consumed >= self.epoch_len else (epoch, consumed)
+        return (epoch + 1, 0) if consumed >= length else (epoch, consumed)
 
-    def _set_position(self, epoch: int, consumed: int) -> None:
-        self._epoch, self._consumed = self._normalized(epoch, consumed)
+    def _set_position(self, epoch: int, consumed: int, remaining: np.ndarray | None = None) -> None:
+        length = self.epoch_len if remaining is None else len(remaining)
+        self._epoch, self._consumed = self._normalized(epoch, consumed, length)
+        self._remaining = remaining if self._epoch == epoch else None
         self._generation += 1
+
+    @property
+    def _plan_len(self) -> int:
+        """Positions the current epoch's micro-steps cover."""
+        return self.epoch_len if self._remaining is None else len(self._remaining)
+
+    @property
+    def _rank_batches(self) -> int:
+        return rank_num_batches(
+            epoch_len=self._plan_len,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            data_sharding=self.data_sharding,
+        )
+
+    @property
+    def reads_remaining(self) -> bool:
+        """Whether the current epoch reads only the positions an elastic change of the DP size left to read."""
+        return self._remaining is not None
+
+    def physical_indices(self, positions: np.ndarray, epoch: int | None = None) -> np.ndarray:
+        """The dataset indices at ``positions`` of ``epoch``'s order (default: the current epoch's), rearrange map
+        applied (no data sharding)."""
+        if self.sampler_type == "single":
+            values = np.asarray(positions)
+        elif epoch is None or epoch == self._epoch:
+            values = self._order()[positions]
+        else:
+            values = cyclic_order(self.total_samples, seed=self.seed, epoch=epoch)[positions]
+        return values if self.rearrange_map is None else self.rearrange_map[values]
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``, unless it is already the current epoch (then keep the position)."""
@@ -502,8 +561,10 @@ class DatasetBatchSampler:
                 micro_batch_size=mbs,
                 dp_rank=self.dp_rank,
                 dp_world_size=self.dp_world_size,
-                epoch_len=self.epoch_len,
+                epoch_len=self._plan_len,
             )
+            if self._remaining is not None:
+                return self.physical_indices(self._remaining[positions.start : positions.stop]).tolist()
             if self.sampler_type == "single":  # identity order: a slice of positions, never a full array
                 if self.rearrange_map is None:
                     return list(positions)
@@ -537,7 +598,7 @@ class DatasetBatchSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The position and the settings it depends on, as a small plain dict."""
-        return {
+        state = {
             "version": STATE_VERSION,
             "sampler_type": self.sampler_type,
             "epoch": self._epoch,
@@ -551,6 +612,9 @@ class DatasetBatchSampler:
             "drop_last": self.drop_last,
             "data_rearrange_map": self.rearrange_map_identity,
         }
+        if self._remaining is not None:  # only while an epoch handed over by an elastic change is read
+            state["remaining"] = remaining_bitmap(self._remaining, self.total_samples)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position of ``state``, after checking it (``check_state``); a refused state changes nothing.
@@ -558,7 +622,23 @@ class DatasetBatchSampler:
         Raises:
             ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
         """
-        self._set_position(*self.check_state(state))
+        epoch, consumed = self.check_state(state)
+        remaining = self.saved_remaining(state)
+        self._set_position(epoch, consumed, remaining if epoch == state["epoch"] else None)
+
+    def saved_remaining(self, state: Mapping[str, Any]) -> np.ndarray | None:
+        """The positions a state's ``remaining`` bitmap holds (None: the whole epoch), checked."""
+        bitmap = state.get("remaining")  # states saved before elastic changes hold none
+        if bitmap is None:
+            return None
+        if not isinstance(bitmap, bytes) or len(bitmap) != -(-self.total_samples // 8):
+            raise ResumeStateError(
+                f"the batch sampler state's remaining must be a bitmap of {-(-self.total_samples // 8)} bytes (one "
+                f"bit per position of the {self.total_samples} samples), got {type(bitmap).__name__} of "
+                f"{len(bitmap) if isinstance(bitmap, bytes) else '?'}; the checkpoint is damaged: restore it as "
+                "saved, or start without it"
+            )
+        return bitmap_positions(bitmap, self.total_samples)
 
     def check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
         """Check that ``state`` describes the same data order and a position this sampler can continue from.
@@ -618,7 +698,9 @@ class DatasetBatchSampler:
         consumed = require_int("the saved consumed_samples", state["consumed_samples"], 0, ResumeStateError)
         saved_mbs = require_int("the saved micro_batch_size", state["micro_batch_size"], 1, ResumeStateError)
         saved_dp = require_int("the saved dp_world_size", state["dp_world_size"], 1, ResumeStateError)
-        problem = self._position_problem(consumed, saved_mbs * saved_dp)
+        remaining = self.saved_remaining(state)
+        length = self.epoch_len if remaining is None else len(remaining)
+        problem = self._position_problem(consumed, saved_mbs * saved_dp, length)
         if problem:
             raise ResumeStateError(f"the saved consumed_samples {consumed} is invalid: {problem}")
         if saved_dp != self.dp_world_size and self.data_sharding:
@@ -628,7 +710,7 @@ class DatasetBatchSampler:
                 f"size; resume with dp_world_size {saved_dp}, or turn data_sharding off for elastic resumption"
             )
         layout_changed = saved_dp != self.dp_world_size or saved_mbs != self.micro_batch_size
-        if layout_changed and consumed % self.global_batch_size and consumed != self.epoch_len:
+        if layout_changed and consumed % self.global_batch_size and consumed != length:
             raise ResumeStateError(
                 f"cannot resume with dp_world_size {self.dp_world_size} and micro_batch_size "
                 f"{self.micro_batch_size}: the checkpoint (dp_world_size {saved_dp}, micro_batch_size {saved_mbs}) "
@@ -636,4 +718,4 @@ class DatasetBatchSampler:
                 f"global_batch_size {self.global_batch_size}), and the rest of that step is split differently "
                 "between ranks; resume with the saved layout, or from a checkpoint taken at a step boundary"
             )
-        return self._normalized(epoch, consumed)
+        return self._normalized(epoch, consumed, length)

@@ -14,10 +14,19 @@ How a stream is read::
       -> shuffle buffer of B records           seeded with (seed, epoch, dp_rank): each new record replaces and
                                                releases a random buffered one; the rest drain at the end
       -> (position, record)                    position counts this rank's records in the epoch
+
+A handover (an elastic change of the DP size, ``batching.elastic``) gives every rank of the new DP size ``D'`` the
+rest of one epoch that the ``D`` ranks of the old split had begun: the new rank reads each old rank's share in
+turn (``split_dataset_by_node(s, D)``), from where that rank's cursor had read it to (its Hugging Face state), and
+keeps the ``j``-th record read of share ``s`` when ``(j + s) % D' == dp_rank``; the records the old ranks had read
+but not delivered are handed to the new ranks by the loader. A handover of a handover adds a level: the records
+each rank of the previous one had dealt itself below its frontier (its count dealt) are left out, and the rest
+dealt again. The next epoch is read with the new split.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -89,6 +98,7 @@ class OnlineIterableDataset:
         self._block_records = _BLOCK_RECORDS  # a source state counts blocks of this size
         self._rng = np.random.default_rng([self.seed, epoch, self.dp_rank])
         self._records = None
+        self._handover: dict | None = None  # the old split's shares this epoch is read from, after a DP change
 
     def _rank_share(self, restore: bool = True):
         from datasets.distributed import split_dataset_by_node
@@ -102,7 +112,8 @@ class OnlineIterableDataset:
         """This epoch's records from the current cursor; keeps the cursor consistent at every ``yield``."""
         buffer, size, rng = self._buffer, self.shuffle_buffer_size, self._rng
         if not self._source_exhausted:
-            for record in self._source_records(self._rank_share()):
+            records = self._source_records(self._rank_share()) if self._handover is None else self._handover_records()
+            for record in records:
                 if size == 0:
                     yield record
                 elif len(buffer) < size:
@@ -124,20 +135,98 @@ class OnlineIterableDataset:
         while block:
             yield block.popleft()
         blocks = shard.iter(batch_size=self._block_records)
-        while True:
-            try:
-                columns = next(blocks)
-            except StopIteration:
-                return
-            except Exception as error:  # noqa: BLE001 - the readers raise many types; all get the source named
-                raise DataFileError(
-                    f"{self.description}: reading the stream failed after {self.position} records of DP rank "
-                    f"{self.dp_rank} (epoch {self.epoch}): {error}. Fix or remove the malformed record"
-                ) from error
+        while (columns := self._next_block(blocks)) is not None:
             self._source_state = shard.state_dict()  # after this block, whose untaken records the cursor holds
             block.extend(_column_records(columns))
             while block:
                 yield block.popleft()
+
+    def _handover_records(self):
+        """This rank's records of the old split's shares, from the current share on (see the module description);
+        the cursor (the share, its Hugging Face state after the block, the block's records not yet dealt, the count
+        dealt) stays exact at every ``yield``."""
+        from datasets.distributed import split_dataset_by_node
+
+        handover, block = self._handover, self._block
+        shares, old_size = handover["shares"], handover["base_world_size"]
+        while handover["share"] < old_size:
+            share = handover["share"]
+            if not shares[share]["done"]:
+                shard = split_dataset_by_node(self.hf_dataset, rank=share, world_size=old_size)
+                start = self._source_state if self._source_state is not None else shares[share]["source_state"]
+                if start is not None:
+                    shard.load_state_dict(start)
+                blocks = shard.iter(batch_size=self._block_records)
+                while True:
+                    while block:
+                        record = block.popleft()
+                        if self._dealt_here(share):
+                            yield record
+                    columns = self._next_block(blocks)
+                    if columns is None:
+                        break
+                    self._source_state = shard.state_dict()
+                    block.extend(_column_records(columns))
+            handover.update(share=share + 1, dealt=[0] * len(handover["dealt"]))
+            self._source_state = None
+
+    def _dealt_here(self, share: int) -> bool:
+        """Whether the next record of ``share`` is this rank's: each earlier handover level dealt it to a rank that
+        had not reached it (at or past that rank's frontier), and this one deals it here."""
+        handover = self._handover
+        dealt = handover["dealt"]
+        for level, step in enumerate(handover["levels"]):
+            index = dealt[level]
+            dealt[level] += 1
+            frontier = step["frontiers"][share][(index + share) % step["deal_world_size"]]
+            if frontier is None or index < frontier:  # that rank had it: delivered, or handed over as a record
+                return False
+        index = dealt[-1]
+        dealt[-1] += 1
+        return (index + share) % self.dp_world_size == self.dp_rank
+
+    def _next_block(self, blocks):
+        """The next block of a shard's block iterator, as columns; None at its end (a read error names the
+        source)."""
+        try:
+            return next(blocks)
+        except StopIteration:
+            return None
+        except Exception as error:  # noqa: BLE001 - the readers raise many types; all get the source named
+            raise DataFileError(
+                f"{self.description}: reading the stream failed after {self.position} records of DP rank "
+                f"{self.dp_rank} (epoch {self.epoch}): {error}. Fix or remove the malformed record"
+            ) from error
+
+    def handover_state(self, epoch: int, shares: list[dict], base_world_size: int, levels: list[dict]) -> dict:
+        """The cursor of this rank at the start of a handover of ``epoch``: ``shares`` (one per rank of the old
+        split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from the start, "done":
+        whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the same epoch
+        (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for all}``)."""
+        fresh = np.random.default_rng([self.seed, epoch, self.dp_rank]).bit_generator.state
+        return {
+            **self.state_dict(),
+            "epoch": epoch,
+            "position": 0,
+            "source_state": None,
+            "source_exhausted": False,
+            "block": [],
+            "block_records": _BLOCK_RECORDS,
+            "buffer": [],
+            "rng": fresh,
+            "handover": {
+                "base_world_size": base_world_size,
+                "shares": shares,
+                "levels": levels,
+                "share": 0,
+                "dealt": [0] * (len(levels) + 1),
+            },
+        }
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether the current epoch is read from the old split's shares, after a DP change."""
+        return self._handover is not None
 
     def read(self, max_records: int) -> list[tuple[int, dict]]:
         """Up to ``max_records`` next ``(position, record)`` pairs; an empty list ends the epoch and starts the next."""
@@ -184,6 +273,7 @@ class OnlineIterableDataset:
             "block_records": self._block_records,
             "buffer": list(self._buffer),
             "rng": self._rng.bit_generator.state,
+            **({"handover": copy.deepcopy(self._handover)} if self._handover is not None else {}),
         }
 
     def check_state(self, state: Mapping) -> None:
@@ -207,8 +297,11 @@ class OnlineIterableDataset:
             if state_field(state, key, int, where) < 0:
                 raise ResumeStateError(f"{where}['{key}'] is {state[key]}; it counts from 0")
         state_field(state, "source_exhausted", bool, where)
+        handover = state.get("handover")
+        if handover is not None:
+            self._check_handover(handover, f"{where}['handover']")
         if state_field(state, "source_state", (Mapping, None), where) is not None:
-            _check_like(state["source_state"], self._rank_share(restore=False).state_dict(), f"{where}['source_state']")
+            _check_like(state["source_state"], self._shard_template(handover), f"{where}['source_state']")
         if version >= 2:
             _check_block(state, where)
         buffer = state_field(state, "buffer", list, where)
@@ -225,6 +318,51 @@ class OnlineIterableDataset:
         except (TypeError, ValueError, KeyError) as error:
             raise ResumeStateError(f"{where}['rng'] is not a numpy PCG64 generator state ({error})") from None
 
+    def _check_handover(self, handover, where: str) -> None:
+        """Check a handover: the old split's size, one share entry per old rank, the share being read."""
+        from datasets.distributed import split_dataset_by_node
+
+        check_state_type(handover, Mapping, where)
+        old_size = state_field(handover, "base_world_size", int, where)
+        shares = state_field(handover, "shares", list, where)
+        if old_size < 1 or len(shares) != old_size:
+            raise ResumeStateError(f"{where} holds {len(shares)} shares of an old split of {old_size}; it is damaged")
+        levels = state_field(handover, "levels", list, where)
+        dealt = state_field(handover, "dealt", list, where)
+        if not 0 <= state_field(handover, "share", int, where) <= old_size or len(dealt) != len(levels) + 1:
+            raise ResumeStateError(f"{where}['share'] or ['dealt'] does not fit its levels; the state is damaged")
+        for index, count in enumerate(dealt):
+            check_state_type(count, int, f"{where}['dealt'][{index}]")
+        for index, level in enumerate(levels):
+            name = f"{where}['levels'][{index}]"
+            check_state_type(level, Mapping, name)
+            size = state_field(level, "deal_world_size", int, name)
+            frontiers = state_field(level, "frontiers", list, name)
+            if len(frontiers) != old_size or any(
+                not isinstance(share, list) or len(share) != size for share in frontiers
+            ):
+                raise ResumeStateError(f"{name}['frontiers'] must hold {size} counts for each of {old_size} shares")
+            for share in frontiers:
+                for count in share:
+                    check_state_type(count, (int, None), f"{name}['frontiers']")
+        for index, share in enumerate(shares):
+            name = f"{where}['shares'][{index}]"
+            check_state_type(share, Mapping, name)
+            state_field(share, "done", bool, name)
+            if state_field(share, "source_state", (Mapping, None), name) is not None:
+                template = split_dataset_by_node(self.hf_dataset, rank=index, world_size=old_size).state_dict()
+                _check_like(share["source_state"], template, f"{name}['source_state']")
+
+    def _shard_template(self, handover: Mapping | None) -> dict:
+        """A fresh Hugging Face state of the shard a cursor's ``source_state`` belongs to: this rank's, or in a
+        handover the old share being read."""
+        if handover is None or handover["share"] >= handover["base_world_size"]:
+            return self._rank_share(restore=False).state_dict()
+        from datasets.distributed import split_dataset_by_node
+
+        shard = split_dataset_by_node(self.hf_dataset, rank=handover["share"], world_size=handover["base_world_size"])
+        return shard.state_dict()
+
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from the cursor ``state`` (checked first: a refused state changes nothing)."""
         self.check_state(state)
@@ -237,6 +375,7 @@ class OnlineIterableDataset:
         self._block = deque(state.get("block", ()))
         self._block_records = state.get("block_records", 1)
         self._rng.bit_generator.state = state["rng"]
+        self._handover = copy.deepcopy(state.get("handover"))
 
     def data_identity(self) -> dict | None:
         """The identity (paths, sizes, modification times) of the files read, taken when first asked; None when
