@@ -11,13 +11,15 @@ sequence's text with those tokens between ``[[`` and ``]]`` (or highlighted on a
 contract (``batching.batch.Batch``) alone, so Online and Indexed batches are shown the same way: sequences as
 ``cu_seq_lens`` cuts them (the Online padding is the last one; Indexed rows are cut after each EOD), trained
 tokens as the loss mask counts them. Nothing is trained; the loaders are built exactly as a trainer builds them
-(``batching.dataloader.build_dataloaders``).
+(``batching.dataloader.build_dataloaders``). Over a mixture it ends with one line of what each source gave (samples,
+their share, tokens: the loader state's ``mixture`` part).
 Not responsible for: building the pipeline (that is the config) or checking masks (the transforms do).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Mapping
@@ -29,6 +31,7 @@ from hyper_parallel.data.batching.dataloader import SPLITS, build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.mixture.mixture_tally import describe_mixture_state
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 
 __all__ = ["describe_batch", "main", "marked_text"]
@@ -127,9 +130,7 @@ def _preview(args: argparse.Namespace) -> None:
     if loader is None:
         raise DataConfigError(f"the config builds no {args.split} split; choose another with --split")
     marks = _TERMINAL_MARKS if sys.stdout.isatty() and not args.json else _PLAIN_MARKS
-    for number, batch in enumerate(loader):
-        if number == args.batches:
-            break
+    for number, batch in enumerate(itertools.islice(loader, args.batches)):  # no batch past the last shown
         summary = describe_batch(batch, tokenizer.decode, max_sequences=args.sequences, marks=marks)
         if args.json:
             print(json.dumps({"batch": number, **summary}, ensure_ascii=False))
@@ -140,6 +141,12 @@ def _preview(args: argparse.Namespace) -> None:
         )
         for index, text in enumerate(summary["texts"]):
             print(f"  sequence {index}: {text!r}")
+    mixture = loader.state_dict().get("mixture")  # a mixture's loader tallies what each source gave
+    if mixture is not None:
+        if args.json:
+            print(json.dumps({"mixture": mixture}, ensure_ascii=False))
+        else:
+            print(f"mixture after {mixture['batches']} batches: {describe_mixture_state(mixture)}")
 
 
 if __name__ == "__main__":
