@@ -15,7 +15,7 @@ from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
-from hyper_parallel.data.mixture import build_mixture_dataset
+from hyper_parallel.data.mixture import MixtureSource, build_mixture_dataset
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
@@ -316,3 +316,14 @@ def test_the_pipeline_builds_a_mixture_node_with_nested_dataset_nodes(
     batch = next(iter(loaders.train))
     assert isinstance(batch.cu_seq_lens, torch.Tensor)
     assert loaders.train.state_dict()["mixture"]["batches"] == 1
+
+
+def test_a_source_may_be_a_mixture_source_node(sources):
+    built = build_mixture_dataset(
+        [
+            MixtureSource("first", 1, sources["first"], max_samples=7),
+            {"name": "second", "weight": 1, "dataset": sources["second"]},
+        ],
+        on_exhausted="reweight",
+    )
+    assert len(built) == 7 + 60

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -72,6 +72,8 @@ class MixtureSource:
 
 def _checked_source(entry, position: int) -> MixtureSource:
     where = f"sources[{position}]"
+    if isinstance(entry, MixtureSource):  # a node with this _target_
+        entry = {field.name: getattr(entry, field.name) for field in fields(entry)}
     if not isinstance(entry, Mapping):
         raise DataConfigError(
             f"{where} must be a mapping with name, weight and dataset (a dataset node), got {type(entry).__name__}"
