@@ -25,6 +25,7 @@ from benchmarks import (
     bench_indexed_dataset,
     bench_indexed_io,
     bench_memory,
+    bench_mixture,
     bench_offline,
     bench_online,
     bench_parallel,
@@ -41,6 +42,7 @@ GROUPS: dict[str, ModuleType] = {
         bench_online,
         bench_parallel,
         bench_schedule,
+        bench_mixture,
         bench_memory,
     )
 }

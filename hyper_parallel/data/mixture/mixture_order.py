@@ -211,9 +211,14 @@ class MixtureOrder:
         numbers = np.asarray(numbers, dtype=np.int64)
         if len(numbers) and (numbers.min() < 0 or numbers.max() >= self.length):
             raise IndexError(f"sample numbers must lie in [0, {self.length}), got {numbers.min()}..{numbers.max()}")
+        blocks, offsets = np.divmod(numbers, BLOCK)
+        if len(numbers) and blocks[0] == blocks[-1] and (blocks == blocks[0]).all():  # a read in order: one block
+            block = int(blocks[0])
+            in_block, ranks = self._block_plan(block)
+            sources = in_block[offsets]
+            return sources, ranks[offsets] + self._prefix[block][sources]
         sources = np.empty(len(numbers), dtype=np.int64)
         positions = np.empty(len(numbers), dtype=np.int64)
-        blocks, offsets = np.divmod(numbers, BLOCK)
         order = np.argsort(blocks, kind="stable")
         unique, starts = np.unique(blocks[order], return_index=True)
         for block, chosen in zip(unique.tolist(), np.split(order, starts[1:]), strict=True):
