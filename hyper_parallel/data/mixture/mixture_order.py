@@ -107,9 +107,10 @@ class MixtureOrder:
         self.budgets = [None if on_exhausted == "restart" else budget for budget in budgets]
         self.strategy, self.on_exhausted, self.seed = strategy, on_exhausted, seed
         self.phases: list[_Phase] = [self._phase(0, np.arange(len(self.weights)))]
-        self._prefix = [np.zeros(len(self.weights), dtype=np.int64)]  # counts before each block
+        self._prefix: list | np.ndarray = [np.zeros(len(self.weights), dtype=np.int64)]  # counts before each block
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the sources of recently planned blocks
         natural = self._scan(num_samples)
+        self._prefix = np.stack(self._prefix)  # one array, small to pickle for the DataLoader workers
         self.exhausted_at = natural  # where the sources ran out, or None
         if num_samples is None:
             self.length = natural
@@ -130,10 +131,6 @@ class MixtureOrder:
         return _Phase(start, active, thresholds, active[period] if len(period) else period)
 
     # Planning ---------------------------------------------------------------------------------------------------
-
-    def _block_sources(self, block: int) -> np.ndarray:
-        """The source of every sample number of ``block``."""
-        return self._block_plan(block)[0]
 
     def _block_plan(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """The source of every sample number of ``block`` and its count within the block before it (the last
@@ -182,7 +179,7 @@ class MixtureOrder:
             )
         block = 0
         while num_samples is None or block * BLOCK < num_samples:
-            sources = self._block_sources(block)
+            sources = self._drawn(block)  # the ranks within the block only where a budget may end in it
             after = self._prefix[block] + np.bincount(sources, minlength=len(self.weights))
             if (after >= budgets).any():  # some source's last sample may lie in this block
                 positions = self._positions(block)
@@ -227,14 +224,6 @@ class MixtureOrder:
             sources[chosen] = in_block[picked]
             positions[chosen] = ranks[picked] + self._prefix[block][in_block[picked]]
         return sources, positions
-
-    def counts_before(self, number: int) -> np.ndarray:
-        """How many samples each source gives before sample ``number`` (int64, one per source)."""
-        block, offset = divmod(number, BLOCK)
-        counts = self._prefix[block].copy()
-        if offset:
-            counts += np.bincount(self._block_sources(block)[:offset], minlength=len(self.weights))
-        return counts
 
     def __len__(self) -> int:
         return self.length
