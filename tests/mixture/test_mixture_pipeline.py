@@ -14,7 +14,7 @@ from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataL
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
-from hyper_parallel.data.errors import DataConfigError, ResumeStateError
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.mixture import MixtureSource, build_mixture_dataset
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -327,3 +327,27 @@ def test_a_source_may_be_a_mixture_source_node(sources):
         on_exhausted="reweight",
     )
     assert len(built) == 7 + 60
+
+
+def test_indexed_sources_of_different_lengths_are_refused_in_a_mix_without_an_online_source(
+    sources, indexed_prefix, tokenizer, tmp_path
+):
+    shorter = build_indexed_text_dataset(
+        str(indexed_prefix),
+        {"seq_length": 32, "split": "100, 0, 0", "data_cache_path": str(tmp_path)},
+        tokenizer=tokenizer,
+        synchronize=False,
+    )[0]
+    with pytest.raises(DataConfigError, match=r"different lengths \{'long': 64, 'short': 32\}.*same data_config"):
+        build_mixture_dataset([node("long", 1, sources["indexed"]), node("short", 1, shorter)])
+    # Beside an Online source both are ModelSamples of their own lengths, packed alike.
+    mixed = build_mixture_dataset(
+        [node("long", 1, sources["indexed"]), node("short", 1, shorter), node("text", 1, sources["first"])]
+    )
+    assert {len(mixed[index][0]["input_ids"]) for index in range(30)} > {32, 64}
+
+
+def test_document_lengths_that_do_not_cover_the_sample_are_refused_by_the_collator():
+    sample = {"input_ids": np.arange(6), "labels": np.arange(6), "document_lengths": np.array([2, 3])}
+    with pytest.raises(DataFileError, match=r"document_lengths \[2, 3\].*sum to its 6 input_ids"):
+        TextPackingCollator()([sample])
