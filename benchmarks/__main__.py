@@ -25,6 +25,7 @@ from benchmarks import (
     bench_indexed_dataset,
     bench_indexed_io,
     bench_memory,
+    bench_mixture,
     bench_offline,
     bench_online,
     bench_parallel,
@@ -43,6 +44,7 @@ GROUPS: dict[str, ModuleType] = {
         bench_parallel,
         bench_schedule,
         bench_provenance,
+        bench_mixture,
         bench_memory,
     )
 }

@@ -62,6 +62,7 @@ LIBRARY_TARGET_MODULES = frozenset(
         "hyper_parallel.data.batching.get_batch",
         "hyper_parallel.data.batching.token_batcher",
         "hyper_parallel.data.indexed.indexed_data_config",
+        "hyper_parallel.data.mixture.build_mixture",
         "hyper_parallel.data.parallel.batch_sampler",
         "hyper_parallel.data.parallel.data_schedule_utils",
         "hyper_parallel.data.text.build_data_transform",

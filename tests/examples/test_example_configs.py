@@ -37,6 +37,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
 ONLINE = ("conversation_sft.yaml", "online_mapping_dynamic.yaml")
 INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml")
+MIXTURE = ("mixture.yaml",)
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
 dataset:
@@ -94,6 +95,8 @@ def example(name: str, cache_dir: Path | None = None) -> dict:
     config = load_config(EXAMPLES / name)
     if cache_dir is not None and name in ONLINE:
         config["dataset"]["data_config"]["cache_dir"] = str(cache_dir)
+    if cache_dir is not None and name in MIXTURE:
+        config["dataset"]["sources"][0]["dataset"]["data_config"]["cache_dir"] = str(cache_dir)
     return config
 
 
@@ -114,7 +117,7 @@ def sequences(batch) -> list[list[int]]:
 
 
 def test_every_example_config_is_covered_here():
-    assert set(CONFIGS) == set(ONLINE) | set(INDEXED)
+    assert set(CONFIGS) == set(ONLINE) | set(INDEXED) | set(MIXTURE)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +241,32 @@ def test_the_blend_config_draws_each_book_by_its_weight(in_workdir, records, pas
     for batch in batches[:4]:
         for (ids, labels), book in zip(_rows(batch), batch.extras["dataset_id"].tolist(), strict=True):
             assert_row_is_cut_from(ids, labels, books[book], tokenizer.eod)
+
+
+def test_the_mixture_config_mixes_the_passages_and_emma_s_rows_by_weight_and_reads_each_once(
+    in_workdir, tmp_path, passage_tokens, tokenizer
+):
+    loaders = build_dataloaders(example("mixture.yaml", tmp_path / "hf"), tokenizer=BUNDLED_TOKENIZER_PATH)
+    mixture = loaders.datasets[0]
+    names = [mixture.names[source] for source in mixture.sources_of(np.arange(200))]
+    assert abs(names.count("passages") / 200 - 0.6) < 0.1  # 60 : 40 while both last
+    tally = None
+    for batch in loaders.train:
+        for ids, _ in batch.sequences():
+            # A window of a passage, or a piece of an Emma row: a stretch of one passage; an EOD input only ends it.
+            inputs = ids.tolist()
+            assert tokenizer.eod not in inputs[:-1] and _holds_piece(passage_tokens, inputs, tokenizer.eod)
+        tally = loaders.train.state_dict()["mixture"]
+    # on_exhausted: reweight reads every record of both sources once.
+    assert tally["sources"]["passages"]["samples"] == len(passage_tokens)
+    assert tally["sources"]["emma"]["samples"] == len(mixture.sources[1].dataset)
+    assert tally["sources"]["emma"]["tokens"] == 1024 * len(mixture.sources[1].dataset)
+
+
+def _holds_piece(documents: list[list[int]], inputs: list[int], eod: int) -> bool:
+    """The inputs are a stretch of one document, ended by its EOD or not."""
+    stretch = inputs[:-1] if inputs[-1] == eod else inputs
+    return not stretch or any(_holds(document, stretch) for document in documents)
 
 
 def test_the_sft_config_trains_on_exactly_the_answers_of_each_conversation(in_workdir, tmp_path, conversations):

@@ -308,4 +308,14 @@ def test_bad_html_arguments_are_refused(conversations, tokenizer_path, tmp_path,
         hp_data([*command, "--cp-size", "0", "--html", str(tmp_path / "p.html")])
     assert "'0' is not a whole number of ranks >= 1" in capsys.readouterr().err
     assert hp_data([*command, "--html", str(tmp_path / "missing" / "p.html")]) == 2
-    assert "cannot write the preview page" in capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'missing' / 'p.html'}" in capsys.readouterr().err
+
+
+def test_the_page_is_never_written_through_a_link(conversations, tokenizer_path, tmp_path, capsys):
+    target = tmp_path / "elsewhere.html"
+    target.write_text("kept")
+    (tmp_path / "p.html").symlink_to(target)
+    command = ["preview", str(conversations), "--tokenizer", str(tokenizer_path), "--html", str(tmp_path / "p.html")]
+    assert hp_data(command) == 2
+    assert "link" in capsys.readouterr().err
+    assert target.read_text() == "kept"

@@ -192,7 +192,8 @@ class TextPackingCollator:
 
         Args:
             samples: K mappings, each with 1-D integer ``input_ids`` and ``labels`` of the same length ``>= 1``
-                (numpy arrays, lists or tensors).
+                (numpy arrays, lists or tensors). A sample may carry ``document_lengths`` (an Indexed row in a
+                mixture): its documents are then sequences of their own, each counted in K.
 
         Returns:
             A ``Batch``: ``input_ids``, ``labels`` and ``loss_mask`` ``[1, packed_length]``; ``cu_seq_lens`` int32
@@ -203,7 +204,7 @@ class TextPackingCollator:
             DataFileError: the batch is empty, or a sample is not a mapping, lacks a field, has a field that is
                 not 1-D integer, is empty, or has ``input_ids`` and ``labels`` of different lengths.
         """
-        inputs, labels = _online_fields(samples)
+        inputs, labels = _documents(samples, *_online_fields(samples))
         lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
         padded = lengths + -lengths % self.pad_each_sequence_to  # each sequence's length with its own padding
         total = int(padded.sum())
@@ -252,6 +253,32 @@ def _online_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarra
         raise DataFileError("the batch holds no samples; a micro-batch needs at least one sample to pack")
     fields = _transform_fields(samples)
     return fields if fields is not None else _checked_fields(samples)
+
+
+def _documents(
+    samples: Sequence[Mapping[str, Any]], inputs: list[np.ndarray], labels: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The sequences to pack: a sample carrying ``document_lengths`` (an Indexed row in a mixture) is cut into its
+    documents, each a sequence of its own; any other sample is one sequence."""
+    if not any("document_lengths" in sample for sample in samples):
+        return inputs, labels
+    cut_inputs, cut_labels = [], []
+    for index, (sample, ids, targets) in enumerate(zip(samples, inputs, labels, strict=True)):
+        lengths = sample.get("document_lengths")
+        if lengths is None:
+            cut_inputs.append(ids)
+            cut_labels.append(targets)
+            continue
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths <= 0).any() or int(lengths.sum()) != len(ids):
+            raise DataFileError(
+                f"sample {index} of the batch has document_lengths {lengths.tolist()}, which must be positive and sum "
+                f"to its {len(ids)} input_ids"
+            )
+        cuts = np.cumsum(lengths)[:-1]
+        cut_inputs += np.split(ids, cuts)
+        cut_labels += np.split(targets, cuts)
+    return cut_inputs, cut_labels
 
 
 def _transform_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]] | None:

@@ -42,6 +42,7 @@ from hyper_parallel.data.batching.token_batcher import TextTokenBatcher
 from hyper_parallel.data.batching.worker_errors import CollateInWorker, FetchInWorker
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.mixture.mixture_tally import record_tokens
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 
 __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micro_batches"]
@@ -100,14 +101,20 @@ class _OneSamplePerRecord(torch.utils.data.Dataset):
 
 
 class _CollateRecords:
-    """Collate the samples of a fixed batch; records rejected by the transform (no sample) are left out."""
+    """Collate the samples of a fixed batch; records rejected by the transform (no sample) are left out.
 
-    def __init__(self, collate_fn: Callable) -> None:
+    With ``count_tokens`` (a mixture's loader tallies each source's tokens) it returns the batch and the tokens
+    of each record's samples.
+    """
+
+    def __init__(self, collate_fn: Callable, count_tokens: bool = False) -> None:
         self.collate_fn = collate_fn
+        self.count_tokens = count_tokens
 
     def __call__(self, items: list[list]):
         samples = [sample for samples in items for sample in samples]
-        return self.collate_fn(samples) if samples else None
+        batch = self.collate_fn(samples) if samples else None
+        return (batch, record_tokens(items)) if self.count_tokens else batch
 
 
 def _dataset_name(dataset) -> str:
@@ -126,6 +133,8 @@ class _Loader:
         self.dataset = dataset
         self.options = options
         self._source = key_source_for(dataset, options)
+        tally = getattr(dataset, "mixture_tally", None)  # a mixture: what was delivered from each source
+        self._tally = tally() if callable(tally) else None
 
     def _log_construction(self, batching: str) -> None:
         """Say once, at construction, what this loader reads, how it batches, and where its keys come from."""
@@ -224,6 +233,8 @@ class _Loader:
 
     def _state(self, source_state: dict, **extra) -> dict:
         head = envelope(type(self).__name__, self.options.layout, self._source.identities)
+        if self._tally is not None:
+            extra["mixture"] = self._tally.state_dict()
         return {**head, "source": source_state, **extra}
 
     def _checked(self, state, fields: tuple = (), *, packs_per_rank: bool = False) -> dict:
@@ -238,7 +249,13 @@ class _Loader:
             packs_per_rank=packs_per_rank,
             holds_samples=state.get("buffered_samples", 0) > 0,  # the dynamic loader's field, checked above
         )
+        if self._tally is not None:
+            self._tally.check_state(state.get("mixture"))
         return state
+
+    def _restore_tally(self, state: Mapping) -> None:
+        if self._tally is not None:
+            self._tally.load_state_dict(state["mixture"])
 
     def _nothing_delivered(self, records: int, epoch: int) -> ValueError:
         """The error for a whole epoch without a batch: iterating on would yield nothing, epoch after epoch."""
@@ -273,7 +290,7 @@ class FixedBatchDataLoader(_Loader):
     def __init__(self, dataset, collate_fn: Callable | None = None, **options) -> None:
         super().__init__(dataset, LoaderOptions.from_keywords(**options))
         self.collate_fn = collate_fn if collate_fn is not None else self._source.default_collate_fn()
-        self._track(_CollateRecords(self.collate_fn), one_sample_per_record=True)
+        self._track(_CollateRecords(self.collate_fn, self._tally is not None), one_sample_per_record=True)
         self._log_construction(f"micro_batch_size {self.micro_batch_size}")
 
     def __iter__(self) -> Iterator:
@@ -281,8 +298,12 @@ class FixedBatchDataLoader(_Loader):
         records = delivered = 0
         for pulled, batch in self._tracked.batches():
             records += len(pulled.keys)
+            if self._tally is not None:
+                batch, tokens = batch
             if batch is not None:
                 self._source.check_loss_tokens(pulled.keys, batch)
+                if self._tally is not None:
+                    self._tally.count_records(pulled.keys, tokens)
                 delivered += 1
                 yield batch
         if whole_epoch and not delivered:
@@ -309,6 +330,7 @@ class FixedBatchDataLoader(_Loader):
             state, _ = rank_state(state, self._source, self.options.layout)
         state = self._checked(state)
         self._tracked.load_state_dict(state["source"])
+        self._restore_tally(state)
         logger.info("%r restored: %d key batches to read again", self, len(self._tracked.replay))
 
     def __repr__(self) -> str:
@@ -440,6 +462,8 @@ class DynamicBatchDataLoader(_Loader):
         )
 
     def _collate(self, entries: list) -> object:
+        if self._tally is not None:
+            self._tally.count_samples(entries)
         return self.collate_fn([sample for _, sample in entries])
 
     def _unabsorbed(self) -> KeyBatch | None:
@@ -507,6 +531,7 @@ class DynamicBatchDataLoader(_Loader):
         state = self._checked(state, _DYNAMIC_FIELDS, packs_per_rank=True)
         self.policy.load_state_dict(state["packing"], codec)  # checked whole first, like the parts above
         self._tracked.load_state_dict(state["source"])
+        self._restore_tally(state)
         self._reading, self._flushing, self._epoch = None, state["flushing"], None
         logger.info(
             "%r restored: %d buffered samples, %d key batches to read again",

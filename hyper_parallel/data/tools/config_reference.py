@@ -46,6 +46,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.instantiate import LIBRARY_TARGET_MODULES, TARGET_KEY, check_config
+from hyper_parallel.data.mixture.build_mixture import MixtureSource, build_mixture_dataset
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.text.build_data_transform import DATA_TRANSFORM_REGISTRY, build_llm_data_transform
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
@@ -409,6 +410,16 @@ def _entries() -> dict[str, list[_Entry]]:
                 "dataset",
                 notes=("The `data_config` mapping of build_indexed_text_dataset (or a node with this `_target_`).",),
             ),
+            _callable_entry(
+                build_mixture_dataset,
+                "dataset",
+                notes=("Each entry of `sources`: the keys of MixtureSource; a guide in docs/mixtures.md.",),
+            ),
+            _dataclass_entry(
+                MixtureSource,
+                "dataset",
+                notes=("An entry of the `sources` list of build_mixture_dataset; `dataset` is a dataset node.",),
+            ),
         ],
         "collate_fn": [
             _callable_entry(build_online_text_collate_fn, "collate_fn"),
@@ -520,7 +531,7 @@ dataset:                                  # a top-level node
     dataset_type: mapping
 ```
 
-Guides: [online.md](online.md), [indexed.md](indexed.md), [distributed.md](distributed.md),
+Guides: [online.md](online.md), [indexed.md](indexed.md), [mixtures.md](mixtures.md), [distributed.md](distributed.md),
 [offline.md](offline.md).
 """
 

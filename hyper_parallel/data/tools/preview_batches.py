@@ -14,6 +14,8 @@ contract (``batching.batch.Batch``) alone, so Online and Indexed batches are sho
 tokens as the loss mask counts them. Nothing is trained; the loaders are built exactly as a trainer builds them
 (``batching.dataloader.build_dataloaders``). ``--html`` writes the same batches as one self-contained page
 (``tools.preview_html``).
+Over a mixture it ends with one line of what each source gave (samples, their share, tokens: the loader
+state's ``mixture`` part).
 Not responsible for: building the pipeline (that is the config) or checking masks (the transforms do).
 """
 
@@ -24,7 +26,6 @@ import itertools
 import json
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
@@ -35,7 +36,9 @@ from hyper_parallel.data.batching.get_batch import ParallelBatch
 from hyper_parallel.data.batching.scheduled_packing import fetch_sequences
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.mixture.mixture_tally import describe_mixture_state
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.tools.preview_html import batch_view, render_page, schedule_view, visible_piece
@@ -215,12 +218,7 @@ def write_html(args: argparse.Namespace) -> None:
 
     layout = get_batch.cp_layout if isinstance(get_batch, ParallelBatch) else "contiguous"
     page = render_page(views, piece=piece, title=str(args.config), cp_layout=layout, schedule=schedule)
-    try:
-        Path(args.html).write_text(page, encoding="utf-8")
-    except OSError as error:
-        raise DataFileError(
-            f"cannot write the preview page {args.html}: {error.strerror}; choose another path"
-        ) from None
+    write_atomically(args.html, page.encode("utf-8"))  # names the path and the fix on failure; never via a link
     print(f"wrote {args.html}: {len(views)} micro-batch(es){', one scheduled step' if schedule else ''}")
 
 
@@ -231,9 +229,7 @@ def _preview(args: argparse.Namespace) -> None:
     loaders, loader = open_loaders(args)
     tokenizer = loaders.tokenizer
     marks = _TERMINAL_MARKS if sys.stdout.isatty() and not args.json else _PLAIN_MARKS
-    for number, batch in enumerate(loader):
-        if number == args.batches:
-            break
+    for number, batch in enumerate(itertools.islice(loader, args.batches)):  # no batch past the last shown
         summary = describe_batch(batch, tokenizer.decode, max_sequences=args.sequences, marks=marks)
         if args.json:
             print(json.dumps({"batch": number, **summary}, ensure_ascii=False))
@@ -244,6 +240,12 @@ def _preview(args: argparse.Namespace) -> None:
         )
         for index, text in enumerate(summary["texts"]):
             print(f"  sequence {index}: {text!r}")
+    mixture = loader.state_dict().get("mixture")  # a mixture's loader tallies what each source gave
+    if mixture is not None:
+        if args.json:
+            print(json.dumps({"mixture": mixture}, ensure_ascii=False))
+        else:
+            print(f"mixture after {mixture['batches']} batches: {describe_mixture_state(mixture)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,406 @@
+"""Mix any dataset nodes by weight: the ``dataset`` node ``build_mixture_dataset`` and the ``MixtureDataset``.
+
+Owns: checking a mixture's sources and settings, turning a sample number of the mixture into a record of one of
+its sources (``mixture_order`` plans the source and its count; here each source's count becomes a record: a
+source is read in epochs, each in an order drawn from ``(seed, source name, epoch)``), reading records of several
+sources in one call, the common form of the samples of a mix (below), and what a loader keeps of a mixture
+(``mixture_tally``). Not responsible for: the order itself (``mixture_order``), reading files or tokenizing (the
+sources), batching (the loaders; the DP batch sampler orders the mixture's samples as any dataset's).
+
+Sample forms. A mix of ready-sample sources only (Indexed GPTDatasets or blends, of one ``seq_length`` and EOD id)
+gives their samples as they are, stacked by the Indexed collator. A mix with an Online mapping source gives
+ModelSamples, packed by the Online collator: an Indexed sample enters as one ModelSample of ``seq_length`` tokens
+(its labels ``IGNORE_INDEX`` where its loss mask is 0) carrying ``document_lengths``, the lengths of its
+EOD-separated documents by the Indexed rule (``sequence_boundaries``), so each stays a sequence of its own in
+``cu_seq_lens``. Streaming (iterable) sources are refused: a stream cannot be read at a planned position.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from hyper_parallel.data.batching.sequence_boundaries import eod_sequence_ends
+from hyper_parallel.data.constants import IGNORE_INDEX
+from hyper_parallel.data.dataset_logging import get_logger
+from hyper_parallel.data.errors import DataConfigError, require_choice, require_int
+from hyper_parallel.data.mixture.mixture_order import EXHAUSTION_MODES, STRATEGIES, MixtureOrder
+from hyper_parallel.data.mixture.mixture_tally import MixtureTally
+from hyper_parallel.data.resume_checks import data_identity, dataset_identity, transform_identity
+from hyper_parallel.data.text.transform_dataset import RecordReading
+
+__all__ = ["MixtureDataset", "MixtureSource", "build_mixture_dataset"]
+
+logger = get_logger(__name__)
+
+_SOURCE_KEYS = ("name", "weight", "dataset", "epochs", "max_samples")
+_EPOCH_WORD = 1 << 32  # a source's shuffle key: its name's CRC above, its epoch below
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One source of a mixture.
+
+    Attributes:
+        name: names the source in logs, states and errors; unique within the mixture.
+        weight: its share of the mixture (any positive scale; the weights are normalised).
+        dataset: the built dataset node: an Online mapping dataset (``build_online_text_dataset``) or an Indexed
+            dataset or blend (``build_indexed_text_dataset``; of ``(train, valid, test)``, the train split).
+        epochs: how many passes over the dataset it gives before it is exhausted (may be fractional); default 1.
+        max_samples: how many samples it gives before it is exhausted, instead of ``epochs``.
+    """
+
+    name: str
+    weight: float
+    dataset: object
+    epochs: float | None = None
+    max_samples: int | None = None
+
+    @property
+    def budget(self) -> int:
+        """The samples it gives before it is exhausted (with ``restart``: before it begins a new epoch)."""
+        if self.max_samples is not None:
+            return self.max_samples
+        return max(1, round((1.0 if self.epochs is None else self.epochs) * len(self.dataset)))
+
+
+def _checked_source(entry, position: int) -> MixtureSource:
+    where = f"sources[{position}]"
+    if isinstance(entry, MixtureSource):  # a node with this _target_
+        entry = {field.name: getattr(entry, field.name) for field in fields(entry)}
+    if not isinstance(entry, Mapping):
+        raise DataConfigError(
+            f"{where} must be a mapping with name, weight and dataset (a dataset node), got {type(entry).__name__}"
+        )
+    unknown = sorted(set(entry) - set(_SOURCE_KEYS))
+    if unknown:
+        raise DataConfigError(f"{where} has unknown keys {unknown}; a source takes {list(_SOURCE_KEYS)}")
+    for key in ("name", "weight", "dataset"):
+        if entry.get(key) is None:
+            raise DataConfigError(f"{where} has no {key}; a source takes name, weight and dataset")
+    name = entry["name"]
+    if not isinstance(name, str) or not name:
+        raise DataConfigError(f"{where}.name must be a non-empty string, got {name!r}")
+    weight = entry["weight"]
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+        raise DataConfigError(
+            f"{where} ({name!r}) has weight {weight!r}; a weight is a positive number (its share of the mixture, "
+            "normalised over the sources); remove a source to leave it out"
+        )
+    epochs, max_samples = entry.get("epochs"), entry.get("max_samples")
+    if epochs is not None and max_samples is not None:
+        raise DataConfigError(f"{where} ({name!r}) sets both epochs and max_samples; set one of them")
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int | float) or not math.isfinite(epochs) or epochs <= 0
+    ):
+        raise DataConfigError(f"{where} ({name!r}) has epochs {epochs!r}; epochs is a positive number, such as 2.5")
+    if max_samples is not None:
+        max_samples = require_int(f"{where}.max_samples", max_samples, 1)
+    dataset = _train_split(entry["dataset"], where, name)
+    return MixtureSource(name, float(weight), dataset, epochs, max_samples)
+
+
+def _train_split(dataset, where: str, name: str):
+    """The dataset a source node built: its train split when it built ``(train, valid, test)``."""
+    if isinstance(dataset, tuple | list):
+        dataset = dataset[0] if dataset else None
+        if dataset is None:
+            raise DataConfigError(f"{where} ({name!r}): its dataset node built no train split")
+    reading = getattr(dataset, "record_reading", None)
+    if callable(reading) and reading() is not None and reading().stream is not None:
+        raise DataConfigError(
+            f"{where} ({name!r}) is a streaming (iterable) source, which cannot be read at a planned position; "
+            "set its data_config.dataset_type to mapping"
+        )
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise DataConfigError(
+            f"{where} ({name!r}): its dataset node built a {type(dataset).__name__}, not a dataset read by index; "
+            "give a build_online_text_dataset or build_indexed_text_dataset node"
+        )
+    if not len(dataset):
+        raise DataConfigError(f"{where} ({name!r}): its dataset is empty")
+    return dataset
+
+
+def _transform_of(dataset):
+    """The transform that turns the source's records into ModelSamples, or None for ready samples (Indexed)."""
+    reading = getattr(dataset, "record_reading", None)
+    described = reading() if callable(reading) else None
+    return described.transform if isinstance(described, RecordReading) else None
+
+
+class _MixtureTransform:
+    """What turns a mixture's records into ModelSamples, for loader states: each source's transform by name."""
+
+    def __init__(self, parts: Mapping[str, str], max_seq_len: int | None) -> None:
+        self.parts = dict(parts)
+        self.max_seq_len = max_seq_len
+
+    def __repr__(self) -> str:
+        return "MixtureTransform(" + ", ".join(f"{name}={part}" for name, part in self.parts.items()) + ")"
+
+
+class MixtureDataset(torch.utils.data.Dataset):
+    """A dataset whose sample ``n`` is the sample ``MixtureOrder`` plans for ``n``, read from its source.
+
+    Args:
+        sources: the checked sources, in order.
+        order: their order (``MixtureOrder`` over their weights and budgets).
+        seed: keys each source's epoch shuffles.
+        shuffle: read each source's epochs in a shuffled order (false: in record order, every epoch).
+        log_every: a loader over the mixture logs what it has taken from each source every this many batches.
+    """
+
+    def __init__(
+        self, sources: Sequence[MixtureSource], order: MixtureOrder, *, seed: int, shuffle: bool, log_every: int
+    ) -> None:
+        self.sources = list(sources)
+        self.order = order
+        self.seed = seed
+        self.shuffle = shuffle
+        self.log_every = log_every
+        self.names = [source.name for source in self.sources]
+        self._lengths = np.array([len(source.dataset) for source in self.sources], dtype=np.int64)
+        self._budgets = np.array([source.budget for source in self.sources], dtype=np.int64)
+        self._transforms = [_transform_of(source.dataset) for source in self.sources]
+        self.model_samples = any(transform is not None for transform in self._transforms)
+        self.eod_token_id = self._common_eod()
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+
+    def _common_eod(self) -> int | None:
+        ready = [s for s, t in zip(self.sources, self._transforms, strict=True) if t is None]
+        eods = {source.name: getattr(source.dataset, "eod_token_id", None) for source in ready}
+        if len(set(eods.values())) > 1:
+            raise DataConfigError(
+                f"the Indexed sources end their documents with different EOD ids {eods}; mix datasets tokenized "
+                "with one tokenizer"
+            )
+        lengths = {source.name: _seq_length(source.dataset) for source in ready}
+        if not self.model_samples and len(set(lengths.values())) > 1:
+            raise DataConfigError(
+                f"the Indexed sources have samples of different lengths {lengths}; stacked rows need one "
+                "seq_length: build them with the same data_config.seq_length"
+            )
+        return next(iter(eods.values()), None)
+
+    # What loaders ask ----------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @property
+    def description(self) -> str:
+        return "mixture of " + ", ".join(f"{s.name} ({s.weight:g})" for s in self.sources)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        lengths = [getattr(t, "max_seq_len", None) for t in self._transforms if t is not None]
+        lengths += [_seq_length(s.dataset) for s, t in zip(self.sources, self._transforms, strict=True) if t is None]
+        known = [length for length in lengths if length is not None]
+        return max(known) if known else None
+
+    def record_reading(self) -> RecordReading | None:
+        """Read by index; records of a mix with an Online source become ModelSamples (None: ready samples)."""
+        if not self.model_samples:
+            return None
+        parts = {
+            source.name: ("ready samples" if t is None else transform_identity(t)["transform"])
+            for source, t in zip(self.sources, self._transforms, strict=True)
+        }
+        return RecordReading(_MixtureTransform(parts, self.max_seq_len))
+
+    def data_identity(self) -> dict:
+        """The sources' identities and the mixture's settings: a state resumes only over the same mixture."""
+        entries = {
+            "strategy": self.order.strategy,
+            "on_exhausted": self.order.on_exhausted,
+            "length": len(self),
+            "shuffle": self.shuffle,
+            "sources": [
+                {
+                    "name": source.name,
+                    "weight": source.weight,
+                    "budget": int(budget),
+                    "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
+                }
+                for source, budget in zip(self.sources, self._budgets, strict=True)
+            ],
+        }
+        return data_identity(self.description, entries)
+
+    def mixture_tally(self) -> MixtureTally:
+        """What a loader over this mixture keeps: the samples and tokens it delivered from each source."""
+        return MixtureTally(self, self.log_every)
+
+    def sources_of(self, indices) -> np.ndarray:
+        """The source id of each sample number."""
+        return self.order.plan_at(np.asarray(indices, dtype=np.int64))[0]
+
+    def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """The source id and the record within it of each sample number."""
+        sources, counts = self.order.plan_at(np.asarray(indices, dtype=np.int64))
+        records = np.empty(len(sources), dtype=np.int64)
+        for source in np.unique(sources).tolist():
+            chosen = sources == source
+            records[chosen] = self._records(source, counts[chosen])
+        return sources, records
+
+    def _records(self, source: int, counts: np.ndarray) -> np.ndarray:
+        """The records of the ``counts``-th samples of ``source``: its budget is a cycle of epochs (``restart``
+        begins the next cycle with new epochs), each read in its own shuffled order."""
+        length, budget = int(self._lengths[source]), int(self._budgets[source])
+        cycle, within = np.divmod(counts, budget)
+        epochs = cycle * -(-budget // length) + within // length
+        offsets = within % length
+        if not self.shuffle:
+            return offsets
+        records = np.empty(len(counts), dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            chosen = epochs == epoch
+            records[chosen] = self._permutation(source, epoch)[offsets[chosen]]
+        return records
+
+    def _permutation(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        permutation = self._permutations.get(key)
+        if permutation is None:
+            if len(self._permutations) >= 2 * len(self.sources):
+                del self._permutations[next(iter(self._permutations))]
+            name_word = zlib.crc32(self.sources[source].name.encode("utf-8"))
+            words = np.array([self.seed, name_word * _EPOCH_WORD + epoch], dtype=np.uint64)
+            generator = np.random.Generator(np.random.Philox(key=words))
+            permutation = self._permutations[key] = generator.permutation(int(self._lengths[source]))
+        return permutation
+
+    def where(self, index: int) -> str:
+        (source,), (record,) = self.locate([index])
+        dataset = self.sources[source].dataset
+        inner = dataset.where(int(record)) if hasattr(dataset, "where") else f"sample {record}"
+        return f"sample {index} of the {self.description}: source {self.names[source]!r}, {inner}"
+
+    def __getitem__(self, index: int):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """The samples of several sample numbers, each source's records read in one call."""
+        sources, records = self.locate(indices)
+        items: list = [None] * len(indices)
+        for source in np.unique(sources).tolist():
+            chosen = np.flatnonzero(sources == source)
+            dataset = self.sources[source].dataset
+            wanted = records[chosen].tolist()
+            getitems = getattr(dataset, "__getitems__", None)
+            fetched = getitems(wanted) if getitems is not None else [dataset[record] for record in wanted]
+            convert = self._converter(source)
+            for slot, item in zip(chosen.tolist(), fetched, strict=True):
+                items[slot] = convert(item)
+        return items
+
+    def _converter(self, source: int):
+        if not self.model_samples:
+            return _same
+        if self._transforms[source] is not None:
+            return _same  # already the record's list of ModelSamples
+        return self._as_model_samples
+
+    def _as_model_samples(self, sample: Mapping) -> list[dict]:
+        """An Indexed sample as the record of one ModelSample, its documents kept apart by ``document_lengths``."""
+        tokens = torch.as_tensor(sample["tokens"]).reshape(1, -1)
+        labels = torch.as_tensor(sample["labels"]).reshape(1, -1)
+        loss_mask = sample.get("loss_mask")
+        if loss_mask is not None:
+            labels = torch.where(torch.as_tensor(loss_mask).reshape(1, -1) > 0, labels, IGNORE_INDEX)
+        model_sample = {"input_ids": tokens[0].numpy().astype(np.int64), "labels": labels[0].numpy().astype(np.int64)}
+        if self.eod_token_id is not None:
+            ends = np.flatnonzero(eod_sequence_ends(tokens, labels, self.eod_token_id)[0]) + 1
+            bounds = np.unique(np.concatenate(([0], ends, [tokens.shape[1]])))
+            model_sample["document_lengths"] = np.diff(bounds)
+        return [model_sample]
+
+    def __repr__(self) -> str:
+        return f"MixtureDataset({self.description}, {self.order.strategy}, {len(self):,} samples)"
+
+
+def _same(item):
+    return item
+
+
+def _seq_length(dataset) -> int | None:
+    config = getattr(dataset, "config", None)
+    return getattr(config, "seq_length", None) if config is not None else getattr(dataset, "seq_length", None)
+
+
+def build_mixture_dataset(
+    sources: Sequence[Mapping] | None = None,
+    strategy: str = "weighted",
+    on_exhausted: str = "stop",
+    num_samples: int | None = None,
+    seed: int | None = None,
+    shuffle: bool = True,
+    log_every: int = 100,
+) -> MixtureDataset:
+    """Mix dataset nodes by weight into one dataset, usable wherever a dataset node is.
+
+    Args:
+        sources: the sources, each a mapping of ``MixtureSource`` fields: ``name``, ``weight``, ``dataset`` (a
+            dataset node), and at most one of ``epochs`` and ``max_samples``.
+        strategy: ``weighted`` (each sample's source drawn by weight, keyed by the seed and the sample number) or
+            ``interleave`` (a smooth weighted round robin in the weights' proportion).
+        on_exhausted: when a source has given its epochs or max_samples: ``stop`` (the default: the mixture ends,
+            keeping the weights exact), ``reweight`` (it goes on without that source, the other weights
+            renormalised, until every source is exhausted) or ``restart`` (that source begins a new epoch with a
+            new shuffle; the mixture is ``num_samples`` long).
+        num_samples: the mixture's length; required with ``restart``, otherwise at most where the sources run out
+            (default: there).
+        seed: the pipeline's seed (given by the pipeline), keying the draws and the sources' epoch shuffles;
+            default 1234.
+        shuffle: read each source's epochs in a shuffled order; false reads them in record order.
+        log_every: a loader logs the samples and tokens it took from each source every this many batches.
+
+    Returns:
+        A ``MixtureDataset``. Its order is fixed by the config and the seed, whatever the workers or DP size.
+    """
+    if not isinstance(sources, Sequence) or isinstance(sources, str) or not sources:
+        raise DataConfigError(
+            f"sources must be a non-empty list of {{name, weight, dataset}} mappings, got {sources!r}"[:300]
+        )
+    strategy = require_choice(
+        "strategy", strategy, STRATEGIES, "'weighted' (sources drawn by weight) or 'interleave' (round robin)"
+    )
+    on_exhausted = require_choice(
+        "on_exhausted", on_exhausted, EXHAUSTION_MODES, "'stop', 'reweight' or 'restart' (docs/mixtures.md)"
+    )
+    seed = require_int("seed", 1234 if seed is None else seed, 0)
+    log_every = require_int("log_every", log_every, 1)
+    if not isinstance(shuffle, bool):
+        raise DataConfigError(f"shuffle must be true or false, got {shuffle!r}")
+    if num_samples is not None:
+        num_samples = require_int("num_samples", num_samples, 1)
+    checked = [_checked_source(entry, position) for position, entry in enumerate(sources)]
+    names = [source.name for source in checked]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise DataConfigError(f"sources names {duplicates} more than once; give every source its own name")
+    budgets = [source.budget for source in checked]
+    order = MixtureOrder(
+        [source.weight for source in checked],
+        budgets,
+        strategy=strategy,
+        on_exhausted=on_exhausted,
+        seed=seed,
+        num_samples=num_samples,
+    )
+    dataset = MixtureDataset(checked, order, seed=seed, shuffle=shuffle, log_every=log_every)
+    logger.info(
+        "%r: %s; sources run out at %s",
+        dataset,
+        ", ".join(f"{s.name} {len(s.dataset):,} samples, budget {b:,}" for s, b in zip(checked, budgets, strict=True)),
+        "never" if order.exhausted_at is None else f"sample {order.exhausted_at:,}",
+    )
+    return dataset

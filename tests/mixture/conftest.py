@@ -1,0 +1,41 @@
+"""Real sources for the mixture tests: Online JSON lines of the bundled novels' paragraphs and an Indexed
+``.bin``/``.idx`` pair of other paragraphs tokenized by the bundled tokenizer, each document ended by its EOD."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from batching.conftest import paragraphs, write_jsonl
+
+from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.tokenizer_protocol import read_tokenizer
+
+
+@pytest.fixture(scope="session")
+def novel_paragraphs() -> list[str]:
+    return paragraphs(240)
+
+
+@pytest.fixture(scope="session")
+def online_paths(tmp_path_factory, novel_paragraphs) -> tuple[Path, Path]:
+    """Two JSON-lines files of 40 and 60 paragraphs (short ones, so that every record fits one window)."""
+    directory = tmp_path_factory.mktemp("online")
+    short = [text[:300] for text in novel_paragraphs]
+    first = write_jsonl(directory / "first.jsonl", [{"text": text} for text in short[:40]])
+    second = write_jsonl(directory / "second.jsonl", [{"text": text} for text in short[40:100]])
+    return first, second
+
+
+@pytest.fixture(scope="session")
+def indexed_prefix(tmp_path_factory, novel_paragraphs, tokenizer) -> Path:
+    """An Indexed pair of 140 paragraphs, each tokenized and ended by the tokenizer's EOD."""
+    eod = read_tokenizer(tokenizer).eod
+    prefix = tmp_path_factory.mktemp("indexed") / "novels_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for text in novel_paragraphs[100:]:
+        ids = [*tokenizer.encode(text), eod]
+        builder.add_document(np.asarray(ids, dtype=np.int32), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
