@@ -218,7 +218,7 @@ def exchange_sequences(
 
     Every data rank of the DP x CP domain calls it once per step: one all-gather of a fixed-size header (failure,
     counts, position, ``num_microbatches`` and a digest of the scheduler settings), then, when every rank read its
-    micro-batches and agrees, the lengths and tokens over DP.
+    micro-batches and agrees, one exchange over DP of the lengths and tokens side by side.
 
     Args:
         fetched: this rank's ``fetch_sequences``, or the error it raised.
@@ -257,9 +257,13 @@ def exchange_sequences(
         return step
     ours = headers[:, 4] % cp_size == position % cp_size  # the DP ranks of this CP rank, in DP order
     counts, sizes = headers[ours, 2].tolist(), headers[ours, 3].tolist()
-    lengths = all_gather_varying(torch.from_numpy(step.lengths)[None], counts, group=dp_group)[0].numpy()
-    tokens = all_gather_varying(torch.stack([step.input_ids, step.labels]), sizes, group=dp_group)
-    return FetchedStep(int(headers[ours, 1].sum()), tokens[0], tokens[1], lengths)
+    # One exchange per step: each DP rank's lengths, input ids and labels side by side in one row.
+    mine = torch.cat([torch.from_numpy(step.lengths), step.input_ids, step.labels])[None]
+    spans = [width for count, size in zip(counts, sizes, strict=True) for width in (count, size, size)]
+    row = all_gather_varying(mine, [sum(spans[k : k + 3]) for k in range(0, len(spans), 3)], group=dp_group)[0]
+    parts = torch.split(row, spans)
+    lengths, input_ids, labels = (torch.cat(parts[field::3]) for field in range(3))
+    return FetchedStep(int(headers[ours, 1].sum()), input_ids, labels, lengths.numpy())
 
 
 # -- packing this rank's groups -------------------------------------------------------------------------------------

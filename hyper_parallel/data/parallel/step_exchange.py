@@ -31,9 +31,9 @@ def _all_gather(what: str, tensor: torch.Tensor, group, size: int) -> torch.Tens
     import torch.distributed as dist
 
     mine = tensor.to(gather_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    watched(what, lambda: dist.all_gather(gathered, mine, group=group, async_op=True), group=group)
-    return torch.stack(gathered).cpu()
+    gathered = mine.new_empty((size, *mine.shape))  # every rank's part lands in its row: nothing to stack after
+    watched(what, lambda: dist.all_gather(list(gathered.unbind(0)), mine, group=group, async_op=True), group=group)
+    return gathered.cpu()
 
 
 def gather_step_headers(header: torch.Tensor, *, group, size: int) -> torch.Tensor:
