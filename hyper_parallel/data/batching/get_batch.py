@@ -73,7 +73,7 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     schedule_stats,
 )
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
-from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection, group_size_rank
 
 __all__ = [
@@ -234,6 +234,7 @@ class ParallelBatch:
         self.cp_layout = self.layout.cp_layout
         self._check_layout()
         self.delivery_plan = self._delivery_plan()
+        self._plans = {(self.delivery_plan.cp_size, self.delivery_plan.cp_rank): self.delivery_plan}
         self._metadata: DeliveryMetadata | None = None  # the data rank's metadata of the batch being delivered
         self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
@@ -452,12 +453,9 @@ class ParallelBatch:
         _, cp_size, cp_rank = self._cp_group(size)
         plan = self._plan(cp_size, cp_rank)
         self._metadata = self._prepared(batch, plan)
-        if self._metadata is None:  # the boundaries are checked once here; a prepared batch's were, in the worker
-            cu_seq_lens = check_cu_seq_lens(
-                batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
-            )
+        if self._metadata is None:  # the boundaries were checked once, when the Batch was built
             self._metadata = delivery_metadata(
-                plan, cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
+                plan, batch.cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
             )
         local = self._cut(batch, self._metadata, cp_size)
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
@@ -482,10 +480,10 @@ class ParallelBatch:
 
     def _plan(self, cp_size: int, cp_rank: int) -> DeliveryPlan:
         """This rank's plan for a micro-batch cut across ``cp_size`` ranks (the static one is kept)."""
-        plan = self.delivery_plan
-        if (cp_size, cp_rank) == (plan.cp_size, plan.cp_rank):
-            return plan
-        return replace(plan, cp_size=cp_size, cp_rank=cp_rank)
+        plan = self._plans.get((cp_size, cp_rank))
+        if plan is None:  # built and validated once per runtime CP size
+            plan = self._plans[cp_size, cp_rank] = replace(self.delivery_plan, cp_size=cp_size, cp_rank=cp_rank)
+        return plan
 
     def _prepared(self, batch: Batch, plan: DeliveryPlan) -> DeliveryMetadata | None:
         """The metadata the collator computed for ``plan`` (moved to the device), or None when it computed none."""
