@@ -14,6 +14,7 @@ ranks (``batching.get_batch``, ``parallel.batch_parallel``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
@@ -26,7 +27,7 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout, check_cu_seq_lens
 from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, settings_digest
-from hyper_parallel.data.parallel.step_exchange import all_gather_varying, gather_step_headers
+from hyper_parallel.data.parallel.step_exchange import all_gather_parts, gather_step_headers
 
 __all__ = ["FetchedStep", "exchange_sequences", "fetch_sequences", "pack_group", "pack_rank_groups"]
 
@@ -103,10 +104,11 @@ def pack_group(
     packed = TextPackingCollator(
         alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple, tail_padding=tail_padding
     )(samples)
-    return Batch(
-        input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens,
-        cu_seq_lens_real=packed.cu_seq_lens_real, extras=extras,
-    )  # fmt: skip
+    # The collator's Batch was checked when it was built; the one extra has its one row's entry, so it is added
+    # without checking the boundaries again.
+    packed = copy.copy(packed)
+    object.__setattr__(packed, "extras", extras)
+    return packed
 
 
 # -- fetching a step ------------------------------------------------------------------------------------------------
@@ -259,9 +261,12 @@ def exchange_sequences(
     counts, sizes = headers[ours, 2].tolist(), headers[ours, 3].tolist()
     # One exchange per step: each DP rank's lengths, input ids and labels side by side in one row.
     mine = torch.cat([torch.from_numpy(step.lengths), step.input_ids, step.labels])[None]
-    spans = [width for count, size in zip(counts, sizes, strict=True) for width in (count, size, size)]
-    row = all_gather_varying(mine, [sum(spans[k : k + 3]) for k in range(0, len(spans), 3)], group=dp_group)[0]
-    parts = torch.split(row, spans)
+    widths = [count + 2 * size for count, size in zip(counts, sizes, strict=True)]
+    parts = [
+        piece
+        for part, count, size in zip(all_gather_parts(mine, widths, group=dp_group), counts, sizes, strict=True)
+        for piece in torch.split(part[0], [count, size, size])
+    ]
     lengths, input_ids, labels = (torch.cat(parts[field::3]) for field in range(3))
     return FetchedStep(int(headers[ours, 1].sum()), input_ids, labels, lengths.numpy())
 
