@@ -69,6 +69,20 @@ def pack_group(
     Example:
         lengths 3 and 2, ``cp_size=2, local_length=6``: P = 12, ``cu_seq_lens = [0, 4, 8, 12]``.
     """
+    cp, row, multiple = _group_row(cp_size, local_length, pad_each_sequence_to)
+    if not sequences:
+        return _padding_group(cp, row, pad_token_id)
+    samples = [
+        {"input_ids": np.asarray(ids).reshape(-1), "labels": np.asarray(labels).reshape(-1)}
+        for ids, labels in sequences
+    ]
+    lengths = np.fromiter((len(sample["input_ids"]) for sample in samples), dtype=np.int64, count=len(samples))
+    _check_fits(lengths, multiple, cp, row)
+    return _with_cp_size(_collator(row, multiple, pad_token_id, tail_padding)(samples), cp)
+
+
+def _group_row(cp_size: int, local_length: int, pad_each_sequence_to: int | None) -> tuple[int, int, int]:
+    """``(cp, row, multiple)`` of a group: its CP size, its row's length and every sequence's padding multiple."""
     cp = require_int("cp_size", cp_size, 1)
     local = require_int("local_length", local_length, 1)
     multiple = (
@@ -81,33 +95,40 @@ def pack_group(
             f"local_length {local} with cp_size {cp} gives a row of {local * cp} tokens, not a multiple of "
             f"2 * cp_size = {multiple} that the zigzag_thd layout needs; use an even local_length (local_packed_length)"
         )
-    row = local * cp
-    extras = {"local_cp_size": torch.tensor([cp], dtype=torch.int64)}
-    if not sequences:
-        return Batch(
-            input_ids=torch.full((1, row), pad_token_id, dtype=torch.int64),
-            labels=torch.full((1, row), IGNORE_INDEX, dtype=torch.int64),
-            cu_seq_lens=torch.tensor([0, row], dtype=torch.int32),
-            extras=extras,
-        )
-    samples = [
-        {"input_ids": np.asarray(ids).reshape(-1), "labels": np.asarray(labels).reshape(-1)}
-        for ids, labels in sequences
-    ]
-    lengths = np.fromiter((len(sample["input_ids"]) for sample in samples), dtype=np.int64, count=len(samples))
+    return cp, local * cp, multiple
+
+
+def _check_fits(lengths: np.ndarray, multiple: int, cp: int, row: int) -> None:
     total = int((lengths + -lengths % multiple).sum())
     if total > row:
         raise DataConfigError(
-            f"the group's {len(samples)} sequences hold {total} tokens once padded for CP size {cp}, more than the "
-            f"{row} of its row (local_length {local} x cp_size {cp}); the schedule and local_packed_length disagree"
+            f"the group's {lengths.size} sequences hold {total} tokens once padded for CP size {cp}, more than the "
+            f"{row} of its row (local_length {row // cp} x cp_size {cp}); the schedule and local_packed_length "
+            "disagree"
         )
-    packed = TextPackingCollator(
+
+
+def _padding_group(cp: int, row: int, pad_token_id: int) -> Batch:
+    """A group without sequences: one padding sequence filling its row."""
+    return Batch(
+        input_ids=torch.full((1, row), pad_token_id, dtype=torch.int64),
+        labels=torch.full((1, row), IGNORE_INDEX, dtype=torch.int64),
+        cu_seq_lens=torch.tensor([0, row], dtype=torch.int32),
+        extras={"local_cp_size": torch.tensor([cp], dtype=torch.int64)},
+    )
+
+
+def _collator(row: int, multiple: int, pad_token_id: int, tail_padding: str) -> TextPackingCollator:
+    return TextPackingCollator(
         alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple, tail_padding=tail_padding
-    )(samples)
-    # The collator's Batch was checked when it was built; the one extra has its one row's entry, so it is added
-    # without checking the boundaries again.
+    )
+
+
+def _with_cp_size(packed: Batch, cp: int) -> Batch:
+    """``packed`` with the extra ``local_cp_size``: the collator's Batch was checked when it was built and the extra
+    has its one row's entry, so the boundaries are not checked a second time."""
     packed = copy.copy(packed)
-    object.__setattr__(packed, "extras", extras)
+    object.__setattr__(packed, "extras", {"local_cp_size": torch.tensor([cp], dtype=torch.int64)})
     return packed
 
 
@@ -294,23 +315,25 @@ def pack_rank_groups(
         layout: the delivery layout (the padding multiple and every rank's local length).
         pad_token_id: the padding's input id.
     """
-    starts = np.concatenate([[0], np.cumsum(step.lengths)]).astype(np.int64)
+    starts = np.cumsum(step.lengths) - step.lengths
+    input_ids, labels = step.input_ids.numpy(), step.labels.numpy()
     packed = []
     for micro_batch in range(schedule.num_micro_batches):
         group = schedule.group_at(micro_batch, position)
-        chosen = list(group.sequence_ids)
-        spans = [(int(starts[k]), int(starts[k + 1])) for k in chosen]
-        sequences = [(step.input_ids[a:b], step.labels[a:b]) for a, b in spans]
-        padded_total = int(layout.padded_lengths(step.lengths[chosen], group.cp_size).sum()) if chosen else 0
-        local_length = layout.local_length(padded_total, group.cp_size)
-        packed.append(
-            pack_group(
-                sequences,
-                cp_size=group.cp_size,
-                local_length=local_length,
-                pad_token_id=pad_token_id,
-                pad_each_sequence_to=layout.sequence_multiple(group.cp_size),
-                tail_padding=tail_padding,
-            )  # fmt: skip
+        chosen = np.asarray(group.sequence_ids, dtype=np.int64)
+        lengths = step.lengths[chosen]
+        padded_total = int(layout.padded_lengths(lengths, group.cp_size).sum()) if chosen.size else 0
+        cp, row, multiple = _group_row(
+            group.cp_size, layout.local_length(padded_total, group.cp_size), layout.sequence_multiple(group.cp_size)
         )
+        if not chosen.size:
+            packed.append(_padding_group(cp, row, pad_token_id))
+            continue
+        _check_fits(lengths, multiple, cp, row)
+        # Every token of the group's sequences, in packing order: one gather from the step's tokens (the
+        # sequences were checked when their micro-batches were fetched).
+        offsets = np.cumsum(lengths) - lengths
+        where = np.arange(int(lengths.sum())) + np.repeat(starts[chosen] - offsets, lengths)
+        collator = _collator(row, multiple, pad_token_id, tail_padding)
+        packed.append(_with_cp_size(collator.pack_arrays([input_ids[where]], [labels[where]], lengths), cp))
     return packed
