@@ -228,6 +228,7 @@ class ParallelBatch:
         self.context = self._context(parallel_context)
         self.scheduler = self._scheduler(scheduler)
         self._group_of = self._dynamic_groups(dynamic_cp_group_func)
+        self._groups: dict[int, tuple[Any, int, int]] = {}  # runtime CP size -> (group, size, rank)
         self.stage_fields = stage_fields(_SENT, self.context.pp_rank, self.context.pp_size, mtp_stages=mtp_stages)
         self.mtp_stages = tuple(mtp_stages)
         self.layout = self._layout(cp_layout)
@@ -512,8 +513,11 @@ class ParallelBatch:
     def _cp_group(self, local_cp_size: int | None) -> tuple[Any, int, int]:
         """``(group, size, rank)`` a micro-batch of ``local_cp_size`` (None: the static one) is cut across."""
         if local_cp_size is not None and self._group_of is not None:
-            group = self._group_of(local_cp_size)
-            size, rank = group_size_rank(group)
+            found = self._groups.get(local_cp_size)
+            if found is None:  # a group's size and this rank's place in it do not change: asked once per size
+                group = self._group_of(local_cp_size)
+                found = self._groups[local_cp_size] = (group, *group_size_rank(group))
+            group, size, rank = found
         else:
             group, size, rank = self.context.cp_group, self.context.cp_size, self.context.cp_rank
         if local_cp_size is not None and local_cp_size != size:
