@@ -15,6 +15,7 @@ ranks (``batching.get_batch``, ``parallel.batch_parallel``).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
@@ -25,7 +26,7 @@ from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
-from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, settings_digest
 from hyper_parallel.data.parallel.step_exchange import all_gather_parts, gather_step_headers
 
@@ -163,11 +164,10 @@ def _sequences(batch: object, where: str) -> tuple[torch.Tensor, torch.Tensor, n
             "Convert a megatron-style dict once with build_collate_fn.indexed_batch, or use "
             "build_online_text_collate_fn as the loader's collate_fn"
         )
-    ids, labels = batch.input_ids.reshape(-1).to(torch.int64), batch.labels.reshape(-1).to(torch.int64)
-    bounds = check_cu_seq_lens(
-        batch.cu_seq_lens, ids.numel(), f"{where}'s cu_seq_lens", row_length=int(batch.input_ids.shape[-1])
-    )
-    return ids, labels, np.diff(bounds.numpy()).astype(np.int64)
+    ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
+    # A Batch checked its boundaries when it was built (``check_cu_seq_lens``: every span at least 1 token, every
+    # row end a boundary), and its ids and labels are int64 of one shape.
+    return ids, labels, np.diff(batch.cu_seq_lens.numpy()).astype(np.int64)
 
 
 def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
@@ -175,8 +175,8 @@ def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
 
     Raises:
         DataConfigError: ``data_iterator`` is not an iterator.
-        DataFileError: an item is not a ``Batch``, or its ``cu_seq_lens`` break the one rule (``check_cu_seq_lens``:
-            zero-length spans are refused).
+        DataFileError: an item is not a ``Batch`` (whose construction checked its ``cu_seq_lens`` by the one rule,
+            ``check_cu_seq_lens``: zero-length spans are refused).
     """
     if not isinstance(data_iterator, Iterator):
         raise DataConfigError(
@@ -217,12 +217,18 @@ def _digest_words(settings: dict[str, dict[str, object]]) -> list[int]:
     return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, len(digest), 8)]
 
 
-def _check_agreement(headers: torch.Tensor, settings: dict[str, dict[str, object]], group) -> None:
+@functools.lru_cache(maxsize=16)
+def _settings_words(config: object, num_microbatches: int) -> tuple[int, ...]:
+    """The header words of a (frozen, hashable) scheduler config's settings: computed once per config and count."""
+    return tuple(_digest_words(_settings(config, num_microbatches)))
+
+
+def _check_agreement(headers: torch.Tensor, config: object, num_microbatches: int, group) -> None:
     """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ: every rank decides from the
     same gathered digests, so either all of them or none make ``check_ranks_agree``'s naming collectives."""
     digests = headers[:, len(_HEADER) :]
     if not (digests == digests[0]).all():
-        check_ranks_agree(settings, group=group, what=_AGREEMENT)
+        check_ranks_agree(_settings(config, num_microbatches), group=group, what=_AGREEMENT)
 
 
 def exchange_sequences(
@@ -256,11 +262,10 @@ def exchange_sequences(
         with its value per global rank); ``DataFileError`` when the step holds no sequence; ``CollectiveTimeout``
         naming the ranks that never reached the step header (or the exchange).
     """
-    settings = _settings(config, num_microbatches)
     error = fetched if isinstance(fetched, BaseException) else None
     step = FetchedStep.empty() if error is not None else fetched
     counts = [error is not None, step.items, step.lengths.size, step.input_ids.numel(), position, num_microbatches]
-    header = torch.tensor(counts + _digest_words(settings), dtype=torch.int64)
+    header = torch.tensor(counts + list(_settings_words(config, num_microbatches)), dtype=torch.int64)
     headers = gather_step_headers(header, group=domain_group, size=domain_size)
     failed = sorted({int(p) // cp_size for p in headers[headers[:, 0] != 0, 4].tolist()})
     if error is not None:
@@ -270,7 +275,7 @@ def exchange_sequences(
             f"DP rank {failed[0]} failed to read its micro-batches for the packing scheduler (DP ranks {failed} "
             f"failed); see DP rank {failed[0]}'s log for its error"
         )
-    _check_agreement(headers, settings, domain_group)
+    _check_agreement(headers, config, num_microbatches, domain_group)
     if int(headers[:, 1].sum()) == 0:
         return None
     if int(headers[:, 2].sum()) == 0:
