@@ -238,6 +238,7 @@ class ParallelBatch:
         self._plans = {(self.delivery_plan.cp_size, self.delivery_plan.cp_rank): self.delivery_plan}
         self._metadata: DeliveryMetadata | None = None  # the data rank's metadata of the batch being delivered
         self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
+        self._outcome_relay: BatchRelay | None = None  # relays a step's count and statistics
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
 
@@ -640,7 +641,9 @@ class ParallelBatch:
             count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
             return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}
 
-        outcome = self._relay_of(_OUTCOME).relay(produce, "schedule the step")
+        if self._outcome_relay is None:
+            self._outcome_relay = self._relay_of(_OUTCOME)
+        outcome = self._outcome_relay.relay(produce, "schedule the step")
         if outcome is None:
             raise StopIteration
         values = outcome["outcome"].cpu()
