@@ -223,7 +223,7 @@ def _settings_words(config: object, num_microbatches: int) -> tuple[int, ...]:
     return tuple(_digest_words(_settings(config, num_microbatches)))
 
 
-def _check_agreement(headers: torch.Tensor, config: object, num_microbatches: int, group) -> None:
+def _check_agreement(headers: np.ndarray, config: object, num_microbatches: int, group) -> None:
     """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ: every rank decides from the
     same gathered digests, so either all of them or none make ``check_ranks_agree``'s naming collectives."""
     digests = headers[:, len(_HEADER) :]
@@ -266,7 +266,7 @@ def exchange_sequences(
     step = FetchedStep.empty() if error is not None else fetched
     counts = [error is not None, step.items, step.lengths.size, step.input_ids.numel(), position, num_microbatches]
     header = torch.tensor(counts + list(_settings_words(config, num_microbatches)), dtype=torch.int64)
-    headers = gather_step_headers(header, group=domain_group, size=domain_size)
+    headers = gather_step_headers(header, group=domain_group, size=domain_size).numpy()  # decided on in numpy
     failed = sorted({int(p) // cp_size for p in headers[headers[:, 0] != 0, 4].tolist()})
     if error is not None:
         raise error
