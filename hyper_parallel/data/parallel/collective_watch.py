@@ -64,6 +64,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # well under torch's default process-group
 
 _STORE_PREFIX = "hyper_parallel.data/arrival"
 _LONGEST_PAUSE_S = 0.005  # the most a completed, polled (not gloo) collective waits before its rank notices
+_SHORTEST_WAIT_S = 0.001  # a wait's timeout in whole milliseconds: 0 would mean no timeout to torch
 
 _calls: dict[tuple[str, str], int] = {}  # (group key, what) -> collectives this process issued
 
@@ -182,8 +183,9 @@ def _completes(work, deadline: float, blocking: bool) -> bool:
     """Whether ``work`` completes before ``deadline`` (``time.monotonic()``): waited on with that timeout when
     ``blocking`` (gloo's work wakes its waiter at once, and stays issued after a timed-out wait), else polled."""
     if blocking:
+        left = max(deadline - time.monotonic(), _SHORTEST_WAIT_S)
         with contextlib.suppress(RuntimeError):  # timed out, or failed: ``watched``'s own wait raises that again
-            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.0)))
+            work.wait(timeout=timedelta(seconds=left))
         return work.is_completed()
     pause = 1e-4
     while not work.is_completed():
