@@ -167,7 +167,7 @@ def _sequences(batch: object, where: str) -> tuple[torch.Tensor, torch.Tensor, n
     ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
     # A Batch checked its boundaries when it was built (``check_cu_seq_lens``: every span at least 1 token, every
     # row end a boundary), and its ids and labels are int64 of one shape.
-    return ids, labels, np.diff(batch.cu_seq_lens.numpy()).astype(np.int64)
+    return ids, labels, np.diff(batch.cu_seq_lens.cpu().numpy()).astype(np.int64)
 
 
 def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
