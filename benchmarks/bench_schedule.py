@@ -18,7 +18,9 @@
   ``TextPackingCollator(alignment=1)`` (the reference, timed on every rank). Ours, on every rank:
   ``ParallelBatch(attention_mode="packed", scheduler=...).schedule`` on those micro-batches (gather the lengths,
   plan, pack) and iterating the step (deliver every micro-batch). Per round the two are timed interleaved between
-  barriers; a round's time is its slowest rank's, and the best round is reported.
+  barriers; a round's time is its slowest rank's, and the best round is reported. Each rank runs one intra-op
+  thread (torchrun's ``OMP_NUM_THREADS=1``). The gloo floor row times, in the same rounds, the two bare all-gathers
+  a step cannot do without (the step header over DP x CP, every DP rank's lengths and tokens over DP).
 * **Dynamic CP against Megatron's rule.** ``MEGATRON_STEPS`` seeded lognormal steps per rank count
   (``MEGATRON_RANKS``, 4 to 64 DP x CP ranks, CP 2; median 2,048 tokens, sigma 1.0, clipped to ``[128, 32768]``;
   ``max_seqlen_per_dp_cp_rank`` 8k; as many sequences as fill ``FILL`` of ``NUM_MICROBATCHES * R * 8k`` tokens)
@@ -101,9 +103,9 @@ MESH_GOAL = 0.3
 MESH_TIMEOUT = timedelta(seconds=300)  # a rank left waiting fails the group instead of hanging the run
 _NOTE_MESH = (
     "ms of one step on a 4-rank gloo mesh (DP2 x CP2), the slowest rank's, best round: ParallelBatch.schedule "
-    "(all-gather of lengths and header, plan, pack) and iterating the step (every micro-batch delivered, packed "
-    "attention); reference: the same ranks' loaders producing the step (each collating its NUM_MICROBATCHES "
-    "micro-batches with TextPackingCollator(alignment=1)), timed in the same rounds"
+    "(the step header's all-gather, one exchange of lengths and tokens, plan, pack) and iterating the step (every "
+    "micro-batch delivered, packed attention); reference: the same ranks' loaders producing the step (each "
+    "collating its NUM_MICROBATCHES micro-batches with TextPackingCollator(alignment=1)), timed in the same rounds"
 )
 
 _NOTE_FLOOR = (
