@@ -18,7 +18,9 @@
   ``TextPackingCollator(alignment=1)`` (the reference, timed on every rank). Ours, on every rank:
   ``ParallelBatch(attention_mode="packed", scheduler=...).schedule`` on those micro-batches (gather the lengths,
   plan, pack) and iterating the step (deliver every micro-batch). Per round the two are timed interleaved between
-  barriers; a round's time is its slowest rank's, and the best round is reported.
+  barriers; a round's time is its slowest rank's, and the best round is reported. Each rank runs one intra-op
+  thread (torchrun's ``OMP_NUM_THREADS=1``). The gloo floor row times, in the same rounds, the two bare all-gathers
+  a step cannot do without (the step header over DP x CP, every DP rank's lengths and tokens over DP).
 * **Dynamic CP against Megatron's rule.** ``MEGATRON_STEPS`` seeded lognormal steps per rank count
   (``MEGATRON_RANKS``, 4 to 64 DP x CP ranks, CP 2; median 2,048 tokens, sigma 1.0, clipped to ``[128, 32768]``;
   ``max_seqlen_per_dp_cp_rank`` 8k; as many sequences as fill ``FILL`` of ``NUM_MICROBATCHES * R * 8k`` tokens)
@@ -101,9 +103,16 @@ MESH_GOAL = 0.3
 MESH_TIMEOUT = timedelta(seconds=300)  # a rank left waiting fails the group instead of hanging the run
 _NOTE_MESH = (
     "ms of one step on a 4-rank gloo mesh (DP2 x CP2), the slowest rank's, best round: ParallelBatch.schedule "
-    "(all-gather of lengths and header, plan, pack) and iterating the step (every micro-batch delivered, packed "
-    "attention); reference: the same ranks' loaders producing the step (each collating its NUM_MICROBATCHES "
-    "micro-batches with TextPackingCollator(alignment=1)), timed in the same rounds"
+    "(the step header's all-gather, one exchange of lengths and tokens, plan, pack) and iterating the step (every "
+    "micro-batch delivered, packed attention); reference: the same ranks' loaders producing the step (each "
+    "collating its NUM_MICROBATCHES micro-batches with TextPackingCollator(alignment=1)), timed in the same rounds"
+)
+
+_NOTE_FLOOR = (
+    "information: ms of the two bare gloo all-gathers a scheduled step cannot do without, on the same mesh, the "
+    "slowest rank's, best round (the step header, 10 int64 words, over DP x CP; every DP rank's lengths and tokens, "
+    "padded to the widest, over DP), against the loaders' best round of the scheduler rows: the least the mesh rows "
+    "could cost with planning, packing and delivery free"
 )
 
 
@@ -123,6 +132,7 @@ def _mesh_rank(rank: int, world_size: int, port: int, capacity: int, repeats: in
     """One rank of the mesh rows: interleaved rounds of the loaders' collation and the scheduled step."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: four ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=MESH_TIMEOUT)  # fmt: skip
     try:
@@ -130,8 +140,13 @@ def _mesh_rank(rank: int, world_size: int, port: int, capacity: int, repeats: in
         groups = ProcessGroupCollection.from_mesh(mesh, MESH_SIZES)
         collate = TextPackingCollator(alignment=1)
         samples = _mesh_samples(groups.dp_rank, capacity)
+        floor = _FloorGathers(groups, capacity)
         times: dict[str, list[list[float]]] = {}
         for _ in range(repeats):
+            dist.barrier()
+            begun = time.perf_counter()
+            floor.run()
+            times.setdefault("floor", []).append([time.perf_counter() - begun])
             for name in SCHEDULERS:
                 config = PackingSchedulerConfig(max_seqlen_per_dp_cp_rank=capacity, scheduler=name)
                 stage = ParallelBatch(attention_mode="packed", scheduler=config, pg_collection=groups)
@@ -153,6 +168,29 @@ def _mesh_rank(rank: int, world_size: int, port: int, capacity: int, repeats: in
         dist.destroy_process_group()
 
 
+class _FloorGathers:
+    """The bare collectives one scheduled step cannot do without, on the same groups: an all-gather of the step
+    header (10 int64 words) over DP x CP, then one of every DP rank's lengths and tokens (its words padded to the
+    widest rank's) over DP."""
+
+    def __init__(self, groups: ProcessGroupCollection, capacity: int) -> None:
+        words = [
+            sum(len(batch) + 2 * sum(len(sample["input_ids"]) for sample in batch) for batch in batches)
+            for batches in (_mesh_samples(dp_rank, capacity) for dp_rank in range(MESH_SHAPE[0]))
+        ]
+        self.groups = groups
+        self.header, self.headers = (
+            torch.zeros(10, dtype=torch.int64),
+            torch.empty(MESH_SHAPE[0] * MESH_SHAPE[1], 10, dtype=torch.int64),
+        )
+        self.payload = torch.zeros(max(words), dtype=torch.int64)
+        self.payloads = torch.empty(MESH_SHAPE[0], max(words), dtype=torch.int64)
+
+    def run(self) -> None:
+        dist.all_gather(list(self.headers.unbind(0)), self.header, group=self.groups.dp_cp)
+        dist.all_gather(list(self.payloads.unbind(0)), self.payload, group=self.groups.dp)
+
+
 def mesh_rows(context: BenchContext) -> list[Row]:
     """The scheduler's whole step on the 4-rank mesh against the loaders producing it, per scheduler."""
     capacity = MESH_CAPACITY_QUICK if context.quick else MESH_CAPACITY
@@ -168,6 +206,12 @@ def mesh_rows(context: BenchContext) -> list[Row]:
     expected = sum(int(np.sum(b["labels"] >= 0)) for d in range(MESH_SHAPE[0]) for batch in
                    _mesh_samples(d, capacity) for b in batch)  # fmt: skip
     rows = []
+    loaders = min(
+        max(entry[0] for entry in round_)
+        for name in SCHEDULERS
+        for round_ in zip(*(rank[name] for rank in ranks), strict=True)
+    )
+    floor = min(max(entry[0] for entry in round_) for round_ in zip(*(rank["floor"] for rank in ranks), strict=True))
     for name in SCHEDULERS:
         rounds = list(zip(*(rank[name] for rank in ranks), strict=True))
         delivered = {sum(entry[2] for entry in round_) for round_ in rounds}
@@ -176,6 +220,8 @@ def mesh_rows(context: BenchContext) -> list[Row]:
         ours = min(max(entry[1] for entry in round_) for round_ in rounds)
         label = f"{name} DP2 x CP2 mesh {capacity // 1024}k/rank: schedule + deliver vs loaders"
         rows.append(Row.compare(label, ours * 1e3, reference * 1e3, "ms", MESH_GOAL, _NOTE_MESH, False))
+    label = f"gloo floor DP2 x CP2 mesh {capacity // 1024}k/rank: bare step all-gathers vs loaders"
+    rows.append(Row.compare(label, floor * 1e3, loaders * 1e3, "ms", None, _NOTE_FLOOR, False))
     return rows
 
 

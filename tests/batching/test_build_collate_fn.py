@@ -170,6 +170,18 @@ def test_padding_is_a_synthetic_sequence():
     assert batch["input_ids"][0, :5].tolist() == samples[0]["input_ids"].tolist() + samples[1]["input_ids"].tolist()
 
 
+def test_sequences_held_side_by_side_pack_as_their_samples_would():
+    """Worked example: tokens [1, 2, 3, 4, 5] holding lengths 3 and 2, each padded to 2, the row to 8: the sequences
+    sit at [0, 4) and [4, 6), the dummy tail at [6, 8), which counts its padding as real tokens."""
+    collator = TextPackingCollator(alignment=8, pad_token_id=9, pad_each_sequence_to=2)
+    tokens = np.array([1, 2, 3, 4, 5], dtype=np.int64)
+    batch = collator.pack_arrays([tokens], [tokens + 10], np.array([3, 2], dtype=np.int64))
+    assert batch.input_ids.tolist() == [[1, 2, 3, 9, 4, 5, 9, 9]]
+    assert batch.labels.tolist() == [[11, 12, 13, IGNORE_INDEX, 14, 15, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch.cu_seq_lens.tolist() == [0, 4, 6, 8]
+    assert batch.cu_seq_lens_real.tolist() == [0, 3, 5, 7]
+
+
 def test_position_ids_restart_at_every_packed_sequence_when_asked_for():
     """Worked example: lengths 3 and 2, alignment 4: positions [0, 1, 2, 0, 1] then the padding's own [0, 1, 2];
     they are absent unless asked for."""

@@ -205,7 +205,15 @@ class TextPackingCollator:
                 not 1-D integer, is empty, or has ``input_ids`` and ``labels`` of different lengths.
         """
         inputs, labels = _documents(samples, *_online_fields(samples))
-        lengths = np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs))
+        return self.pack_arrays(inputs, labels, np.fromiter(map(len, inputs), dtype=np.int64, count=len(inputs)))
+
+    def pack_arrays(self, inputs: Sequence[np.ndarray], labels: Sequence[np.ndarray], lengths: np.ndarray) -> Batch:
+        """Pack sequences of ``lengths`` held by the concatenation of ``inputs`` (and of ``labels``) into one row.
+
+        What ``__call__`` does once the samples' fields are checked; a caller that holds the sequences' tokens
+        side by side (the packing scheduler) passes them as one array each, already checked, with their lengths
+        (each at least 1, summing to the tokens' count).
+        """
         padded = lengths + -lengths % self.pad_each_sequence_to  # each sequence's length with its own padding
         total = int(padded.sum())
         pad = -total % self.alignment

@@ -73,7 +73,7 @@ from hyper_parallel.data.parallel.data_schedule_utils import (
     schedule_stats,
 )
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
-from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.delivery_layout import CP_LAYOUTS, DeliveryLayout
 from hyper_parallel.data.parallel.process_groups import ProcessGroupCollection, group_size_rank
 
 __all__ = [
@@ -228,14 +228,17 @@ class ParallelBatch:
         self.context = self._context(parallel_context)
         self.scheduler = self._scheduler(scheduler)
         self._group_of = self._dynamic_groups(dynamic_cp_group_func)
+        self._groups: dict[int, tuple[Any, int, int]] = {}  # runtime CP size -> (group, size, rank)
         self.stage_fields = stage_fields(_SENT, self.context.pp_rank, self.context.pp_size, mtp_stages=mtp_stages)
         self.mtp_stages = tuple(mtp_stages)
         self.layout = self._layout(cp_layout)
         self.cp_layout = self.layout.cp_layout
         self._check_layout()
         self.delivery_plan = self._delivery_plan()
+        self._plans = {(self.delivery_plan.cp_size, self.delivery_plan.cp_rank): self.delivery_plan}
         self._metadata: DeliveryMetadata | None = None  # the data rank's metadata of the batch being delivered
         self._relay: BatchRelay | None = None  # built at the first delivery: a context from integers takes none
+        self._outcome_relay: BatchRelay | None = None  # relays a step's count and statistics
         self._shapes: tuple | None = None  # the shape signature of the last batch logged
         self._log_start()
 
@@ -452,12 +455,9 @@ class ParallelBatch:
         _, cp_size, cp_rank = self._cp_group(size)
         plan = self._plan(cp_size, cp_rank)
         self._metadata = self._prepared(batch, plan)
-        if self._metadata is None:  # the boundaries are checked once here; a prepared batch's were, in the worker
-            cu_seq_lens = check_cu_seq_lens(
-                batch.cu_seq_lens, rows * row_length, "get_batch: the batch's cu_seq_lens", row_length=row_length
-            )
+        if self._metadata is None:  # the boundaries were checked once, when the Batch was built
             self._metadata = delivery_metadata(
-                plan, cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
+                plan, batch.cu_seq_lens, batch.cu_seq_lens_real, rows, row_length, batch=batch, device=self.device
             )
         local = self._cut(batch, self._metadata, cp_size)
         shape = torch.tensor([rows, row_length // cp_size], dtype=torch.int64)
@@ -482,10 +482,10 @@ class ParallelBatch:
 
     def _plan(self, cp_size: int, cp_rank: int) -> DeliveryPlan:
         """This rank's plan for a micro-batch cut across ``cp_size`` ranks (the static one is kept)."""
-        plan = self.delivery_plan
-        if (cp_size, cp_rank) == (plan.cp_size, plan.cp_rank):
-            return plan
-        return replace(plan, cp_size=cp_size, cp_rank=cp_rank)
+        plan = self._plans.get((cp_size, cp_rank))
+        if plan is None:  # built and validated once per runtime CP size
+            plan = self._plans[cp_size, cp_rank] = replace(self.delivery_plan, cp_size=cp_size, cp_rank=cp_rank)
+        return plan
 
     def _prepared(self, batch: Batch, plan: DeliveryPlan) -> DeliveryMetadata | None:
         """The metadata the collator computed for ``plan`` (moved to the device), or None when it computed none."""
@@ -514,8 +514,11 @@ class ParallelBatch:
     def _cp_group(self, local_cp_size: int | None) -> tuple[Any, int, int]:
         """``(group, size, rank)`` a micro-batch of ``local_cp_size`` (None: the static one) is cut across."""
         if local_cp_size is not None and self._group_of is not None:
-            group = self._group_of(local_cp_size)
-            size, rank = group_size_rank(group)
+            found = self._groups.get(local_cp_size)
+            if found is None:  # a group's size and this rank's place in it do not change: asked once per size
+                group = self._group_of(local_cp_size)
+                found = self._groups[local_cp_size] = (group, *group_size_rank(group))
+            group, size, rank = found
         else:
             group, size, rank = self.context.cp_group, self.context.cp_size, self.context.cp_rank
         if local_cp_size is not None and local_cp_size != size:
@@ -638,7 +641,9 @@ class ParallelBatch:
             count = torch.tensor([schedule.num_micro_batches], dtype=torch.float64)
             return {"outcome": torch.cat([count, stats.as_tensor().to(torch.float64)])}
 
-        outcome = self._relay_of(_OUTCOME).relay(produce, "schedule the step")
+        if self._outcome_relay is None:
+            self._outcome_relay = self._relay_of(_OUTCOME)
+        outcome = self._outcome_relay.relay(produce, "schedule the step")
         if outcome is None:
             raise StopIteration
         values = outcome["outcome"].cpu()

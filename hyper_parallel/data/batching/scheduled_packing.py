@@ -14,6 +14,8 @@ ranks (``batching.get_batch``, ``parallel.batch_parallel``).
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
@@ -24,9 +26,9 @@ from hyper_parallel.data.batching.batch import Batch
 from hyper_parallel.data.batching.build_collate_fn import TextPackingCollator
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
-from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout, check_cu_seq_lens
+from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
 from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, settings_digest
-from hyper_parallel.data.parallel.step_exchange import all_gather_varying, gather_step_headers
+from hyper_parallel.data.parallel.step_exchange import all_gather_parts, gather_step_headers
 
 __all__ = ["FetchedStep", "exchange_sequences", "fetch_sequences", "pack_group", "pack_rank_groups"]
 
@@ -68,6 +70,20 @@ def pack_group(
     Example:
         lengths 3 and 2, ``cp_size=2, local_length=6``: P = 12, ``cu_seq_lens = [0, 4, 8, 12]``.
     """
+    cp, row, multiple = _group_row(cp_size, local_length, pad_each_sequence_to)
+    if not sequences:
+        return _padding_group(cp, row, pad_token_id)
+    samples = [
+        {"input_ids": np.asarray(ids).reshape(-1), "labels": np.asarray(labels).reshape(-1)}
+        for ids, labels in sequences
+    ]
+    lengths = np.fromiter((len(sample["input_ids"]) for sample in samples), dtype=np.int64, count=len(samples))
+    _check_fits(lengths, multiple, cp, row)
+    return _with_cp_size(_collator(row, multiple, pad_token_id, tail_padding)(samples), cp)
+
+
+def _group_row(cp_size: int, local_length: int, pad_each_sequence_to: int | None) -> tuple[int, int, int]:
+    """``(cp, row, multiple)`` of a group: its CP size, its row's length and every sequence's padding multiple."""
     cp = require_int("cp_size", cp_size, 1)
     local = require_int("local_length", local_length, 1)
     multiple = (
@@ -80,33 +96,41 @@ def pack_group(
             f"local_length {local} with cp_size {cp} gives a row of {local * cp} tokens, not a multiple of "
             f"2 * cp_size = {multiple} that the zigzag_thd layout needs; use an even local_length (local_packed_length)"
         )
-    row = local * cp
-    extras = {"local_cp_size": torch.tensor([cp], dtype=torch.int64)}
-    if not sequences:
-        return Batch(
-            input_ids=torch.full((1, row), pad_token_id, dtype=torch.int64),
-            labels=torch.full((1, row), IGNORE_INDEX, dtype=torch.int64),
-            cu_seq_lens=torch.tensor([0, row], dtype=torch.int32),
-            extras=extras,
-        )
-    samples = [
-        {"input_ids": np.asarray(ids).reshape(-1), "labels": np.asarray(labels).reshape(-1)}
-        for ids, labels in sequences
-    ]
-    lengths = np.fromiter((len(sample["input_ids"]) for sample in samples), dtype=np.int64, count=len(samples))
+    return cp, local * cp, multiple
+
+
+def _check_fits(lengths: np.ndarray, multiple: int, cp: int, row: int) -> None:
     total = int((lengths + -lengths % multiple).sum())
     if total > row:
         raise DataConfigError(
-            f"the group's {len(samples)} sequences hold {total} tokens once padded for CP size {cp}, more than the "
-            f"{row} of its row (local_length {local} x cp_size {cp}); the schedule and local_packed_length disagree"
+            f"the group's {lengths.size} sequences hold {total} tokens once padded for CP size {cp}, more than the "
+            f"{row} of its row (local_length {row // cp} x cp_size {cp}); the schedule and local_packed_length "
+            "disagree"
         )
-    packed = TextPackingCollator(
-        alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple, tail_padding=tail_padding
-    )(samples)
+
+
+def _padding_group(cp: int, row: int, pad_token_id: int) -> Batch:
+    """A group without sequences: one padding sequence filling its row."""
     return Batch(
-        input_ids=packed.input_ids, labels=packed.labels, cu_seq_lens=packed.cu_seq_lens,
-        cu_seq_lens_real=packed.cu_seq_lens_real, extras=extras,
-    )  # fmt: skip
+        input_ids=torch.full((1, row), pad_token_id, dtype=torch.int64),
+        labels=torch.full((1, row), IGNORE_INDEX, dtype=torch.int64),
+        cu_seq_lens=torch.tensor([0, row], dtype=torch.int32),
+        extras={"local_cp_size": torch.tensor([cp], dtype=torch.int64)},
+    )
+
+
+def _collator(row: int, multiple: int, pad_token_id: int, tail_padding: str) -> TextPackingCollator:
+    return TextPackingCollator(
+        alignment=row, pad_token_id=pad_token_id, pad_each_sequence_to=multiple, tail_padding=tail_padding
+    )
+
+
+def _with_cp_size(packed: Batch, cp: int) -> Batch:
+    """``packed`` with the extra ``local_cp_size``: the collator's Batch was checked when it was built and the extra
+    has its one row's entry, so the boundaries are not checked a second time."""
+    packed = copy.copy(packed)
+    object.__setattr__(packed, "extras", {"local_cp_size": torch.tensor([cp], dtype=torch.int64)})
+    return packed
 
 
 # -- fetching a step ------------------------------------------------------------------------------------------------
@@ -140,11 +164,10 @@ def _sequences(batch: object, where: str) -> tuple[torch.Tensor, torch.Tensor, n
             "Convert a megatron-style dict once with build_collate_fn.indexed_batch, or use "
             "build_online_text_collate_fn as the loader's collate_fn"
         )
-    ids, labels = batch.input_ids.reshape(-1).to(torch.int64), batch.labels.reshape(-1).to(torch.int64)
-    bounds = check_cu_seq_lens(
-        batch.cu_seq_lens, ids.numel(), f"{where}'s cu_seq_lens", row_length=int(batch.input_ids.shape[-1])
-    )
-    return ids, labels, np.diff(bounds.numpy()).astype(np.int64)
+    ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
+    # A Batch checked its boundaries when it was built (``check_cu_seq_lens``: every span at least 1 token, every
+    # row end a boundary), and its ids and labels are int64 of one shape.
+    return ids, labels, np.diff(batch.cu_seq_lens.cpu().numpy()).astype(np.int64)
 
 
 def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
@@ -152,8 +175,8 @@ def fetch_sequences(data_iterator: Iterator, count: int) -> FetchedStep:
 
     Raises:
         DataConfigError: ``data_iterator`` is not an iterator.
-        DataFileError: an item is not a ``Batch``, or its ``cu_seq_lens`` break the one rule (``check_cu_seq_lens``:
-            zero-length spans are refused).
+        DataFileError: an item is not a ``Batch`` (whose construction checked its ``cu_seq_lens`` by the one rule,
+            ``check_cu_seq_lens``: zero-length spans are refused).
     """
     if not isinstance(data_iterator, Iterator):
         raise DataConfigError(
@@ -194,12 +217,18 @@ def _digest_words(settings: dict[str, dict[str, object]]) -> list[int]:
     return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, len(digest), 8)]
 
 
-def _check_agreement(headers: torch.Tensor, settings: dict[str, dict[str, object]], group) -> None:
+@functools.lru_cache(maxsize=16)
+def _settings_words(config: object, num_microbatches: int) -> tuple[int, ...]:
+    """The header words of a (frozen, hashable) scheduler config's settings: computed once per config and count."""
+    return tuple(_digest_words(_settings(config, num_microbatches)))
+
+
+def _check_agreement(headers: np.ndarray, config: object, num_microbatches: int, group) -> None:
     """Raise the same ``DataConfigError`` on every rank when the ranks' settings differ: every rank decides from the
     same gathered digests, so either all of them or none make ``check_ranks_agree``'s naming collectives."""
     digests = headers[:, len(_HEADER) :]
     if not (digests == digests[0]).all():
-        check_ranks_agree(settings, group=group, what=_AGREEMENT)
+        check_ranks_agree(_settings(config, num_microbatches), group=group, what=_AGREEMENT)
 
 
 def exchange_sequences(
@@ -218,7 +247,7 @@ def exchange_sequences(
 
     Every data rank of the DP x CP domain calls it once per step: one all-gather of a fixed-size header (failure,
     counts, position, ``num_microbatches`` and a digest of the scheduler settings), then, when every rank read its
-    micro-batches and agrees, the lengths and tokens over DP.
+    micro-batches and agrees, one exchange over DP of the lengths and tokens side by side.
 
     Args:
         fetched: this rank's ``fetch_sequences``, or the error it raised.
@@ -233,12 +262,11 @@ def exchange_sequences(
         with its value per global rank); ``DataFileError`` when the step holds no sequence; ``CollectiveTimeout``
         naming the ranks that never reached the step header (or the exchange).
     """
-    settings = _settings(config, num_microbatches)
     error = fetched if isinstance(fetched, BaseException) else None
     step = FetchedStep.empty() if error is not None else fetched
     counts = [error is not None, step.items, step.lengths.size, step.input_ids.numel(), position, num_microbatches]
-    header = torch.tensor(counts + _digest_words(settings), dtype=torch.int64)
-    headers = gather_step_headers(header, group=domain_group, size=domain_size)
+    header = torch.tensor(counts + list(_settings_words(config, num_microbatches)), dtype=torch.int64)
+    headers = gather_step_headers(header, group=domain_group, size=domain_size).numpy()  # decided on in numpy
     failed = sorted({int(p) // cp_size for p in headers[headers[:, 0] != 0, 4].tolist()})
     if error is not None:
         raise error
@@ -247,7 +275,7 @@ def exchange_sequences(
             f"DP rank {failed[0]} failed to read its micro-batches for the packing scheduler (DP ranks {failed} "
             f"failed); see DP rank {failed[0]}'s log for its error"
         )
-    _check_agreement(headers, settings, domain_group)
+    _check_agreement(headers, config, num_microbatches, domain_group)
     if int(headers[:, 1].sum()) == 0:
         return None
     if int(headers[:, 2].sum()) == 0:
@@ -257,9 +285,16 @@ def exchange_sequences(
         return step
     ours = headers[:, 4] % cp_size == position % cp_size  # the DP ranks of this CP rank, in DP order
     counts, sizes = headers[ours, 2].tolist(), headers[ours, 3].tolist()
-    lengths = all_gather_varying(torch.from_numpy(step.lengths)[None], counts, group=dp_group)[0].numpy()
-    tokens = all_gather_varying(torch.stack([step.input_ids, step.labels]), sizes, group=dp_group)
-    return FetchedStep(int(headers[ours, 1].sum()), tokens[0], tokens[1], lengths)
+    # One exchange per step: each DP rank's lengths, input ids and labels side by side in one row.
+    mine = torch.cat([torch.from_numpy(step.lengths), step.input_ids, step.labels])[None]
+    widths = [count + 2 * size for count, size in zip(counts, sizes, strict=True)]
+    parts = [
+        piece
+        for part, count, size in zip(all_gather_parts(mine, widths, group=dp_group), counts, sizes, strict=True)
+        for piece in torch.split(part[0], [count, size, size])
+    ]
+    lengths, input_ids, labels = (torch.cat(parts[field::3]) for field in range(3))
+    return FetchedStep(int(headers[ours, 1].sum()), input_ids, labels, lengths.numpy())
 
 
 # -- packing this rank's groups -------------------------------------------------------------------------------------
@@ -285,23 +320,25 @@ def pack_rank_groups(
         layout: the delivery layout (the padding multiple and every rank's local length).
         pad_token_id: the padding's input id.
     """
-    starts = np.concatenate([[0], np.cumsum(step.lengths)]).astype(np.int64)
+    starts = np.cumsum(step.lengths) - step.lengths
+    input_ids, labels = step.input_ids.numpy(), step.labels.numpy()
     packed = []
     for micro_batch in range(schedule.num_micro_batches):
         group = schedule.group_at(micro_batch, position)
-        chosen = list(group.sequence_ids)
-        spans = [(int(starts[k]), int(starts[k + 1])) for k in chosen]
-        sequences = [(step.input_ids[a:b], step.labels[a:b]) for a, b in spans]
-        padded_total = int(layout.padded_lengths(step.lengths[chosen], group.cp_size).sum()) if chosen else 0
-        local_length = layout.local_length(padded_total, group.cp_size)
-        packed.append(
-            pack_group(
-                sequences,
-                cp_size=group.cp_size,
-                local_length=local_length,
-                pad_token_id=pad_token_id,
-                pad_each_sequence_to=layout.sequence_multiple(group.cp_size),
-                tail_padding=tail_padding,
-            )  # fmt: skip
+        chosen = np.asarray(group.sequence_ids, dtype=np.int64)
+        lengths = step.lengths[chosen]
+        padded_total = int(layout.padded_lengths(lengths, group.cp_size).sum()) if chosen.size else 0
+        cp, row, multiple = _group_row(
+            group.cp_size, layout.local_length(padded_total, group.cp_size), layout.sequence_multiple(group.cp_size)
         )
+        if not chosen.size:
+            packed.append(_padding_group(cp, row, pad_token_id))
+            continue
+        _check_fits(lengths, multiple, cp, row)
+        # Every token of the group's sequences, in packing order: one gather from the step's tokens (the
+        # sequences were checked when their micro-batches were fetched).
+        offsets = np.cumsum(lengths) - lengths
+        where = np.arange(int(lengths.sum())) + np.repeat(starts[chosen] - offsets, lengths)
+        collator = _collator(row, multiple, pad_token_id, tail_padding)
+        packed.append(_with_cp_size(collator.pack_arrays([input_ids[where]], [labels[where]], lengths), cp))
     return packed

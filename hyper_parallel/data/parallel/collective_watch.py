@@ -24,8 +24,9 @@ collectives require anyway. A rank whose key holds a smaller count (or none) has
 overwritten by the next call, so the store holds one key per (group, ``what``, rank) whatever the number of calls:
 ``what`` must be a fixed name, not one that changes from call to call (no step numbers in it).
 
-Cost on the fast path: one store write per call, plus polling the work every few milliseconds at most. That suits
-step-level collectives (a scheduler step, a config check), not per-micro-batch broadcasts: those stay plain.
+Cost on the fast path: one store write per call, plus the wait: a gloo work is waited on with the timeout (it
+wakes its rank the moment it completes), any other backend's work is polled every few milliseconds at most. That
+suits step-level collectives (a scheduler step, a config check), not per-micro-batch broadcasts: those stay plain.
 
 The timeout: ``timeout_s`` when the caller gives one, else the environment variable ``HP_DATA_COLLECTIVE_TIMEOUT``
 (seconds), else ``DEFAULT_COLLECTIVE_TIMEOUT_S`` (300 s, well under torch's 30-minute process-group timeout).
@@ -34,11 +35,13 @@ A collective that timed out stays issued: the error is for the job's log, and th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
@@ -60,7 +63,8 @@ TIMEOUT_VARIABLE = "HP_DATA_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # well under torch's default process-group timeout of 30 minutes
 
 _STORE_PREFIX = "hyper_parallel.data/arrival"
-_LONGEST_PAUSE_S = 0.005  # the most a completed collective waits before its rank notices
+_LONGEST_PAUSE_S = 0.005  # the most a completed, polled (not gloo) collective waits before its rank notices
+_SHORTEST_WAIT_S = 0.001  # a wait's timeout in whole milliseconds: 0 would mean no timeout to torch
 
 _calls: dict[tuple[str, str], int] = {}  # (group key, what) -> collectives this process issued
 
@@ -175,8 +179,14 @@ def _missing(store, group_key: str, what: str, ranks: list[int], call: int) -> l
     return missing
 
 
-def _completes(work, deadline: float) -> bool:
-    """Whether ``work`` completes before ``deadline`` (``time.monotonic()``), polling it."""
+def _completes(work, deadline: float, blocking: bool) -> bool:
+    """Whether ``work`` completes before ``deadline`` (``time.monotonic()``): waited on with that timeout when
+    ``blocking`` (gloo's work wakes its waiter at once, and stays issued after a timed-out wait), else polled."""
+    if blocking:
+        left = max(deadline - time.monotonic(), _SHORTEST_WAIT_S)
+        with contextlib.suppress(RuntimeError):  # timed out, or failed: ``watched``'s own wait raises that again
+            work.wait(timeout=timedelta(seconds=left))
+        return work.is_completed()
     pause = 1e-4
     while not work.is_completed():
         left = deadline - time.monotonic()
@@ -234,7 +244,7 @@ def watched(what: str, issue: Callable[[], object], *, group=None, timeout_s: fl
     work = issue()
     if work is None or not hasattr(work, "is_completed"):
         raise TypeError(f"the collective {what!r} was issued without async_op=True: watched needs its work")
-    if not _completes(work, time.monotonic() + seconds):
+    if not _completes(work, time.monotonic() + seconds, dist.get_backend(group) == "gloo"):
         missing = _missing(store, group_key, what, ranks, call)
         message = _timeout_message(what, ranks, missing, seconds, setting)
         raise CollectiveTimeout(message, what=what, ranks=ranks, missing=missing, timeout_s=seconds)

@@ -2,8 +2,9 @@
 
 Owns: all-gathering a step's fixed-size header over the DP x CP domain (``gather_step_headers``), watched so that a
 rank that never reaches the step is named by the others after the collective timeout (``HP_DATA_COLLECTIVE_TIMEOUT``,
-see ``collective_watch``), and all-gathering tensors of varying width over DP (``all_gather_varying``: the lengths
-and the tokens of every DP rank's sequences), each on the device the group's backend gathers on.
+see ``collective_watch``), and all-gathering tensors of varying width over DP (``all_gather_parts``,
+``all_gather_varying``: the lengths and the tokens of every DP rank's sequences), each on the device the group's
+backend gathers on.
 Not responsible for: what the header's columns mean, or deciding from them (``batching.scheduled_packing``),
 comparing the ranks' settings (``rank_agreement``), or planning (``parallel.scheduling``).
 
@@ -18,7 +19,7 @@ import torch
 from hyper_parallel.data.parallel.build_barrier import gather_device
 from hyper_parallel.data.parallel.collective_watch import watched
 
-__all__ = ["SEQUENCE_EXCHANGE", "STEP_HEADER", "all_gather_varying", "gather_step_headers"]
+__all__ = ["SEQUENCE_EXCHANGE", "STEP_HEADER", "all_gather_parts", "all_gather_varying", "gather_step_headers"]
 
 STEP_HEADER = "the packing scheduler's step header"
 SEQUENCE_EXCHANGE = "the packing scheduler's sequence exchange"
@@ -31,9 +32,9 @@ def _all_gather(what: str, tensor: torch.Tensor, group, size: int) -> torch.Tens
     import torch.distributed as dist
 
     mine = tensor.to(gather_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    watched(what, lambda: dist.all_gather(gathered, mine, group=group, async_op=True), group=group)
-    return torch.stack(gathered).cpu()
+    gathered = mine.new_empty((size, *mine.shape))  # every rank's part lands in its row: nothing to stack after
+    watched(what, lambda: dist.all_gather(list(gathered.unbind(0)), mine, group=group, async_op=True), group=group)
+    return gathered.cpu()
 
 
 def gather_step_headers(header: torch.Tensor, *, group, size: int) -> torch.Tensor:
@@ -50,18 +51,26 @@ def gather_step_headers(header: torch.Tensor, *, group, size: int) -> torch.Tens
     return _all_gather(STEP_HEADER, header.reshape(-1), group, size)
 
 
-def all_gather_varying(tensor: torch.Tensor, widths: list[int], *, group) -> torch.Tensor:
-    """Every rank's ``[F, widths[r]]`` tensor, concatenated along the last dimension in group-rank order.
+def all_gather_parts(tensor: torch.Tensor, widths: list[int], *, group) -> list[torch.Tensor]:
+    """Every rank's ``[F, widths[r]]`` tensor, in group-rank order: views of the one buffer gathered into.
 
     Args:
         tensor: this rank's ``[F, W]`` part (``W`` its own entry of ``widths``).
         widths: every rank's ``W``, in group-rank order (gathered beforehand, e.g. in the step header).
         group: the group; its size is ``len(widths)``.
+    """
+    padded = tensor.new_zeros((tensor.shape[0], max(widths)))
+    padded[:, : tensor.shape[1]] = tensor
+    gathered = _all_gather(SEQUENCE_EXCHANGE, padded, group, len(widths))
+    return [part[:, :width] for part, width in zip(gathered, widths, strict=True)]
+
+
+def all_gather_varying(tensor: torch.Tensor, widths: list[int], *, group) -> torch.Tensor:
+    """Every rank's ``[F, widths[r]]`` tensor, concatenated along the last dimension in group-rank order.
+
+    Args: as ``all_gather_parts``.
 
     Example:
         widths ``[2, 0, 1]``, parts ``[[1, 2]]``, ``[[]]``, ``[[3]]``: every rank gets ``[[1, 2, 3]]``.
     """
-    padded = torch.zeros(tensor.shape[0], max(widths), dtype=tensor.dtype)
-    padded[:, : tensor.shape[1]] = tensor
-    gathered = _all_gather(SEQUENCE_EXCHANGE, padded, group, len(widths))
-    return torch.cat([part[:, :width] for part, width in zip(gathered, widths, strict=True)], dim=1)
+    return torch.cat(all_gather_parts(tensor, widths, group=group), dim=1)
