@@ -541,8 +541,9 @@ def test_identity_invalid_records_are_data_errors(record, fragment):
 
 
 def test_builder_makes_each_data_type(tokenizer, tokenizer_path):
-    """plaintext/conversation/identity; a tokenizer path is loaded; the YAML example builds as written."""
-    assert set(DATA_TRANSFORM_REGISTRY) == {"plaintext", "conversation", "identity"}
+    """plaintext/conversation/identity (instruction: its own tests); a tokenizer path is loaded; the YAML example
+    builds as written."""
+    assert set(DATA_TRANSFORM_REGISTRY) == {"plaintext", "conversation", "instruction", "identity"}
     yaml_node = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 4096}
     plaintext = build_llm_data_transform(tokenizer=tokenizer_path, **yaml_node)
     assert isinstance(plaintext, PlaintextTransform) and plaintext.max_seq_len == 4096
@@ -582,9 +583,11 @@ def test_identity_with_a_tokenizer_still_refuses_negative_ids_and_skips_when_ask
 
 
 def test_builder_errors(tokenizer):
-    with pytest.raises(DataConfigError, match=r"unknown data_type 'sft'; use one of plaintext, conversation, identity"):
+    with pytest.raises(
+        DataConfigError, match=r"unknown data_type 'sft'; use one of plaintext, conversation, instruction, identity"
+    ):
         build_llm_data_transform("sft", tokenizer)
-    for data_type in ("plaintext", "conversation"):
+    for data_type in ("plaintext", "conversation", "instruction"):
         with pytest.raises(DataConfigError, match=rf"data_type '{data_type}' needs a tokenizer"):
             build_llm_data_transform(data_type, max_seq_len=8)
     with pytest.raises(DataConfigError, match=r"unknown option\(s\) \['text_key'\] for data_type 'plaintext'"):
