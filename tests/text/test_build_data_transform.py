@@ -252,7 +252,8 @@ def test_invalid_options_are_config_errors(tokenizer, option):
         ("identity", {"labels_are_shifted": "no"}, ["labels_are_shifted", "'no'", "true or false"]),
         ("identity", {"input_ids_key": 5}, ["input_ids_key must be a non-empty field name", "5"]),
         ("identity", {"labels_key": ""}, ["labels_key must be a non-empty field name", "''"]),
-        ("conversation", {"role_key": None}, ["role_key must be a non-empty field name", "None"]),
+        ("conversation", {"role_key": ""}, ["role_key must be a non-empty field name", "''"]),
+        ("conversation", {"content_key": 3}, ["content_key must be a non-empty field name", "3"]),
     ],
 )
 def test_quoted_flags_and_field_names_of_other_types_are_refused(tokenizer, data_type, option, named):
@@ -412,6 +413,44 @@ def test_conversation_text_keys_fallbacks_and_sharegpt_fields(tokenizer):
     assert sample["input_ids"].tolist() == tokenizer.encode(text)[:-1]
     spans = [tokenizer.decode(sample["labels"][a:b]) for a, b in supervised_spans(sample["labels"])]
     assert spans == [f"Hello!{IM_END}\n"]
+
+
+def test_sharegpt_records_need_no_role_or_content_key(tokenizer):
+    """``{"conversations": [{"from", "value"}, ...]}`` trains as the same conversation written with role/content."""
+    transform = build_llm_data_transform("conversation", tokenizer, chat_template="chatml", text_keys="conversations")
+    sharegpt = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+    ]
+    openai = [{"role": m["from"], "content": m["value"]} for m in sharegpt]
+    (sample,) = transform({"conversations": sharegpt}, WHERE)
+    (expected,) = transform({"conversations": openai}, WHERE)
+    text = (
+        f"<|im_start|>system\nBe brief.{IM_END}\n<|im_start|>user\nHi{IM_END}\n<|im_start|>assistant\nHello!{IM_END}\n"
+    )
+    assert sample["input_ids"].tolist() == expected["input_ids"].tolist() == tokenizer.encode(text)[:-1]
+    assert sample["labels"].tolist() == expected["labels"].tolist()
+    assert tokenizer.decode(sample["labels"][sample["labels"] != IGNORE_INDEX].tolist()) == f"Hello!{IM_END}\n"
+
+
+def test_sharegpt_role_map_maps_dataset_roles_and_names_a_role_it_does_not_cover(tokenizer):
+    transform = TextConversationTransform(
+        tokenizer, chat_template="chatml", text_keys="conversations", role_map={"customer": "user", "agent": "gpt"}
+    )
+    (sample,) = transform({"conversations": [{"from": "customer", "value": "Hi"}, {"from": "agent", "value": "Yes?"}]})
+    assert tokenizer.decode(sample["input_ids"].tolist()).startswith("<|im_start|>user\nHi")
+    with pytest.raises(DataFileError) as raised:
+        transform({"conversations": [{"from": "customer", "value": "Hi"}, {"from": "clerk", "value": "Yes?"}]}, WHERE)
+    for fragment in [
+        WHERE,
+        "field 'conversations'",
+        "message 1",
+        "unknown role 'clerk'",
+        "does not cover it",
+        "role_map",
+    ]:
+        assert fragment in str(raised.value)
 
 
 def test_conversation_is_never_truncated(tokenizer):

@@ -377,6 +377,10 @@ class TextConversationTransform(_ChatTransform):
         template = build_chat_template("chatml", "path/to/tokenizer")
         transform = TextConversationTransform(chat_template=template, text_keys="messages")
         # or, as upstream hyper_parallel writes it: TextConversationTransform(template, text_keys="messages")
+
+    Messages are ``{"role", "content"}`` or, recognised by their ``from`` field, ShareGPT's ``{"from", "value"}``
+    (its ``human`` and ``gpt`` are aliases of user and assistant); ``role_key`` and ``content_key`` name other
+    fields, and ``role_map`` other roles.
     """
 
     data_type = "conversation"
@@ -388,8 +392,8 @@ class TextConversationTransform(_ChatTransform):
         max_seq_len: int | None = None,
         chat_template: str | ChatTemplate = "tokenizer",
         text_keys: str | Sequence[str] = "conversation",
-        role_key: str = "role",
-        content_key: str = "content",
+        role_key: str | None = None,
+        content_key: str | None = None,
         role_map: Mapping[str, str] | None = None,
         supervise_role_header: bool | None = None,
         on_invalid_record: str = "error",
@@ -404,7 +408,9 @@ class TextConversationTransform(_ChatTransform):
             chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``gpt_oss``, ``chatml``,
                 ``llama2``, ``default`` or a ``ChatTemplate``.
             text_keys: the field with the list of messages, or fields tried in order.
-            role_key, content_key: the message fields that hold the speaker and the text.
+            role_key, content_key: the message fields that hold the speaker and the text. None: ``role`` and
+                ``content``, or ``from`` and ``value`` for a conversation whose first message has ``from`` and no
+                ``role`` (ShareGPT).
             role_map: raw role -> role, applied before the built-in aliases (e.g. ``{"narrator": "system"}``).
             supervise_role_header: also supervise the role header of supervised messages, as upstream
                 hyper_parallel does. None: the ``ChatTemplate``'s own setting, or False for a named template.
@@ -415,7 +421,8 @@ class TextConversationTransform(_ChatTransform):
         """
         super().__init__(tokenizer, max_seq_len, chat_template, supervise_role_header, on_invalid_record)
         self.text_keys = _key_list(text_keys, "text_keys")
-        self.role_key, self.content_key = _field_name(role_key, "role_key"), _field_name(content_key, "content_key")
+        self.role_key = None if role_key is None else _field_name(role_key, "role_key")
+        self.content_key = None if content_key is None else _field_name(content_key, "content_key")
         self.role_map = _check_role_map(role_map)
 
     def _messages(self, record: Mapping, where: str) -> tuple[list[dict], str]:
