@@ -342,9 +342,14 @@ class _ChatTransform(_RecordTransform):
         """How to give a record without a supervised token some loss, for its error."""
         raise NotImplementedError
 
-    def encode(self, record: Mapping, where: str = "record") -> tuple[np.ndarray, np.ndarray]:
+    def encode(
+        self, record: Mapping, where: str = "record", *, skip_fix: str | None = "set on_invalid_record='skip'"
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The record's token ids and **unshifted** labels (``labels[i]`` is ``ids[i]`` where supervised, else
         ``IGNORE_INDEX``), as offline preparation writes them; ``__call__`` shifts them into a ModelSample.
+
+        ``skip_fix`` ends the error of a record without loss: how to skip such records (None: not said, for a
+        caller that says it itself).
 
         Raises:
             DataFileError: the record is malformed, or no token after the first is supervised (no loss).
@@ -355,7 +360,7 @@ class _ChatTransform(_RecordTransform):
         if not (labels[1:] != IGNORE_INDEX).any():
             raise DataFileError(
                 f"{at}: no message is supervised, so the record carries no loss (roles: "
-                f"{[m['role'] for m in messages]}); {self._no_loss_fix()}, or set on_invalid_record='skip'"
+                f"{[m['role'] for m in messages]}); {self._no_loss_fix()}{f', or {skip_fix}' if skip_fix else ''}"
             )
         return ids, labels
 
