@@ -1,9 +1,9 @@
 """Specification of the pipeline configs under ``examples/``: the design's three (Online mapping + dynamic batch,
 Indexed variable-length documents, Indexed records packed offline) as written there, paths aside, plus a weighted
-blend and a conversation (SFT) config. Each is built by ``build_dataloaders`` from the data ``hp-data quickstart``
-prepares (``prepare_example_data``, in a temporary working directory) and delivers batches through its
-``get_batch`` node, on one rank and cut over two CP ranks; the Online ones also with ``dataset_type`` and the
-loader target switched both ways, over a whole epoch.
+blend, a conversation (SFT) and an instruction (SFT) config. Each is built by ``build_dataloaders`` from the data
+``hp-data quickstart`` prepares (``prepare_example_data``, in a temporary working directory) and delivers batches
+through its ``get_batch`` node, on one rank and cut over two CP ranks; the Online ones also with ``dataset_type``
+and the loader target switched both ways, over a whole epoch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hyper_parallel.data.tools.example_data import prepare_example_data
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
-ONLINE = ("conversation_sft.yaml", "online_mapping_dynamic.yaml")
+ONLINE = ("conversation_sft.yaml", "instruction_sft.yaml", "online_mapping_dynamic.yaml")
 INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml")
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
@@ -86,6 +86,12 @@ def passage_tokens(records, tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def conversations(workdir) -> list[dict]:
     path = workdir / "quickstart_output" / "conversations.jsonl"
+    return [json.loads(line) for line in path.open(encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def instructions(workdir) -> list[dict]:
+    path = workdir / "quickstart_output" / "instructions.jsonl"
     return [json.loads(line) for line in path.open(encoding="utf-8")]
 
 
@@ -255,6 +261,25 @@ def test_the_sft_config_trains_on_exactly_the_answers_of_each_conversation(in_wo
         for _, labels in batch.sequences():
             seen[tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())] += 1
     assert seen == expected  # every conversation once, its answers and end of turn, nothing else
+
+
+def test_the_instruction_config_trains_on_exactly_the_output_of_each_record(in_workdir, tmp_path, instructions):
+    expected = Counter(f"{record['output']}<|im_end|>\n" for record in instructions)
+    config = example("instruction_sft.yaml", tmp_path / "hf")
+    config["dataloader"]["drop_last"] = False  # an odd number of records: read the last one too
+    loaders = build_dataloaders(config, tokenizer=BUNDLED_TOKENIZER_PATH, micro_batch_size=2)
+    seen, prompts = Counter(), Counter()
+    tokenizer = loaders.tokenizer
+    for batch in loaders.train:
+        assert batch.input_ids.shape[1] <= 4096  # the token budget
+        for ids, labels in batch.sequences():
+            seen[tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())] += 1
+            prompts[tokenizer.decode(ids.tolist()).split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]] += 1
+    assert seen == expected  # every record once, its answer and end of turn, nothing else
+    # The user turn is the instruction, then a blank line and the input when the record has one.
+    assert prompts == Counter(
+        f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"] for r in instructions
+    )
 
 
 # -- dataset_type and the loader target switched both ways --------------------------------------------------------
