@@ -1,9 +1,9 @@
 """Specification of the pipeline configs under ``examples/``: the design's three (Online mapping + dynamic batch,
 Indexed variable-length documents, Indexed records packed offline) as written there, paths aside, plus a weighted
-blend, a conversation (SFT) and an instruction (SFT) config. Each is built by ``build_dataloaders`` from the data
-``hp-data quickstart`` prepares (``prepare_example_data``, in a temporary working directory) and delivers batches
-through its ``get_batch`` node, on one rank and cut over two CP ranks; the Online ones also with ``dataset_type``
-and the loader target switched both ways, over a whole epoch.
+blend, a conversation (SFT) and an instruction (SFT) config, and conversations prepared offline (Indexed SFT).
+Each is built by ``build_dataloaders`` from the data ``hp-data quickstart`` prepares (``prepare_example_data``, in
+a temporary working directory) and delivers batches through its ``get_batch`` node, on one rank and cut over two
+CP ranks; the Online ones also with ``dataset_type`` and the loader target switched both ways, over a whole epoch.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.instantiate import load_config, load_config_text
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
+from hyper_parallel.data.text.build_data_transform import TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools import offline_preparation
 from hyper_parallel.data.tools.example_data import prepare_example_data
@@ -36,7 +37,7 @@ from hyper_parallel.data.tools.example_data import prepare_example_data
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
 ONLINE = ("conversation_sft.yaml", "instruction_sft.yaml", "online_mapping_dynamic.yaml")
-INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml")
+INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml", "indexed_sft.yaml")
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
 dataset:
@@ -280,6 +281,38 @@ def test_the_instruction_config_trains_on_exactly_the_output_of_each_record(in_w
     assert prompts == Counter(
         f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"] for r in instructions
     )
+
+
+def _runs(labels: list[int]) -> list[tuple[int, ...]]:
+    """The runs of consecutive trained labels."""
+    runs, current = [], []
+    for label in [*labels, IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(tuple(current))
+            current = []
+    return runs
+
+
+def test_the_indexed_sft_config_trains_only_on_the_answers_the_online_transform_trains_on(
+    in_workdir, conversations, tokenizer
+):
+    """Samples cut across conversations prepared offline: every run of trained labels lies within one answer run
+    of the Online transform's samples, and the epoch trains on every supervised token of the train split but the
+    dropped tail."""
+    transform = TextConversationTransform(tokenizer, text_keys="messages")  # the bundled template, as prepared
+    answers = [run for conversation in conversations for run in _runs(transform(conversation)[0]["labels"].tolist())]
+    train_documents = round(0.95 * len(conversations))
+    supervised = sum(int((transform(c)[0]["labels"] != IGNORE_INDEX).sum()) for c in conversations[:train_documents])
+    loaders = build_dataloaders(example("indexed_sft.yaml"), tokenizer=BUNDLED_TOKENIZER_PATH, micro_batch_size=2)
+    trained = 0
+    for batch in loaders.train:
+        for _, labels in _rows(batch):
+            for run in _runs(labels):
+                trained += len(run)
+                assert any(_holds(list(answer), list(run)) for answer in answers), tokenizer.decode(list(run))
+    assert supervised - 2 * 1024 <= trained <= supervised  # the last partial sample (and batch) are dropped
 
 
 # -- dataset_type and the loader target switched both ways --------------------------------------------------------

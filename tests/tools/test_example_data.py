@@ -45,6 +45,7 @@ def test_writes_the_documented_files(example):
         conversations_jsonl=out / "conversations.jsonl",
         instructions_jsonl=out / "instructions.jsonl",
         corpus_prefix=out / "corpus_text_document",
+        conversations_prefix=out / "conversations_messages_document",
         packed_prefix=out / "train_text_document",
         blend_prefixes=(
             out / "books" / "pride_and_prejudice_text_document",
@@ -52,7 +53,14 @@ def test_writes_the_documented_files(example):
         ),
     )
     names = set(_files(out))
-    for prefix in (example.corpus_prefix, example.packed_prefix, *example.blend_prefixes):
+    mask_prefix = example.conversations_prefix.parent / f"{example.conversations_prefix.name}_loss_mask"
+    for prefix in (
+        example.corpus_prefix,
+        example.conversations_prefix,
+        mask_prefix,
+        example.packed_prefix,
+        *example.blend_prefixes,
+    ):
         assert {f"{prefix.relative_to(out)}.bin", f"{prefix.relative_to(out)}.idx"} <= names
     assert not [name for name in names if ".tmp-" in name]
 

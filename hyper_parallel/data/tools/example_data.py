@@ -6,6 +6,8 @@
     <output_dir>/conversations.jsonl                synthetic conversations {"messages": [{"role", "content"}, ...]}
     <output_dir>/instructions.jsonl                 synthetic instruction records {"instruction", "input", "output"}
     <output_dir>/corpus_text_document.{bin,idx}     every passage, one document each, EOD appended
+    <output_dir>/conversations_messages_document.{bin,idx}            conversations.jsonl through the bundled
+    <output_dir>/conversations_messages_document_loss_mask.{bin,idx}  ChatML template: tokens and loss mask
     <output_dir>/train_text_document.{bin,idx}      train.jsonl packed into records of 4096 + 1 tokens
     <output_dir>/books/pride_and_prejudice_text_document.{bin,idx}   one book each: the prefixes of a blend
     <output_dir>/books/emma_text_document.{bin,idx}
@@ -90,6 +92,9 @@ class ExampleData:
         instructions_jsonl: the synthetic instruction records, ``{"instruction", "input", "output"}`` per line (the
             instruction SFT config).
         corpus_prefix: ``.bin``/``.idx`` prefix with one document per passage, EOD appended (Indexed configs).
+        conversations_prefix: ``.bin``/``.idx`` prefix of the conversations rendered by the bundled tokenizer's chat
+            template, one document each, EOD appended, with its loss-mask pair ``<prefix>_loss_mask`` (the Indexed
+            SFT config).
         packed_prefix: ``.bin``/``.idx`` prefix of ``train_jsonl`` packed into records of
             ``EXAMPLE_PACK_TO_SEQ_LEN + 1`` tokens (``is_dataset_from_mr`` configs).
         blend_prefixes: one ``.bin``/``.idx`` prefix per book of ``BLEND_BOOKS``, in that order (blend configs).
@@ -99,6 +104,7 @@ class ExampleData:
     conversations_jsonl: Path
     instructions_jsonl: Path
     corpus_prefix: Path
+    conversations_prefix: Path
     packed_prefix: Path
     blend_prefixes: tuple[Path, ...]
 
@@ -268,19 +274,28 @@ def _write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
     write_atomically(path, text.encode("utf-8"))
 
 
-def _prepare(input_path: Path, output_prefix: Path, workers: int, pack_to_seq_len: int | None = None, source=None):
+def _prepare(
+    input_path: Path,
+    output_prefix: Path,
+    workers: int,
+    pack_to_seq_len: int | None = None,
+    source=None,
+    key: str = "text",
+    chat_template: str | None = None,
+):
     config = OfflinePreparationConfig(
         dataset_name_or_path=str(input_path),
         output_prefix=str(output_prefix),
         tokenizer_name_or_path=str(BUNDLED_TOKENIZER_PATH),
-        json_keys=("text",),
+        json_keys=(key,),
         append_eod=True,
         pack_to_seq_len=pack_to_seq_len,
+        chat_template=chat_template,
         workers=workers,
         overwrite=True,  # the example folder is rewritten by every call, with the same bytes
     )
     run_offline_preparation(config, source)
-    return Path(config.output_prefix_for("text"))
+    return Path(config.output_prefix_for(key))
 
 
 def _book_source(train_jsonl: Path, records: Sequence[Mapping], book: str) -> RecordSource:
@@ -339,6 +354,9 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
     _write_jsonl(instructions_jsonl, example_instructions(chapters))
 
     corpus_prefix = _prepare(train_jsonl, output_dir / "corpus", workers)
+    conversations_prefix = _prepare(
+        conversations_jsonl, output_dir / "conversations", workers, key="messages", chat_template="tokenizer"
+    )
     packed_prefix = _prepare(train_jsonl, output_dir / "train", workers, pack_to_seq_len=EXAMPLE_PACK_TO_SEQ_LEN)
     blend_prefixes = tuple(
         _prepare(
@@ -354,6 +372,7 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
         conversations_jsonl=conversations_jsonl,
         instructions_jsonl=instructions_jsonl,
         corpus_prefix=corpus_prefix,
+        conversations_prefix=conversations_prefix,
         packed_prefix=packed_prefix,
         blend_prefixes=blend_prefixes,
     )

@@ -190,7 +190,9 @@ def _prepare(output_dir: Path, workers: int) -> ExampleData:
         (data.instructions_jsonl, f"{instructions} synthetic instructions", "the instruction SFT config"),
     ]
     uses = ["Indexed configs", "offline-packed records", *(f"the blend ({book})" for book in BLEND_BOOKS)]
-    for prefix, use in zip((data.corpus_prefix, data.packed_prefix, *data.blend_prefixes), uses, strict=True):
+    uses.append("the Indexed SFT config, with its _loss_mask pair")
+    prefixes = (data.corpus_prefix, data.packed_prefix, *data.blend_prefixes, data.conversations_prefix)
+    for prefix, use in zip(prefixes, uses, strict=True):
         reader = IndexedDataReader(prefix)
         what = f"{reader.num_documents} documents, {reader.num_tokens:,} tokens"
         if prefix == data.packed_prefix:
