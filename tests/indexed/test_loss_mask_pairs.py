@@ -222,12 +222,12 @@ def test_samples_cut_across_conversations_train_on_exactly_the_online_targets(
 def test_read_loss_mask_off_trains_every_token_and_required_refuses_a_prefix_without_one(tmp_path, tokenizer_path):
     _, prefix = prepare(tmp_path, tokenizer_path)
     off = train_split(prefix, tokenizer_path, 24, read_loss_mask="off")
-    assert off[0]["loss_mask"].tolist() == [1.0] * 24 and off.loss_mask is None
+    assert off[0]["loss_mask"].tolist() == [1.0] * 24 and off.loss_mask_pair is None
     plain = IndexedDataReader(prefix)
     with IndexedDatasetBuilder(tmp_path / "plain.bin", dtype=plain.dtype) as builder:
         builder.add_documents(np.concatenate(plain[0 : len(plain)]), plain.sequence_lengths)
         builder.finalize(tmp_path / "plain.idx")
-    assert train_split(str(tmp_path / "plain"), tokenizer_path, 24).loss_mask is None  # auto: none there
+    assert train_split(str(tmp_path / "plain"), tokenizer_path, 24).loss_mask_pair is None  # auto: none there
     with pytest.raises(DataFileError, match=r"plain has no loss-mask pair .*plain_loss_mask.*'required'"):
         train_split(str(tmp_path / "plain"), tokenizer_path, 24, read_loss_mask="required")
     with pytest.raises(DataConfigError, match="read_loss_mask must be one of"):

@@ -345,7 +345,7 @@ class GPTDataset(_MidLevelDataset):
         if end - begin != len(self.indices):
             raise DataConfigError(f"{dataset_path}: a split's sequence ids must be one contiguous range")
         self.tokens_per_epoch = int(low_level.sequence_lengths[begin:end].sum(dtype=np.int64))
-        self.loss_mask = open_loss_mask(low_level, config) if isinstance(low_level, IndexedDataReader) else None
+        self.loss_mask_pair = open_loss_mask(low_level, config) if isinstance(low_level, IndexedDataReader) else None
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
@@ -441,14 +441,14 @@ class GPTDataset(_MidLevelDataset):
         return self._stacked(self.dataset.gather(*pieces[:3]), pieces)
 
     def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.loss_mask is None:
+        if self.loss_mask_pair is None:
             return self.texts(indices), None
         pieces = self._pieces(indices)
-        supervised = self.loss_mask.gather(*pieces[:3])
+        supervised = self.loss_mask_pair.gather(*pieces[:3])
         if supervised.size and supervised.max() > 1:
             raise DataFileError(
-                f"{self.loss_mask.path_prefix}: a loss mask holds 0 and 1 only, but it holds {int(supervised.max())}; "
-                f"{_PREPARE_AGAIN}"
+                f"{self.loss_mask_pair.path_prefix}: a loss mask holds 0 and 1 only, but it holds "
+                f"{int(supervised.max())}; {_PREPARE_AGAIN}"
             )
         return self._stacked(self.dataset.gather(*pieces[:3]), pieces), self._stacked(supervised, pieces, fill=0)
 
