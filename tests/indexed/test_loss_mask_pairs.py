@@ -59,6 +59,7 @@ def write_conversations(path, conversations) -> str:
 
 
 def prepare(tmp_path, tokenizer_path, conversations=CONVERSATIONS, **options):
+    tmp_path.mkdir(exist_ok=True)
     data = write_conversations(tmp_path / "chats.jsonl", conversations)
     config = OfflinePreparationConfig(
         dataset_name_or_path=data,
@@ -104,6 +105,20 @@ def test_preparation_writes_the_tokens_and_a_uint8_loss_mask_pair_of_the_same_do
     assert tokens[0].tolist() == tokenizer.encode(header) + tokenizer.encode(answer)
     assert mask[0].tolist() == [0] * len(tokenizer.encode(header)) + [1] * len(tokenizer.encode(answer))
     assert set(np.concatenate(mask[0 : len(mask)]).tolist()) == {0, 1}
+
+
+def test_partitions_keep_each_conversations_mask_with_its_tokens(tmp_path, tokenizer_path):
+    """Round-robin partitions merge the records in another order, each document's mask still beside its tokens."""
+    _, whole = prepare(tmp_path / "one", tokenizer_path)
+    _, parted = prepare(tmp_path / "two", tokenizer_path, partitions=2)
+
+    def documents(prefix):
+        tokens, mask = IndexedDataReader(prefix), IndexedDataReader(f"{prefix}_loss_mask")
+        assert mask.sequence_lengths.tolist() == tokens.sequence_lengths.tolist()
+        return [(tuple(tokens[i].tolist()), tuple(mask[i].tolist())) for i in range(len(tokens))]
+
+    by_record = documents(whole)
+    assert documents(parted) == [by_record[i] for i in (0, 2, 1, 3)]  # partition 0 holds records 0 and 2
 
 
 def test_an_appended_eod_ends_each_document_and_is_never_a_target(tmp_path, tokenizer_path):
