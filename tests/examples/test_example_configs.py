@@ -1,9 +1,9 @@
 """Specification of the pipeline configs under ``examples/``: the design's three (Online mapping + dynamic batch,
 Indexed variable-length documents, Indexed records packed offline) as written there, paths aside, plus a weighted
-blend and a conversation (SFT) config. Each is built by ``build_dataloaders`` from the data ``hp-data quickstart``
-prepares (``prepare_example_data``, in a temporary working directory) and delivers batches through its
-``get_batch`` node, on one rank and cut over two CP ranks; the Online ones also with ``dataset_type`` and the
-loader target switched both ways, over a whole epoch.
+blend, a conversation (SFT) and an instruction (SFT) config, and conversations prepared offline (Indexed SFT).
+Each is built by ``build_dataloaders`` from the data ``hp-data quickstart`` prepares (``prepare_example_data``, in
+a temporary working directory) and delivers batches through its ``get_batch`` node, on one rank and cut over two
+CP ranks; the Online ones also with ``dataset_type`` and the loader target switched both ways, over a whole epoch.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.instantiate import load_config, load_config_text
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
+from hyper_parallel.data.text.build_data_transform import TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools import offline_preparation
 from hyper_parallel.data.tools.example_data import prepare_example_data
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
-ONLINE = ("conversation_sft.yaml", "online_mapping_dynamic.yaml")
-INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml")
+ONLINE = ("conversation_sft.yaml", "instruction_sft.yaml", "online_mapping_dynamic.yaml")
+INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml", "indexed_sft.yaml")
 MIXTURE = ("mixture.yaml",)
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
@@ -87,6 +88,12 @@ def passage_tokens(records, tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def conversations(workdir) -> list[dict]:
     path = workdir / "quickstart_output" / "conversations.jsonl"
+    return [json.loads(line) for line in path.open(encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def instructions(workdir) -> list[dict]:
+    path = workdir / "quickstart_output" / "instructions.jsonl"
     return [json.loads(line) for line in path.open(encoding="utf-8")]
 
 
@@ -284,6 +291,57 @@ def test_the_sft_config_trains_on_exactly_the_answers_of_each_conversation(in_wo
         for _, labels in batch.sequences():
             seen[tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())] += 1
     assert seen == expected  # every conversation once, its answers and end of turn, nothing else
+
+
+def test_the_instruction_config_trains_on_exactly_the_output_of_each_record(in_workdir, tmp_path, instructions):
+    expected = Counter(f"{record['output']}<|im_end|>\n" for record in instructions)
+    config = example("instruction_sft.yaml", tmp_path / "hf")
+    config["dataloader"]["drop_last"] = False  # an odd number of records: read the last one too
+    loaders = build_dataloaders(config, tokenizer=BUNDLED_TOKENIZER_PATH, micro_batch_size=2)
+    seen, prompts = Counter(), Counter()
+    tokenizer = loaders.tokenizer
+    for batch in loaders.train:
+        assert batch.input_ids.shape[1] <= 4096  # the token budget
+        for ids, labels in batch.sequences():
+            seen[tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())] += 1
+            prompts[tokenizer.decode(ids.tolist()).split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]] += 1
+    assert seen == expected  # every record once, its answer and end of turn, nothing else
+    # The user turn is the instruction, then a blank line and the input when the record has one.
+    assert prompts == Counter(
+        f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"] for r in instructions
+    )
+
+
+def _runs(labels: list[int]) -> list[tuple[int, ...]]:
+    """The runs of consecutive trained labels."""
+    runs, current = [], []
+    for label in [*labels, IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(tuple(current))
+            current = []
+    return runs
+
+
+def test_the_indexed_sft_config_trains_only_on_the_answers_the_online_transform_trains_on(
+    in_workdir, conversations, tokenizer
+):
+    """Samples cut across conversations prepared offline: every run of trained labels lies within one answer run
+    of the Online transform's samples, and the epoch trains on every supervised token of the train split but the
+    dropped tail."""
+    transform = TextConversationTransform(tokenizer, text_keys="messages")  # the bundled template, as prepared
+    answers = [run for conversation in conversations for run in _runs(transform(conversation)[0]["labels"].tolist())]
+    train_documents = round(0.95 * len(conversations))
+    supervised = sum(int((transform(c)[0]["labels"] != IGNORE_INDEX).sum()) for c in conversations[:train_documents])
+    loaders = build_dataloaders(example("indexed_sft.yaml"), tokenizer=BUNDLED_TOKENIZER_PATH, micro_batch_size=2)
+    trained = 0
+    for batch in loaders.train:
+        for _, labels in _rows(batch):
+            for run in _runs(labels):
+                trained += len(run)
+                assert any(_holds(list(answer), list(run)) for answer in answers), tokenizer.decode(list(run))
+    assert supervised - 2 * 1024 <= trained <= supervised  # the last partial sample (and batch) are dropped
 
 
 # -- dataset_type and the loader target switched both ways --------------------------------------------------------

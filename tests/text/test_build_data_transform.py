@@ -252,7 +252,8 @@ def test_invalid_options_are_config_errors(tokenizer, option):
         ("identity", {"labels_are_shifted": "no"}, ["labels_are_shifted", "'no'", "true or false"]),
         ("identity", {"input_ids_key": 5}, ["input_ids_key must be a non-empty field name", "5"]),
         ("identity", {"labels_key": ""}, ["labels_key must be a non-empty field name", "''"]),
-        ("conversation", {"role_key": None}, ["role_key must be a non-empty field name", "None"]),
+        ("conversation", {"role_key": ""}, ["role_key must be a non-empty field name", "''"]),
+        ("conversation", {"content_key": 3}, ["content_key must be a non-empty field name", "3"]),
     ],
 )
 def test_quoted_flags_and_field_names_of_other_types_are_refused(tokenizer, data_type, option, named):
@@ -414,6 +415,44 @@ def test_conversation_text_keys_fallbacks_and_sharegpt_fields(tokenizer):
     assert spans == [f"Hello!{IM_END}\n"]
 
 
+def test_sharegpt_records_need_no_role_or_content_key(tokenizer):
+    """``{"conversations": [{"from", "value"}, ...]}`` trains as the same conversation written with role/content."""
+    transform = build_llm_data_transform("conversation", tokenizer, chat_template="chatml", text_keys="conversations")
+    sharegpt = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+    ]
+    openai = [{"role": m["from"], "content": m["value"]} for m in sharegpt]
+    (sample,) = transform({"conversations": sharegpt}, WHERE)
+    (expected,) = transform({"conversations": openai}, WHERE)
+    text = (
+        f"<|im_start|>system\nBe brief.{IM_END}\n<|im_start|>user\nHi{IM_END}\n<|im_start|>assistant\nHello!{IM_END}\n"
+    )
+    assert sample["input_ids"].tolist() == expected["input_ids"].tolist() == tokenizer.encode(text)[:-1]
+    assert sample["labels"].tolist() == expected["labels"].tolist()
+    assert tokenizer.decode(sample["labels"][sample["labels"] != IGNORE_INDEX].tolist()) == f"Hello!{IM_END}\n"
+
+
+def test_sharegpt_role_map_maps_dataset_roles_and_names_a_role_it_does_not_cover(tokenizer):
+    transform = TextConversationTransform(
+        tokenizer, chat_template="chatml", text_keys="conversations", role_map={"customer": "user", "agent": "gpt"}
+    )
+    (sample,) = transform({"conversations": [{"from": "customer", "value": "Hi"}, {"from": "agent", "value": "Yes?"}]})
+    assert tokenizer.decode(sample["input_ids"].tolist()).startswith("<|im_start|>user\nHi")
+    with pytest.raises(DataFileError) as raised:
+        transform({"conversations": [{"from": "customer", "value": "Hi"}, {"from": "clerk", "value": "Yes?"}]}, WHERE)
+    for fragment in [
+        WHERE,
+        "field 'conversations'",
+        "message 1",
+        "unknown role 'clerk'",
+        "does not cover it",
+        "role_map",
+    ]:
+        assert fragment in str(raised.value)
+
+
 def test_conversation_is_never_truncated(tokenizer):
     """max_seq_len is exposed for the loader but a longer conversation is returned whole."""
     transform = TextConversationTransform(tokenizer, chat_template="chatml", max_seq_len=8)
@@ -541,8 +580,9 @@ def test_identity_invalid_records_are_data_errors(record, fragment):
 
 
 def test_builder_makes_each_data_type(tokenizer, tokenizer_path):
-    """plaintext/conversation/identity; a tokenizer path is loaded; the YAML example builds as written."""
-    assert set(DATA_TRANSFORM_REGISTRY) == {"plaintext", "conversation", "identity"}
+    """plaintext/conversation/identity (instruction: its own tests); a tokenizer path is loaded; the YAML example
+    builds as written."""
+    assert set(DATA_TRANSFORM_REGISTRY) == {"plaintext", "conversation", "instruction", "identity"}
     yaml_node = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 4096}
     plaintext = build_llm_data_transform(tokenizer=tokenizer_path, **yaml_node)
     assert isinstance(plaintext, PlaintextTransform) and plaintext.max_seq_len == 4096
@@ -582,9 +622,11 @@ def test_identity_with_a_tokenizer_still_refuses_negative_ids_and_skips_when_ask
 
 
 def test_builder_errors(tokenizer):
-    with pytest.raises(DataConfigError, match=r"unknown data_type 'sft'; use one of plaintext, conversation, identity"):
+    with pytest.raises(
+        DataConfigError, match=r"unknown data_type 'sft'; use one of plaintext, conversation, instruction, identity"
+    ):
         build_llm_data_transform("sft", tokenizer)
-    for data_type in ("plaintext", "conversation"):
+    for data_type in ("plaintext", "conversation", "instruction"):
         with pytest.raises(DataConfigError, match=rf"data_type '{data_type}' needs a tokenizer"):
             build_llm_data_transform(data_type, max_seq_len=8)
     with pytest.raises(DataConfigError, match=r"unknown option\(s\) \['text_key'\] for data_type 'plaintext'"):

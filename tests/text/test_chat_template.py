@@ -28,6 +28,7 @@ from hyper_parallel.data.text.chat_template import (
     TokenizerChatTemplate,
     build_chat_template,
     is_supervised,
+    message_keys,
     normalize_messages,
 )
 
@@ -277,6 +278,52 @@ def test_custom_field_names_appear_in_errors():
         normalize_messages([{"role": "user", "value": "Hi"}], role_key="from", content_key="value")
     with pytest.raises(DataFileError, match=r"message 0 has no 'value' field"):
         normalize_messages([{"from": "user", "content": "Hi"}], role_key="from", content_key="value")
+
+
+def test_sharegpt_messages_are_recognised_by_their_from_field_without_key_settings():
+    """A conversation whose first message has ``from`` and no ``role`` reads ``from``/``value``; one with
+    ``role`` reads ``role``/``content``; an explicit key wins over the recognition."""
+    sharegpt = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!", "weight": 1}]
+    assert normalize_messages(sharegpt) == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "weight": 1},
+    ]
+    parquet = np.empty(2, dtype=object)  # lists of structs read from Parquet arrive as object arrays
+    parquet[:] = sharegpt
+    assert normalize_messages(parquet) == normalize_messages(sharegpt)
+    openai = [{"role": "user", "content": "Hi", "from": "forum"}, {"role": "assistant", "content": "Hello!"}]
+    assert [m["content"] for m in normalize_messages(openai)] == ["Hi", "Hello!"]
+    assert normalize_messages([{"from": "gpt", "text": "Hello!"}], content_key="text") == [
+        {"role": "assistant", "content": "Hello!"}
+    ]
+    assert message_keys(sharegpt, None, None) == ("from", "value")
+    assert message_keys(sharegpt, "speaker", None) == ("speaker", "value")
+    assert message_keys(openai, None, None) == ("role", "content")
+
+
+def test_a_sharegpt_message_missing_its_value_names_the_recognised_field():
+    with pytest.raises(DataFileError, match=r"record 3: message 1 has no 'value' field .*content_key"):
+        normalize_messages([{"from": "human", "value": "Hi"}, {"from": "gpt"}], where="record 3")
+
+
+def test_a_role_the_role_map_does_not_cover_names_the_role_the_map_and_the_fix():
+    """With a role_map, an unknown role is an error naming it, the roles the map covers and how to add it."""
+    raw = [{"from": "customer", "value": "Hi"}, {"from": "agent", "value": "Hello"}]
+    role_map = {"customer": "user", "clerk": "assistant"}
+    with pytest.raises(DataFileError) as raised:
+        normalize_messages(raw, role_map=role_map, where=WHERE)
+    message = str(raised.value)
+    for fragment in [
+        f"{WHERE}: message 1",
+        "unknown role 'agent' in field 'from'",
+        "role_map (which maps ['clerk', 'customer']) does not cover it",
+        "role_map={'agent': 'user'}",
+    ]:
+        assert fragment in message
+    assert [m["role"] for m in normalize_messages(raw, role_map={**role_map, "agent": "assistant"})] == [
+        "user",
+        "assistant",
+    ]
 
 
 def test_role_map_to_a_non_role_is_a_config_error():

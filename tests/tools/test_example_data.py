@@ -12,7 +12,7 @@ import pytest
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
-from hyper_parallel.data.text.build_data_transform import TextConversationTransform
+from hyper_parallel.data.text.build_data_transform import InstructionTransform, TextConversationTransform
 from hyper_parallel.data.tools.example_data import (
     EXAMPLE_MAX_SEQ_LEN,
     ExampleData,
@@ -43,7 +43,9 @@ def test_writes_the_documented_files(example):
     assert example == ExampleData(
         train_jsonl=out / "train.jsonl",
         conversations_jsonl=out / "conversations.jsonl",
+        instructions_jsonl=out / "instructions.jsonl",
         corpus_prefix=out / "corpus_text_document",
+        conversations_prefix=out / "conversations_messages_document",
         packed_prefix=out / "train_text_document",
         blend_prefixes=(
             out / "books" / "pride_and_prejudice_text_document",
@@ -51,7 +53,14 @@ def test_writes_the_documented_files(example):
         ),
     )
     names = set(_files(out))
-    for prefix in (example.corpus_prefix, example.packed_prefix, *example.blend_prefixes):
+    mask_prefix = example.conversations_prefix.parent / f"{example.conversations_prefix.name}_loss_mask"
+    for prefix in (
+        example.corpus_prefix,
+        example.conversations_prefix,
+        mask_prefix,
+        example.packed_prefix,
+        *example.blend_prefixes,
+    ):
         assert {f"{prefix.relative_to(out)}.bin", f"{prefix.relative_to(out)}.idx"} <= names
     assert not [name for name in names if ".tmp-" in name]
 
@@ -156,6 +165,27 @@ def test_conversations_go_through_the_bundled_chatml_template_with_a_supervised_
     first = conversations[0]["messages"]
     assert first[1]["content"] == "How does Sense & Sensibility, chapter 1 begin?"
     assert first[2]["content"].startswith("The family of Dashwood had long been settled in Sussex.")
+
+
+def test_instructions_quote_openings_or_name_the_chapter_of_a_quoted_sentence(example, chapters, tokenizer):
+    records = [json.loads(line) for line in example.instructions_jsonl.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == len(chapters) + len(chapters) // 2  # one per chapter, a second for every odd one
+    assert all(set(record) == {"instruction", "input", "output"} for record in records)
+    assert records[0] == {
+        "instruction": "Quote the opening of Sense & Sensibility, chapter 1.",
+        "input": "",
+        "output": records[0]["output"],
+    }
+    assert records[0]["output"].startswith("The family of Dashwood had long been settled in Sussex.")
+    named = [record for record in records if record["input"]]
+    assert len(named) == len(chapters) // 2
+    assert named[0]["output"] == f"{chapters[1]['book']}, chapter {chapters[1]['chapter']}."
+    transform = InstructionTransform(tokenizer, max_seq_len=SEQ_LEN)  # the bundled tokenizer's ChatML template
+    for record in records:
+        (sample,) = transform(record)
+        assert len(sample["input_ids"]) < SEQ_LEN
+        targets = sample["labels"][sample["labels"] != IGNORE_INDEX]
+        assert tokenizer.decode(targets) == f"{record['output']}<|im_end|>\n"
 
 
 def test_workers_must_be_a_positive_integer(tmp_path):

@@ -69,7 +69,13 @@ def test_runs_every_step_in_order_with_no_progress_bar_on_a_terminal(run):
 
 def test_prepares_and_verifies_the_example_data(run, tokenizer):
     prepared = _step(run["out"], 1)
-    for name in ("train.jsonl", "conversations.jsonl", "corpus_text_document", "train_text_document"):
+    for name in (
+        "train.jsonl",
+        "conversations.jsonl",
+        "instructions.jsonl",
+        "corpus_text_document",
+        "train_text_document",
+    ):
         assert name in prepared
     assert "books/pride_and_prejudice_text_document" in prepared and "books/emma_text_document" in prepared
     assert "verify: OK" in _step(run["out"], 2)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.index_cache import CacheOptions
+from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
 
 SPLIT_NAMES = ("train", "valid", "test")
 SIMPLE_BLEND_MODES = ("no", "inter", "intra")
+LOSS_MASK_READS = ("auto", "required", "off")
 CACHE_VERIFICATIONS = ("sizes", "sampled", "full")
 DataPath = str | os.PathLike | Sequence[str | os.PathLike]
 # numpy's legacy RandomState, which orders samples as megatron-core does, takes seeds in [0, 2**32 - 1].
@@ -96,6 +98,10 @@ class IndexedDataConfig:
             the entry's manifest), ``"sampled"`` (also the checksums of each file's first and last 64 KiB blocks
             and two random ones) or ``"full"`` (every block).
         cache_lock_timeout: seconds to wait for another process building the same cache entry before giving up.
+        read_loss_mask: whether ``GPTDataset`` reads each prefix's loss-mask pair ``<prefix>_loss_mask`` (written by
+            ``hp-data prepare --chat-template``: 1 where a token is a supervised target) and trains only where it
+            is 1 (``loss_mask`` 0 and ``labels`` ``IGNORE_INDEX`` elsewhere): ``"auto"`` where that pair exists,
+            ``"required"`` refusing a prefix without one, ``"off"`` never.
     """
 
     seq_length: int
@@ -125,10 +131,18 @@ class IndexedDataConfig:
     per_dataset_sequences_path: str | None = None
     cache_verification: str = "sampled"
     cache_lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
+    read_loss_mask: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_cache_settings()
+        if self.read_loss_mask not in LOSS_MASK_READS:
+            raise DataConfigError(f"read_loss_mask must be one of {LOSS_MASK_READS}, got {self.read_loss_mask!r}")
+        if self.read_loss_mask == "required" and (self.mock_data or self.is_dataset_from_mr):
+            raise DataConfigError(
+                "read_loss_mask: 'required' reads the loss masks of variable-length documents (GPTDataset); "
+                f"{'mock_data' if self.mock_data else 'is_dataset_from_mr'} data have none. Set read_loss_mask: auto"
+            )
         if self.simple_blend not in SIMPLE_BLEND_MODES:
             raise DataConfigError(f"simple_blend must be one of {SIMPLE_BLEND_MODES}, got {self.simple_blend!r}")
         if self.simple_blend != "no" and not self.is_dataset_from_mr:
@@ -396,8 +410,11 @@ def _as_number(text: str) -> float | None:
 
 
 def _discover_prefixes(directory: Path) -> list[str]:
-    """Every ``<prefix>.bin``/``.idx`` pair below ``directory``, sorted by path (deterministic)."""
-    prefixes = sorted(str(p.with_suffix("")) for p in directory.rglob("*.idx") if p.with_suffix(".bin").is_file())
+    """Every ``<prefix>.bin``/``.idx`` pair below ``directory``, sorted by path (deterministic), but for the
+    loss-mask pairs ``<prefix>_loss_mask`` of pairs found (read with their tokens, not as data of their own)."""
+    found = sorted(str(p.with_suffix("")) for p in directory.rglob("*.idx") if p.with_suffix(".bin").is_file())
+    pairs = set(found)
+    prefixes = [p for p in found if not (p.endswith(LOSS_MASK_SUFFIX) and p.removesuffix(LOSS_MASK_SUFFIX) in pairs)]
     if not prefixes:
         raise DataFileError(f"no .bin/.idx pairs found under the directory {directory}")
     return prefixes

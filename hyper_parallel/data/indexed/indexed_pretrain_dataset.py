@@ -9,6 +9,10 @@ Every sample is ``{"tokens", "labels", "loss_mask"}`` (int64, int64, float32; ``
 ``tokens[i]``), plus ``position_ids`` and ``attention_mask`` with ``create_ltor_fields_in_dataloader``. The loss
 mask is always there because it is the only record of padding (pad ids are replaced by 0, as upstream).
 
+A ``GPTDataset`` whose prefix has a loss-mask pair ``<prefix>_loss_mask`` (``read_loss_mask``) reads it over the
+same token ranges as the tokens: for a sample of tokens ``t[0..S]`` with mask ``m[0..S]``, ``loss_mask[i]`` is
+also 0 and ``labels[i]`` is ``IGNORE_INDEX`` where ``m[i + 1]`` (the mask of the target ``t[i + 1]``) is 0.
+
 Every sample holds token ids only: a dataset over an ``IndexedDataReader`` has it check the ids it reads
 (``IndexedDataReader.check_token_ids``: an integer dtype, the ``.meta.json``'s dtype, ids in the tokenizer's
 vocabulary).
@@ -19,12 +23,14 @@ Owns: assembling samples and their index caches. Not responsible for: splits and
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.index_cache import CacheOptions, ExpectedArray, IndexCache, array_property
@@ -32,9 +38,17 @@ from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+from hyper_parallel.data.indexed.pair_metadata import loss_mask_prefix
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
-__all__ = ["GPTDataset", "GPTFromMRDataset", "MockGPTDataset", "MockGPTLowLevelDataset", "resolve_special_tokens"]
+__all__ = [
+    "GPTDataset",
+    "GPTFromMRDataset",
+    "MockGPTDataset",
+    "MockGPTLowLevelDataset",
+    "open_loss_mask",
+    "resolve_special_tokens",
+]
 
 logger = get_logger(__name__)
 
@@ -65,6 +79,50 @@ def resolve_special_tokens(tokenizer, allow_ambiguous_pad_tokens: bool) -> tuple
             return int(eod), _SENTINEL_PAD
         warnings.warn(f"the tokenizer's pad id {pad} equals another special token; keeping it", stacklevel=3)
     return int(eod), int(pad)
+
+
+_PREPARE_AGAIN = "prepare the conversations again with `hp-data prepare --chat-template ...`, which writes both"
+
+
+def open_loss_mask(tokens: IndexedDataReader, config: IndexedDataConfig) -> IndexedDataReader | None:
+    """The loss-mask pair of the token pair ``tokens`` as ``config.read_loss_mask`` asks, checked to hold 0/1
+    integers in the same documents of the same lengths; None when it is not read.
+
+    Raises:
+        DataFileError: ``required`` and no mask pair, half a pair, or a pair of another dtype or other lengths.
+    """
+    if config.read_loss_mask == "off":
+        return None
+    prefix = loss_mask_prefix(tokens.path_prefix)
+    if not (os.path.exists(f"{prefix}.idx") or os.path.exists(f"{prefix}.bin")):
+        if config.read_loss_mask == "required":
+            raise DataFileError(
+                f"{tokens.path_prefix} has no loss-mask pair {prefix}.{{bin,idx}}, but read_loss_mask is "
+                f"'required'; {_PREPARE_AGAIN}, or set read_loss_mask: auto to train on every token of such prefixes"
+            )
+        return None
+    mask = IndexedDataReader(prefix, mmap=config.mmap_bin_files)
+    if mask.dtype.kind not in "ui":
+        raise DataFileError(
+            f"{prefix}: a loss mask holds integers 0/1, but its .idx says {mask.dtype}; {_PREPARE_AGAIN}"
+        )
+    lengths, expected = mask.sequence_lengths, tokens.sequence_lengths
+    if len(lengths) != len(expected) or not np.array_equal(lengths, expected):
+        if len(lengths) != len(expected):
+            differs = f"{len(lengths)} sequences where the tokens have {len(expected)}"
+        else:
+            first = int(np.argmax(lengths != expected))
+            differs = f"sequence {first} of {int(lengths[first])} entries where the tokens have {int(expected[first])}"
+        raise DataFileError(
+            f"{prefix}: the loss mask does not match the tokens of {tokens.path_prefix}: it has {differs}, so its "
+            f"entries would mark the wrong tokens; {_PREPARE_AGAIN}, or remove the mask pair"
+        )
+    if not np.array_equal(mask.document_indices, tokens.document_indices):
+        raise DataFileError(
+            f"{prefix}: the loss mask groups its sequences into other documents than the tokens of "
+            f"{tokens.path_prefix}; {_PREPARE_AGAIN}"
+        )
+    return mask
 
 
 def _file_identity(low_level) -> dict[str, int] | None:
@@ -109,18 +167,22 @@ class _SampleMaker:
             config.create_ltor_fields_in_dataloader and config.create_attention_mask,
         )
 
-    def pad_rows(self, texts: Sequence[np.ndarray]) -> np.ndarray:
-        """Stack texts into a ``[B, seq_length + x]`` matrix, padding short ones with the pad id (then as int64)."""
+    def pad_rows(self, texts: Sequence[np.ndarray], fill: int | None = None) -> np.ndarray:
+        """Stack texts into a ``[B, seq_length + x]`` matrix, padding short ones with ``fill`` (default: the pad id;
+        then as int64)."""
         if all(len(text) == self.length for text in texts):
             return np.stack(texts)  # keeps the file dtype: the pad search is cheaper on narrow ids
-        matrix = np.full((len(texts), self.length), self.pad, dtype=np.int64)
+        matrix = np.full((len(texts), self.length), self.pad if fill is None else fill, dtype=np.int64)
         for row, text in zip(matrix, texts, strict=True):
             row[: len(text)] = text
         return matrix
 
-    def __call__(self, raw: np.ndarray, padding_rows: np.ndarray | None = None) -> list[dict[str, torch.Tensor]]:
+    def __call__(
+        self, raw: np.ndarray, padding_rows: np.ndarray | None = None, supervised: np.ndarray | None = None
+    ) -> list[dict[str, torch.Tensor]]:
         """Samples of the rows of ``raw`` (``[B, seq_length + x]`` token ids, any integer dtype; short samples
-        already padded with the pad id); ``padding_rows`` get a zero loss mask."""
+        already padded with the pad id); ``padding_rows`` get a zero loss mask. ``supervised`` (the loss mask pair's
+        entries of the same tokens, 0 where padded) takes the loss and the label off every target it marks 0."""
         x, length = self.config.extra_token, self.config.seq_length
         if x:
             # One int64 copy; tokens and labels are overlapping views of it (each sample's rows are contiguous).
@@ -154,6 +216,12 @@ class _SampleMaker:
             labels[rows[label], columns[label] - 1] = 0
         if padding_rows is not None and padding_rows.any():
             loss_mask[padding_rows] = 0.0
+        if supervised is not None:
+            # the target of position i is token i + 1; with x = 0 the last position has none
+            targets = np.zeros(tokens.shape, dtype=bool)
+            targets[:, : supervised.shape[1] - 1] = supervised[:, 1:] != 0
+            loss_mask[~targets] = 0.0
+            labels = np.where(targets, labels, IGNORE_INDEX)  # a new array: with x, labels are a view of tokens
         tokens_t, labels_t, loss_t = torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(loss_mask)
         # unbind makes the row views in one call: indexing row by row costs more than the rest of the batch
         samples = [
@@ -238,20 +306,27 @@ class _MidLevelDataset(torch.utils.data.Dataset):
         """``[B, seq_length + x]`` token ids of the samples, short ones padded with the pad id."""
         raise NotImplementedError
 
+    def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """``texts(indices)``, and the loss-mask entries of the same tokens (0 where padded) or None without a
+        loss-mask pair."""
+        return self.texts(indices), None
+
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
         """Sample ``idx``; ``None`` is a batch-padding sample (sample 0 with a zero loss mask), as upstream."""
         if idx is None:
             return self.__getitems__([idx])[0]
         if not -self._length <= idx < self._length:
             self._positions([idx])  # raises the descriptive IndexError
-        return self._make_sample(self.texts([idx + self._length if idx < 0 else idx]))[0]
+        texts, supervised = self.rows([idx + self._length if idx < 0 else idx])
+        return self._make_sample(texts, None, supervised)[0]
 
     def __getitems__(self, indices: Sequence[int | None]) -> list[dict[str, torch.Tensor]]:
         """Many samples at once (torch's DataLoader calls this when it exists), read in one go."""
         if not len(indices):
             return []
         padding = np.array([i is None for i in indices])
-        return self._make_sample(self.texts([0 if i is None else i for i in indices]), padding)
+        texts, supervised = self.rows([0 if i is None else i for i in indices])
+        return self._make_sample(texts, padding, supervised)
 
 
 class GPTDataset(_MidLevelDataset):
@@ -270,6 +345,7 @@ class GPTDataset(_MidLevelDataset):
         if end - begin != len(self.indices):
             raise DataConfigError(f"{dataset_path}: a split's sequence ids must be one contiguous range")
         self.tokens_per_epoch = int(low_level.sequence_lengths[begin:end].sum(dtype=np.int64))
+        self.loss_mask_pair = open_loss_mask(low_level, config) if isinstance(low_level, IndexedDataReader) else None
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
@@ -361,6 +437,24 @@ class GPTDataset(_MidLevelDataset):
         """
         if len(indices) == 1 and 0 <= indices[0] < self._length:
             return self._make_sample.pad_rows([self._text_of(int(indices[0]))])
+        pieces = self._pieces(indices)
+        return self._stacked(self.dataset.gather(*pieces[:3]), pieces)
+
+    def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.loss_mask_pair is None:
+            return self.texts(indices), None
+        pieces = self._pieces(indices)
+        supervised = self.loss_mask_pair.gather(*pieces[:3])
+        if supervised.size and supervised.max() > 1:
+            raise DataFileError(
+                f"{self.loss_mask_pair.path_prefix}: a loss mask holds 0 and 1 only, but it holds "
+                f"{int(supervised.max())}; {_PREPARE_AGAIN}"
+            )
+        return self._stacked(self.dataset.gather(*pieces[:3]), pieces), self._stacked(supervised, pieces, fill=0)
+
+    def _pieces(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(sequences, starts, lengths)`` of every piece of the samples, in order, then one past each sample's last
+        piece and the sample count."""
         rows = self.shuffle_index[self._positions(indices)]
         sample_index = self.sample_index
         (d0, o0), (d1, o1) = sample_index[rows].T, sample_index[rows + 1].T
@@ -373,12 +467,15 @@ class GPTDataset(_MidLevelDataset):
         starts[first] = o0
         ends = self.dataset.sequence_lengths[documents].astype(np.int64)
         ends[last - 1] = o1 + self.config.extra_token
-        lengths = ends - starts
-        flat = self.dataset.gather(documents, starts, lengths)
-        if len(flat) == len(rows) * self._make_sample.length:
-            return flat.reshape(len(rows), -1)
+        return documents, starts, ends - starts, last, len(rows)
+
+    def _stacked(self, flat: np.ndarray, pieces, fill: int | None = None) -> np.ndarray:
+        """The gathered ``flat`` values of ``pieces`` as ``[B, seq_length + x]`` rows, short ones padded."""
+        _, _, lengths, last, samples = pieces
+        if len(flat) == samples * self._make_sample.length:
+            return flat.reshape(samples, -1)
         sample_ends = np.cumsum(lengths)[last - 1]
-        return self._make_sample.pad_rows(np.split(flat, sample_ends[:-1]))
+        return self._make_sample.pad_rows(np.split(flat, sample_ends[:-1]), fill)
 
 
 class GPTFromMRDataset(_MidLevelDataset):

@@ -5,6 +5,10 @@ prepared with different tokenizers is refused instead of training on ids that me
 megatron-core reads only ``<prefix>.bin`` and ``<prefix>.idx`` and ignores it; pairs without it (written by
 megatron-core or by ``IndexedDatasetBuilder`` directly) still load, with a warning when they are blended.
 
+``<prefix>_loss_mask.{bin,idx}`` (a loss-mask pair), written beside the pair of a conversation key, holds one uint8
+0/1 per token of ``<prefix>`` (1: the token is a supervised target) in the same documents of the same lengths;
+its ``.meta.json`` says ``token_dtype: uint8`` and ``vocab_size: 2``.
+
 ``<prefix>.partitions.json`` (the manifest) lists the partition pairs kept beside a merged pair. It is written
 after every partition pair is in place, so a reader that lists partitions through it never sees a half set.
 
@@ -28,8 +32,10 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 
 __all__ = [
     "COMPARED_FIELDS",
+    "LOSS_MASK_SUFFIX",
     "PairMetadata",
     "check_same_tokenizer",
+    "loss_mask_prefix",
     "manifest_json",
     "manifest_path",
     "metadata_path",
@@ -43,12 +49,19 @@ METADATA_FORMAT = 1
 # Fields that must agree between the sources of one dataset; the others are for people reading the file.
 COMPARED_FIELDS = ("tokenizer_fingerprint", "vocab_size", "eod_id", "token_dtype")
 _MISSING_LISTED = 3
+# The loss-mask pair of the token pair <prefix> is <prefix>_loss_mask.
+LOSS_MASK_SUFFIX = "_loss_mask"
 _REWRITE = "delete it, or prepare the pair again to rewrite it"
 
 
 def metadata_path(prefix: str | os.PathLike) -> Path:
     """``<prefix>.meta.json``."""
     return Path(f"{os.fspath(prefix)}.meta.json")
+
+
+def loss_mask_prefix(prefix: str | os.PathLike) -> str:
+    """``<prefix>_loss_mask``: the loss-mask pair of the token pair ``prefix``."""
+    return f"{os.fspath(prefix)}{LOSS_MASK_SUFFIX}"
 
 
 def manifest_path(prefix: str | os.PathLike) -> Path:

@@ -41,6 +41,7 @@ from hyper_parallel.data.text.text_template import TextTemplate
 __all__ = [
     "DATA_TRANSFORM_REGISTRY",
     "IdentityDataTransform",
+    "InstructionTransform",
     "ModelSample",
     "PlaintextTransform",
     "TextConversationTransform",
@@ -94,14 +95,14 @@ def _as_tokenizer(tokenizer, data_type: str):
     return build_tokenizer(tokenizer)
 
 
-def _template_tokenizer(tokenizer, chat_template):
-    """The tokenizer of a conversation transform: ``tokenizer``, else the one a ``ChatTemplate`` carries; both
-    given, they must be the same tokenizer (the template encodes with its own)."""
+def _template_tokenizer(tokenizer, chat_template, data_type: str):
+    """The tokenizer of a chat transform: ``tokenizer``, else the one a ``ChatTemplate`` carries; both given, they
+    must be the same tokenizer (the template encodes with its own)."""
     if not isinstance(chat_template, ChatTemplate):
-        return _as_tokenizer(tokenizer, "conversation")
+        return _as_tokenizer(tokenizer, data_type)
     if tokenizer is None:
         return chat_template.tokenizer
-    tokenizer = _as_tokenizer(tokenizer, "conversation")
+    tokenizer = _as_tokenizer(tokenizer, data_type)
     if tokenizer is not chat_template.tokenizer and tokenizer.fingerprint != chat_template.tokenizer.fingerprint:
         raise DataConfigError(
             f"chat_template {chat_template!r} encodes with another tokenizer than tokenizer "
@@ -310,7 +311,65 @@ class PlaintextTransform(_RecordTransform):
         )
 
 
-class TextConversationTransform(_RecordTransform):
+class _ChatTransform(_RecordTransform):
+    """What the conversation and instruction transforms share: a chat template (with the tokenizer it encodes
+    with), the messages of a record encoded through it, the shift, and the refusal of a record without loss.
+
+    Subclasses say how a record becomes messages (``_messages``).
+    """
+
+    data_type = ""  # the name in DATA_TRANSFORM_REGISTRY, for messages
+
+    def __init__(self, tokenizer, max_seq_len, chat_template, supervise_role_header, on_invalid_record):
+        super().__init__(max_seq_len, on_invalid_record)
+        if isinstance(tokenizer, ChatTemplate):
+            if isinstance(chat_template, ChatTemplate) or chat_template != "tokenizer":
+                raise DataConfigError(
+                    f"two chat templates given: {tokenizer!r} in place of the tokenizer and chat_template="
+                    f"{chat_template!r}; pass the ChatTemplate once, as chat_template="
+                )
+            tokenizer, chat_template = None, tokenizer
+        self.tokenizer = _template_tokenizer(tokenizer, chat_template, self.data_type)
+        self.chat_template = build_chat_template(
+            chat_template, self.tokenizer, supervise_role_header=supervise_role_header
+        )
+
+    def _messages(self, record: Mapping, where: str) -> tuple[list[dict], str]:
+        """The record's normalized messages, and where they are (the record and its field) for messages."""
+        raise NotImplementedError
+
+    def _no_loss_fix(self) -> str:
+        """How to give a record without a supervised token some loss, for its error."""
+        raise NotImplementedError
+
+    def encode(
+        self, record: Mapping, where: str = "record", *, skip_fix: str | None = "set on_invalid_record='skip'"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The record's token ids and **unshifted** labels (``labels[i]`` is ``ids[i]`` where supervised, else
+        ``IGNORE_INDEX``), as offline preparation writes them; ``__call__`` shifts them into a ModelSample.
+
+        ``skip_fix`` ends the error of a record without loss: how to skip such records (None: not said, for a
+        caller that says it itself).
+
+        Raises:
+            DataFileError: the record is malformed, or no token after the first is supervised (no loss).
+        """
+        _check_record(record, where)
+        messages, at = self._messages(record, where)
+        ids, labels = self.chat_template.encode_messages(messages, where=at)
+        if not (labels[1:] != IGNORE_INDEX).any():
+            raise DataFileError(
+                f"{at}: no message is supervised, so the record carries no loss (roles: "
+                f"{[m['role'] for m in messages]}); {self._no_loss_fix()}{f', or {skip_fix}' if skip_fix else ''}"
+            )
+        return ids, labels
+
+    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+        ids, labels = self.encode(record, where)
+        return [{"input_ids": ids[:-1], "labels": labels[1:]}]
+
+
+class TextConversationTransform(_ChatTransform):
     """A conversation (SFT): normalize the messages, apply a chat template, shift; one ModelSample per record.
 
     Only supervised messages carry loss (assistant messages, or per-message ``loss_mask``); their role header
@@ -323,7 +382,13 @@ class TextConversationTransform(_RecordTransform):
         template = build_chat_template("chatml", "path/to/tokenizer")
         transform = TextConversationTransform(chat_template=template, text_keys="messages")
         # or, as upstream hyper_parallel writes it: TextConversationTransform(template, text_keys="messages")
+
+    Messages are ``{"role", "content"}`` or, recognised by their ``from`` field, ShareGPT's ``{"from", "value"}``
+    (its ``human`` and ``gpt`` are aliases of user and assistant); ``role_key`` and ``content_key`` name other
+    fields, and ``role_map`` other roles.
     """
+
+    data_type = "conversation"
 
     def __init__(
         self,
@@ -332,8 +397,8 @@ class TextConversationTransform(_RecordTransform):
         max_seq_len: int | None = None,
         chat_template: str | ChatTemplate = "tokenizer",
         text_keys: str | Sequence[str] = "conversation",
-        role_key: str = "role",
-        content_key: str = "content",
+        role_key: str | None = None,
+        content_key: str | None = None,
         role_map: Mapping[str, str] | None = None,
         supervise_role_header: bool | None = None,
         on_invalid_record: str = "error",
@@ -348,7 +413,9 @@ class TextConversationTransform(_RecordTransform):
             chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``gpt_oss``, ``chatml``,
                 ``llama2``, ``default`` or a ``ChatTemplate``.
             text_keys: the field with the list of messages, or fields tried in order.
-            role_key, content_key: the message fields that hold the speaker and the text.
+            role_key, content_key: the message fields that hold the speaker and the text. None: ``role`` and
+                ``content``, or ``from`` and ``value`` for a conversation whose first message has ``from`` and no
+                ``role`` (ShareGPT).
             role_map: raw role -> role, applied before the built-in aliases (e.g. ``{"narrator": "system"}``).
             supervise_role_header: also supervise the role header of supervised messages, as upstream
                 hyper_parallel does. None: the ``ChatTemplate``'s own setting, or False for a named template.
@@ -357,45 +424,111 @@ class TextConversationTransform(_RecordTransform):
         Raises:
             DataConfigError: an invalid option, two chat templates, or a template and a tokenizer that differ.
         """
-        super().__init__(max_seq_len, on_invalid_record)
-        if isinstance(tokenizer, ChatTemplate):
-            if isinstance(chat_template, ChatTemplate) or chat_template != "tokenizer":
-                raise DataConfigError(
-                    f"two chat templates given: {tokenizer!r} in place of the tokenizer and chat_template="
-                    f"{chat_template!r}; pass the ChatTemplate once, as chat_template="
-                )
-            tokenizer, chat_template = None, tokenizer
-        self.tokenizer = _template_tokenizer(tokenizer, chat_template)
+        super().__init__(tokenizer, max_seq_len, chat_template, supervise_role_header, on_invalid_record)
         self.text_keys = _key_list(text_keys, "text_keys")
-        self.role_key, self.content_key = _field_name(role_key, "role_key"), _field_name(content_key, "content_key")
+        self.role_key = None if role_key is None else _field_name(role_key, "role_key")
+        self.content_key = None if content_key is None else _field_name(content_key, "content_key")
         self.role_map = _check_role_map(role_map)
-        self.chat_template = build_chat_template(
-            chat_template, self.tokenizer, supervise_role_header=supervise_role_header
-        )
 
-    def _transform(self, record: Mapping, where: str) -> list[ModelSample]:
+    def _messages(self, record: Mapping, where: str) -> tuple[list[dict], str]:
         key, raw_messages = _pick(record, self.text_keys, where, "conversation")
+        at = f"{where}, field '{key}'"
         messages = normalize_messages(
-            raw_messages,
-            role_key=self.role_key,
-            content_key=self.content_key,
-            role_map=self.role_map,
-            where=f"{where}, field '{key}'",
+            raw_messages, role_key=self.role_key, content_key=self.content_key, role_map=self.role_map, where=at
         )
-        ids, labels = self.chat_template.encode_messages(messages, where=f"{where}, field '{key}'")
-        input_ids, targets = ids[:-1], labels[1:]
-        if not (targets != IGNORE_INDEX).any():
-            raise DataFileError(
-                f"{where}: no message of the conversation in field '{key}' is supervised, so it carries no loss "
-                f'(roles: {[m["role"] for m in messages]}); add an assistant turn, or set "loss_mask": true on '
-                "the messages to learn, or set on_invalid_record='skip'"
-            )
-        return [{"input_ids": input_ids, "labels": targets}]
+        return messages, at
+
+    def _no_loss_fix(self) -> str:
+        return 'add an assistant turn, or set "loss_mask": true on the messages to learn'
 
     def __repr__(self) -> str:
         return (
             f"TextConversationTransform(max_seq_len={self.max_seq_len}, chat_template={self.chat_template!r}, "
             f"text_keys={list(self.text_keys)}, on_invalid_record={self.on_invalid_record!r})"
+        )
+
+
+class InstructionTransform(_ChatTransform):
+    """An instruction record (Alpaca style) as a two-turn conversation through a chat template (SFT).
+
+    ``{"instruction", "input", "output"}`` becomes ``user: instruction`` (followed by a blank line and the input
+    when the record has a non-empty one) and ``assistant: output``; only the answer carries loss, as in
+    ``TextConversationTransform``, with the same template options. One ModelSample per record, never truncated.
+
+    Example::
+
+        transform = InstructionTransform("path/to/tokenizer", chat_template="chatml", output_key="response")
+        (sample,) = transform({"instruction": "Name a colour.", "response": "Blue."})
+    """
+
+    data_type = "instruction"
+
+    def __init__(
+        self,
+        tokenizer=None,
+        *,
+        max_seq_len: int | None = None,
+        chat_template: str | ChatTemplate = "tokenizer",
+        instruction_key: str = "instruction",
+        input_key: str = "input",
+        output_key: str = "output",
+        supervise_role_header: bool | None = None,
+        on_invalid_record: str = "error",
+    ):
+        """
+        Args:
+            tokenizer: anything ``build_tokenizer`` takes; optional when ``chat_template`` is a ``ChatTemplate``
+                (see ``TextConversationTransform``).
+            max_seq_len: the model's context length, for the loader; records are not truncated.
+            chat_template: ``tokenizer`` (the tokenizer's own Jinja template), ``gpt_oss``, ``chatml``,
+                ``llama2``, ``default`` or a ``ChatTemplate``.
+            instruction_key: the field with the instruction (required).
+            input_key: the field with the optional input appended to the instruction (absent, null or ``""``:
+                none).
+            output_key: the field with the answer the model learns (required).
+            supervise_role_header: also supervise the assistant turn's role header. None: the ``ChatTemplate``'s
+                own setting, or False for a named template.
+            on_invalid_record: ``"error"`` raises on an invalid record; ``"skip"`` warns and returns ``[]``.
+
+        Raises:
+            DataConfigError: an invalid option, two chat templates, or a template and a tokenizer that differ.
+        """
+        super().__init__(tokenizer, max_seq_len, chat_template, supervise_role_header, on_invalid_record)
+        self.instruction_key = _field_name(instruction_key, "instruction_key")
+        self.input_key = _field_name(input_key, "input_key")
+        self.output_key = _field_name(output_key, "output_key")
+
+    def _text(self, record: Mapping, key: str, option: str, where: str, *, required: bool) -> str | None:
+        value = record.get(key)
+        if value is None:
+            if not required:
+                return None
+            raise DataFileError(
+                f"{where}: no '{key}' field (absent or null); the record has fields {_record_keys(record)}. Add it, "
+                f"or set {option} to the field that holds it"
+            )
+        if not isinstance(value, str):
+            raise DataFileError(
+                f"{where}: field '{key}' holds {type(value).__name__}, expected a string; fix the record or set "
+                f"{option} to a text field"
+            )
+        return value
+
+    def _messages(self, record: Mapping, where: str) -> tuple[list[dict], str]:
+        instruction = self._text(record, self.instruction_key, "instruction_key", where, required=True)
+        extra = self._text(record, self.input_key, "input_key", where, required=False)
+        output = self._text(record, self.output_key, "output_key", where, required=True)
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], where
+
+    def _no_loss_fix(self) -> str:
+        return "check the chat template, which must supervise the assistant turn"
+
+    def __repr__(self) -> str:
+        return (
+            f"InstructionTransform(max_seq_len={self.max_seq_len}, chat_template={self.chat_template!r}, "
+            f"instruction_key={self.instruction_key!r}, input_key={self.input_key!r}, "
+            f"output_key={self.output_key!r}, on_invalid_record={self.on_invalid_record!r})"
         )
 
 
@@ -521,6 +654,7 @@ class IdentityDataTransform(_RecordTransform):
 DATA_TRANSFORM_REGISTRY: dict[str, type[_RecordTransform]] = {
     "plaintext": PlaintextTransform,
     "conversation": TextConversationTransform,
+    "instruction": InstructionTransform,
     "identity": IdentityDataTransform,
 }
 
@@ -534,11 +668,12 @@ def build_llm_data_transform(data_type: str = "plaintext", tokenizer=None, **kwa
     """Build a record transform by name: the ``data_transform._target_`` of YAML configs.
 
     Args:
-        data_type: ``plaintext`` (``PlaintextTransform``), ``conversation`` (``TextConversationTransform``) or
-            ``identity`` (``IdentityDataTransform``; the tokenizer, when given, bounds the ids).
+        data_type: ``plaintext`` (``PlaintextTransform``), ``conversation`` (``TextConversationTransform``),
+            ``instruction`` (``InstructionTransform``) or ``identity`` (``IdentityDataTransform``; the tokenizer,
+            when given, bounds the ids).
         tokenizer: anything ``build_tokenizer`` takes: a ``TextTokenizer``, a ``transformers`` tokenizer object, or
             the path of a tokenizer directory, ``tokenizer.json`` or tiktoken file. Not needed for ``conversation``
-            when ``chat_template`` is a ``ChatTemplate``, which carries its tokenizer.
+            and ``instruction`` when ``chat_template`` is a ``ChatTemplate``, which carries its tokenizer.
         **kwargs: the options of that transform, e.g. ``text_keys``, ``max_seq_len``, ``chat_template``.
 
     Raises:

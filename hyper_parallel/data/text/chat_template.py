@@ -53,6 +53,7 @@ __all__ = [
     "TokenizerChatTemplate",
     "build_chat_template",
     "is_supervised",
+    "message_keys",
     "normalize_messages",
 ]
 
@@ -120,11 +121,30 @@ def _check_loss_mask(value, where: str, position: int) -> bool | int:
     )
 
 
+_OPENAI_KEYS = ("role", "content")
+_SHAREGPT_KEYS = ("from", "value")
+
+
+def message_keys(messages, role_key: str | None, content_key: str | None) -> tuple[str, str]:
+    """The fields of a conversation's messages that hold the speaker and the text: those given, and for those left
+    None ``role``/``content``, or ShareGPT's ``from``/``value`` when the first message has ``from`` and no
+    ``role``."""
+    if role_key is not None and content_key is not None:
+        return role_key, content_key
+    listed = isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and len(messages) > 0
+    # a list read from Parquet arrives as an object array
+    listed = listed or (isinstance(messages, np.ndarray) and messages.ndim == 1 and messages.size > 0)
+    first = messages[0] if listed else None
+    sharegpt = isinstance(first, Mapping) and "from" in first and "role" not in first
+    default_role, default_content = _SHAREGPT_KEYS if sharegpt else _OPENAI_KEYS
+    return role_key or default_role, content_key or default_content
+
+
 def normalize_messages(
     messages,
     *,
-    role_key: str = "role",
-    content_key: str = "content",
+    role_key: str | None = None,
+    content_key: str | None = None,
     role_map: Mapping[str, str] | None = None,
     where: str = "record",
 ) -> list[dict]:
@@ -132,9 +152,12 @@ def normalize_messages(
 
     Args:
         messages: a non-empty list of mappings (a tuple or an object array, as read from Parquet, also works).
-        role_key, content_key: the fields that hold the speaker and the text (``from``/``value`` for ShareGPT).
+        role_key, content_key: the fields that hold the speaker and the text. None: ``role`` and ``content``, or
+            ShareGPT's ``from`` and ``value`` when the first message has ``from`` and no ``role``
+            (``message_keys``).
         role_map: raw role -> role; tried before the built-in aliases (exact key, then lower-cased key), so it
-            can also override an alias. Values may be canonical roles or aliases.
+            can also override an alias. Values may be canonical roles or aliases. A role neither in it nor a
+            known role is an error naming the role and the map.
         where: the record, for error messages (e.g. ``"record 17 of /data/train.jsonl"``).
 
     Returns:
@@ -147,6 +170,7 @@ def normalize_messages(
         DataFileError: the conversation, a message, a role, a content or a ``loss_mask`` is malformed.
         DataConfigError: ``role_map`` maps a role to something that is not a role.
     """
+    role_key, content_key = message_keys(messages, role_key, content_key)
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (Sequence, np.ndarray)):
         raise DataFileError(
             f"{where}: the conversation must be a list of messages, got {type(messages).__name__}; store it as a "
@@ -175,8 +199,9 @@ def normalize_messages(
             )
         canonical = _resolve_role(role, role_map)
         if canonical is None:
+            covered = f"role_map (which maps {_preview(sorted(role_map), 120)}) does not cover it; " if role_map else ""
             raise DataFileError(
-                f"{where}: message {position}: unknown role {_preview(role)} in field '{role_key}'; "
+                f"{where}: message {position}: unknown role {_preview(role)} in field '{role_key}'; {covered}"
                 f"{_KNOWN_ROLES_TEXT}. Map it with role_map, e.g. role_map={{{role!r}: 'user'}}"
             )
         if content_key not in message:

@@ -4,7 +4,10 @@
 
     <output_dir>/train.jsonl                        every passage, {"text", "book", "chapter"}   (Online path)
     <output_dir>/conversations.jsonl                synthetic conversations {"messages": [{"role", "content"}, ...]}
+    <output_dir>/instructions.jsonl                 synthetic instruction records {"instruction", "input", "output"}
     <output_dir>/corpus_text_document.{bin,idx}     every passage, one document each, EOD appended
+    <output_dir>/conversations_messages_document.{bin,idx}            conversations.jsonl through the bundled
+    <output_dir>/conversations_messages_document_loss_mask.{bin,idx}  ChatML template: tokens and loss mask
     <output_dir>/train_text_document.{bin,idx}      train.jsonl packed into records of 4096 + 1 tokens
     <output_dir>/books/pride_and_prejudice_text_document.{bin,idx}   one book each: the prefixes of a blend
     <output_dir>/books/emma_text_document.{bin,idx}
@@ -17,12 +20,13 @@ configs, which ``FixedBatchDataLoader`` (one sample per record) needs as much as
 The conversations are derived from the chapters: a user asks how a chapter begins and the assistant quotes its
 opening (some with a system message, some with a follow-up turn), or a user quotes an opening sentence and the
 assistant names the book and chapter. Every one has a supervised assistant turn and fits a 4096-token window
-under the bundled tokenizer's ChatML template.
+under the bundled tokenizer's ChatML template. The instruction records ask the same two questions in the Alpaca
+form: the quoted sentence, when there is one, is the ``input``.
 
 Every file is written under a temporary name and renamed when complete, and a second call rewrites the same
 bytes, so ``hp-data quickstart`` and the example configs under ``examples/`` can rely on the paths.
 
-Owns: the example file names, the synthetic conversations and the order in which outputs are prepared.
+Owns: the example file names, the synthetic conversations and instructions, and the order in which outputs are prepared.
 Not responsible for: tokenizing and writing the ``.bin``/``.idx`` pairs (``tools.offline_preparation``), what the
 quickstart prints (``tools.quickstart``).
 """
@@ -55,6 +59,7 @@ __all__ = [
     "ExampleData",
     "book_prefix_name",
     "example_conversations",
+    "example_instructions",
     "example_passages",
     "prepare_example_data",
     "read_bundled_chapters",
@@ -84,7 +89,12 @@ class ExampleData:
     Attributes:
         train_jsonl: every passage as ``{"text", "book", "chapter"}``, one JSON line each (Online configs).
         conversations_jsonl: the synthetic conversations, ``{"messages": [...]}`` per line (SFT configs).
+        instructions_jsonl: the synthetic instruction records, ``{"instruction", "input", "output"}`` per line (the
+            instruction SFT config).
         corpus_prefix: ``.bin``/``.idx`` prefix with one document per passage, EOD appended (Indexed configs).
+        conversations_prefix: ``.bin``/``.idx`` prefix of the conversations rendered by the bundled tokenizer's chat
+            template, one document each, EOD appended, with its loss-mask pair ``<prefix>_loss_mask`` (the Indexed
+            SFT config).
         packed_prefix: ``.bin``/``.idx`` prefix of ``train_jsonl`` packed into records of
             ``EXAMPLE_PACK_TO_SEQ_LEN + 1`` tokens (``is_dataset_from_mr`` configs).
         blend_prefixes: one ``.bin``/``.idx`` prefix per book of ``BLEND_BOOKS``, in that order (blend configs).
@@ -92,7 +102,9 @@ class ExampleData:
 
     train_jsonl: Path
     conversations_jsonl: Path
+    instructions_jsonl: Path
     corpus_prefix: Path
+    conversations_prefix: Path
     packed_prefix: Path
     blend_prefixes: tuple[Path, ...]
 
@@ -210,7 +222,7 @@ def example_conversations(chapters: Sequence[Mapping]) -> list[dict]:
             ]
         conversations.append({"messages": messages})
         if index % 2 == 0:
-            sentence = _excerpt(_SENTENCE_END.split(passages[0], maxsplit=1)[0], _MAX_QUOTED_SENTENCE)
+            sentence = _opening_sentence(passages[0])
             question = f'Which novel and chapter begin with these words?\n\n"{sentence}"'
             conversations.append(
                 {
@@ -223,24 +235,67 @@ def example_conversations(chapters: Sequence[Mapping]) -> list[dict]:
     return conversations
 
 
+def _opening_sentence(passage: str) -> str:
+    return _excerpt(_SENTENCE_END.split(passage, maxsplit=1)[0], _MAX_QUOTED_SENTENCE)
+
+
+def example_instructions(chapters: Sequence[Mapping]) -> list[dict]:
+    """Synthetic instruction records derived from the chapters, deterministically.
+
+    For chapter ``i`` (0-based): an instruction to quote the chapter's opening passage (no input); for every odd
+    ``i`` also an instruction to name the novel and chapter of a quoted opening sentence, given as the input.
+
+    Args:
+        chapters: records with ``text``, ``book`` and ``chapter`` (as ``read_bundled_chapters`` returns).
+
+    Returns:
+        ``{"instruction", "input", "output"}`` dicts (``input`` is ``""`` when there is none).
+    """
+    records = []
+    for index, chapter in enumerate(chapters):
+        book, number = chapter["book"], chapter["chapter"]
+        opening = _passages(chapter["text"])[0]
+        records.append(
+            {"instruction": f"Quote the opening of {book}, chapter {number}.", "input": "", "output": opening}
+        )
+        if index % 2 == 1:
+            records.append(
+                {
+                    "instruction": "Name the novel and chapter that begin with these words.",
+                    "input": _opening_sentence(opening),
+                    "output": f"{book}, chapter {number}.",
+                }
+            )
+    return records
+
+
 def _write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     write_atomically(path, text.encode("utf-8"))
 
 
-def _prepare(input_path: Path, output_prefix: Path, workers: int, pack_to_seq_len: int | None = None, source=None):
+def _prepare(
+    input_path: Path,
+    output_prefix: Path,
+    workers: int,
+    pack_to_seq_len: int | None = None,
+    source=None,
+    key: str = "text",
+    chat_template: str | None = None,
+):
     config = OfflinePreparationConfig(
         dataset_name_or_path=str(input_path),
         output_prefix=str(output_prefix),
         tokenizer_name_or_path=str(BUNDLED_TOKENIZER_PATH),
-        json_keys=("text",),
+        json_keys=(key,),
         append_eod=True,
         pack_to_seq_len=pack_to_seq_len,
+        chat_template=chat_template,
         workers=workers,
         overwrite=True,  # the example folder is rewritten by every call, with the same bytes
     )
     run_offline_preparation(config, source)
-    return Path(config.output_prefix_for("text"))
+    return Path(config.output_prefix_for(key))
 
 
 def _book_source(train_jsonl: Path, records: Sequence[Mapping], book: str) -> RecordSource:
@@ -295,8 +350,13 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
     _write_jsonl(train_jsonl, train_records)
     conversations_jsonl = output_dir / "conversations.jsonl"
     _write_jsonl(conversations_jsonl, example_conversations(chapters))
+    instructions_jsonl = output_dir / "instructions.jsonl"
+    _write_jsonl(instructions_jsonl, example_instructions(chapters))
 
     corpus_prefix = _prepare(train_jsonl, output_dir / "corpus", workers)
+    conversations_prefix = _prepare(
+        conversations_jsonl, output_dir / "conversations", workers, key="messages", chat_template="tokenizer"
+    )
     packed_prefix = _prepare(train_jsonl, output_dir / "train", workers, pack_to_seq_len=EXAMPLE_PACK_TO_SEQ_LEN)
     blend_prefixes = tuple(
         _prepare(
@@ -310,7 +370,9 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
     return ExampleData(
         train_jsonl=train_jsonl,
         conversations_jsonl=conversations_jsonl,
+        instructions_jsonl=instructions_jsonl,
         corpus_prefix=corpus_prefix,
+        conversations_prefix=conversations_prefix,
         packed_prefix=packed_prefix,
         blend_prefixes=blend_prefixes,
     )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX
 from hyper_parallel.data.text.text_template import TextTemplate
 
 __all__ = [
@@ -58,6 +60,13 @@ class OfflinePreparationConfig:
             partition packs on its own and drops its tail shorter than N + 1.
         text_template: a ``str.format`` template over record fields (e.g. ``"{title}\\n\\n{text}"``) whose result
             is tokenized instead of the raw field; needs exactly one json key, which names the output.
+        chat_template: the records are conversations under the one json key, rendered by this chat template
+            (``tokenizer``, ``chatml``, ``llama2``, ``default``, ``gpt_oss``) as the Online ``conversation``
+            transform renders them; beside the tokens ``<prefix>_<key>_document`` the run writes their loss mask
+            ``<prefix>_<key>_document_loss_mask`` (uint8 0/1, 1 where the token is a supervised target). The
+            template adds its own special tokens (``add_special_tokens`` is not used); an appended EOD has mask 0.
+        role_map: with ``chat_template``, dataset role -> template role (e.g. ``{"customer": "user"}``), before
+            the built-in aliases (``human``, ``gpt``...).
         workers: tokenizer processes (default: the number of CPUs).
         partitions: independent partitions (own packing buffer each), merged into the final prefix at the end.
         keep_sequential_samples: give partitions contiguous blocks of records instead of round-robin.
@@ -79,6 +88,8 @@ class OfflinePreparationConfig:
     add_special_tokens: bool = True
     pack_to_seq_len: int | None = None
     text_template: str | None = None
+    chat_template: str | None = None
+    role_map: Mapping[str, str] | None = None
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     partitions: int = 1
     keep_sequential_samples: bool = False
@@ -104,6 +115,7 @@ class OfflinePreparationConfig:
                     f"text_template renders one document per record, so it needs exactly one json key to name the "
                     f"output, got {self.json_keys!r}"
                 )
+        self._check_conversation_settings()
         for name in ("workers", "partitions", "log_interval", "chunk_size"):
             value = getattr(self, name)
             if value < 1:
@@ -124,6 +136,32 @@ class OfflinePreparationConfig:
             raise DataConfigError("output_prefix must not be empty")
         object.__setattr__(self, "output_prefix", os.path.expanduser(self.output_prefix))
 
+    def _check_conversation_settings(self) -> None:
+        if self.chat_template is None:
+            if self.role_map is not None:
+                raise DataConfigError("role_map renames the roles of conversations; it needs --chat-template")
+            return
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise DataConfigError(f"chat_template must be a chat template name, got {self.chat_template!r}")
+        conflicts = {"text_template": self.text_template, "pack_to_seq_len": self.pack_to_seq_len}
+        for name, value in conflicts.items():
+            if value is not None:
+                raise DataConfigError(
+                    f"chat_template renders conversations, which cannot be combined with {name} ({value!r}); drop "
+                    f"one of them (packed conversations would lose their loss mask)"
+                )
+        if len(self.json_keys) != 1:
+            raise DataConfigError(
+                f"chat_template reads one conversation per record, so it needs exactly one json key (the field "
+                f"with the messages, e.g. --json-keys messages), got {self.json_keys!r}"
+            )
+
+    @property
+    def output_suffixes(self) -> tuple[str, ...]:
+        """The pairs written per json key, by the suffix of their prefix: the tokens (``""``), and with a chat
+        template the loss mask (``LOSS_MASK_SUFFIX``)."""
+        return ("",) if self.chat_template is None else ("", LOSS_MASK_SUFFIX)
+
     @property
     def template(self) -> TextTemplate | None:
         """The ``text_template`` that renders each record, named by its flag in the messages of the records it
@@ -136,9 +174,16 @@ class OfflinePreparationConfig:
         template = self.template
         return list(self.json_keys if template is None else template.fields)
 
-    def output_prefix_for(self, key: str) -> str:
-        """The final path prefix of the output for ``key``."""
-        return f"{self.output_prefix}_{key}_document"
+    def output_prefix_for(self, key: str, suffix: str = "") -> str:
+        """The final path prefix of the output for ``key`` (``suffix``: of its loss mask, see ``output_suffixes``)."""
+        return f"{self.output_prefix}_{key}_document{suffix}"
+
+
+def _role_entry(value: str) -> tuple[str, str]:
+    raw, separator, role = value.partition("=")
+    if not separator or not raw or not role:
+        raise argparse.ArgumentTypeError(f"expected DATASET_ROLE=ROLE such as human=user, got {value!r}")
+    return raw, role
 
 
 def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +212,21 @@ def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--text-template", default=None, help='str.format template over record fields, e.g. "{title}\\n\\n{text}"'
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME",
+        help="the json key holds conversations rendered by this chat template (tokenizer, chatml, llama2, default, "
+        "gpt_oss); also writes <prefix>_<key>_document_loss_mask.{bin,idx}",
+    )
+    parser.add_argument(
+        "--role-map",
+        nargs="+",
+        default=None,
+        metavar="ROLE=ROLE",
+        type=_role_entry,
+        help="with --chat-template: dataset roles to template roles, e.g. customer=user agent=assistant",
     )
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), help="tokenizer processes")
     parser.add_argument("--partitions", type=int, default=1, help="independent partitions merged at the end")
@@ -200,6 +260,8 @@ def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
         add_special_tokens=args.add_special_tokens,
         pack_to_seq_len=args.pack_to_seq_len,
         text_template=args.text_template,
+        chat_template=args.chat_template,
+        role_map=None if args.role_map is None else dict(args.role_map),
         workers=args.workers,
         partitions=args.partitions,
         keep_sequential_samples=args.keep_sequential_samples,

@@ -2,7 +2,8 @@
 
 Owns: decoding and parsing one chunk of raw records, picking or rendering the text of each json key,
 batch-tokenizing it (a very long text in pieces, with the ids of the whole), appending EOD and reporting empty
-and malformed records with their location.
+and malformed records with their location; for conversations, their tokens and loss mask through the Online
+conversation transform's encoding.
 Not responsible for: reading files (``text.records``), partitions, packing or writing.
 Kept free of heavy imports so that worker processes start quickly.
 """
@@ -17,7 +18,9 @@ from itertools import chain
 
 import numpy as np
 
+from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataFileError
+from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX
 from hyper_parallel.data.text.records import RecordChunk
 from hyper_parallel.data.text.text_template import TextTemplate
 
@@ -26,6 +29,7 @@ __all__ = [
     "EncodedDocuments",
     "EncodingSettings",
     "encode_chunk",
+    "encode_conversations",
     "encode_texts",
 ]
 
@@ -45,7 +49,11 @@ _CUT_CANDIDATE = re.compile(r"(?<=\S)\s")
 
 @dataclass(frozen=True)
 class EncodingSettings:
-    """What a worker needs besides the tokenizer."""
+    """What a worker needs besides the tokenizer.
+
+    ``conversation``: a ``TextConversationTransform`` (picklable, with its own tokenizer and chat template) whose
+    ``encode`` gives each record's tokens and unshifted labels; None for text.
+    """
 
     json_keys: tuple[str, ...]
     text_template: TextTemplate | None
@@ -53,6 +61,7 @@ class EncodingSettings:
     eod_id: int | None
     add_special_tokens: bool
     token_dtype: str
+    conversation: object | None = None
 
 
 @dataclass
@@ -269,6 +278,53 @@ def _assemble(
     )
 
 
+def _documents(pieces: list[np.ndarray], positions: list[int], dtype: np.dtype) -> EncodedDocuments:
+    """One document of one sequence per piece."""
+    lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+    return EncodedDocuments(
+        tokens=np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.empty(0, dtype),
+        sequence_lengths=lengths,
+        sequences_per_document=np.ones(len(pieces), np.int64),
+        record_positions=np.asarray(positions, np.int64),
+    )
+
+
+def encode_conversations(chunk: RecordChunk, settings: EncodingSettings, skip_bad_records: bool) -> EncodedChunk:
+    """Each record's conversation as one document of tokens, and its loss mask (1 where the token is a supervised
+    target: its unshifted label is not ``IGNORE_INDEX``) as the same document of the key's mask pair."""
+    (key,) = settings.json_keys
+    transform = settings.conversation
+    tokens: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    positions: list[int] = []
+    bad: list[str] = []
+    for position in range(len(chunk.items)):
+        try:
+            ids, labels = transform.encode(_parse(chunk, position), chunk.where(position), skip_fix=None)
+        except _BadRecord as error:
+            bad.append(f"{chunk.where(position)}: {error}; {_FIX}")
+        except DataFileError as error:  # already names the record
+            bad.append(f"{error}; {_FIX}")
+        else:
+            mask = (labels != IGNORE_INDEX).astype(np.uint8)
+            if settings.append_eod:  # the EOD only separates documents: never a target
+                ids, mask = np.append(ids, settings.eod_id), np.append(mask, np.uint8(0))
+            tokens.append(ids)
+            masks.append(mask)
+            positions.append(position)
+            continue
+        if not skip_bad_records:
+            break
+    return EncodedChunk(
+        documents={
+            key: _documents(tokens, positions, np.dtype(settings.token_dtype)),
+            f"{key}{LOSS_MASK_SUFFIX}": _documents(masks, positions, np.dtype(np.uint8)),
+        },
+        records=len(chunk.items),
+        bad_records=bad,
+    )
+
+
 def encode_chunk(chunk: RecordChunk, tokenizer, settings: EncodingSettings, skip_bad_records: bool) -> EncodedChunk:
     """Tokenize every key of every record in ``chunk`` with a ``tokenizers.Tokenizer``.
 
@@ -333,4 +389,7 @@ def init_worker(tokenizer_json: str, settings: EncodingSettings, skip_bad_record
 
 
 def encode_chunk_in_worker(chunk: RecordChunk) -> EncodedChunk:
-    return encode_chunk(chunk, _worker_state["tokenizer"], _worker_state["settings"], _worker_state["skip"])
+    settings = _worker_state["settings"]
+    if settings.conversation is not None:
+        return encode_conversations(chunk, settings, _worker_state["skip"])
+    return encode_chunk(chunk, _worker_state["tokenizer"], settings, _worker_state["skip"])

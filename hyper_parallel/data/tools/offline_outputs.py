@@ -1,6 +1,7 @@
 """The files an offline preparation run writes: their names, the checks before writing, and their publication.
 
-A run publishes, per json key, ``<prefix>_<key>_document.{bin,idx}`` and its ``.meta.json``; with
+A run publishes, per json key, ``<prefix>_<key>_document.{bin,idx}`` and its ``.meta.json`` (with a chat template
+also the loss-mask pair ``<prefix>_<key>_document_loss_mask``, written as a pair of its own); with
 ``--partitions P --keep-partition-files`` also the partition pairs ``<prefix>_<p>_<key>_document.*`` and the
 manifest ``<prefix>_<key>_document.partitions.json``. Before anything is tokenized, the prefix is checked (a
 directory is refused), the directory is checked for writing, temporaries left by dead runs of the same names
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ from hyper_parallel.data.indexed.pair_metadata import PairMetadata, manifest_jso
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_encoding import EncodedChunk, EncodedDocuments
 
-__all__ = ["OutputPlan", "Outputs", "partition_prefix", "plan_outputs"]
+__all__ = ["OutputPlan", "Outputs", "output_name", "partition_prefix", "plan_outputs"]
 
 logger = get_logger("hyper_parallel.data.tools.offline_outputs")
 
@@ -58,9 +59,9 @@ def _pair_files(prefix: str) -> list[Path]:
     return [*data_file_paths(prefix), metadata_path(prefix)]
 
 
-def partition_prefix(output_prefix: str, partition: int, key: str) -> str:
-    """The prefix of one partition pair of one key."""
-    return f"{output_prefix}_{partition}_{key}_document"
+def partition_prefix(output_prefix: str, partition: int, key: str, suffix: str = "") -> str:
+    """The prefix of one partition pair of one key (``suffix``: of its loss mask)."""
+    return f"{output_prefix}_{partition}_{key}_document{suffix}"
 
 
 def _listing(paths: list[Path]) -> str:
@@ -121,6 +122,16 @@ def _prepare_directory(first_output: Path) -> None:
         raise output_error(directory, error) from None
 
 
+def _outputs(config: OfflinePreparationConfig) -> list[tuple[str, str]]:
+    """``(json key, suffix)`` of every pair a run writes, in the order they are published."""
+    return [(key, suffix) for key in config.json_keys for suffix in config.output_suffixes]
+
+
+def output_name(key: str, suffix: str) -> str:
+    """The name of a pair's documents in ``EncodedChunk.documents``: the json key, plus the suffix of a mask."""
+    return f"{key}{suffix}"
+
+
 def plan_outputs(config: OfflinePreparationConfig) -> OutputPlan:
     """Check the prefix, the directory and existing outputs, and sweep temporaries of dead runs.
 
@@ -132,12 +143,14 @@ def plan_outputs(config: OfflinePreparationConfig) -> OutputPlan:
     _check_prefix(config.output_prefix)
     published: list[Path] = []
     written: list[Path] = []  # every final name a temporary may be written for
-    for key in config.json_keys:
-        final = config.output_prefix_for(key)
+    for key, suffix in _outputs(config):
+        final = config.output_prefix_for(key, suffix)
         published += [*_pair_files(final), manifest_path(final)]
         if config.partitions > 1:
             parts = [
-                f for p in range(config.partitions) for f in _pair_files(partition_prefix(config.output_prefix, p, key))
+                f
+                for p in range(config.partitions)
+                for f in _pair_files(partition_prefix(config.output_prefix, p, key, suffix))
             ]
             written += parts
             if config.keep_partition_files:
@@ -220,16 +233,23 @@ class _KeyOutput:
     """All partitions of one json key, merged into ``final_prefix``."""
 
     def __init__(
-        self, config: OfflinePreparationConfig, key: str, dtype: np.dtype, files: _OpenFiles, metadata: bytes
+        self,
+        config: OfflinePreparationConfig,
+        key: str,
+        suffix: str,
+        dtype: np.dtype,
+        files: _OpenFiles,
+        metadata: bytes,
     ) -> None:
-        self.final_prefix = config.output_prefix_for(key)
+        self.final_prefix = config.output_prefix_for(key, suffix)
+        self.is_mask = bool(suffix)  # not counted in the run's documents and tokens
         self.dtype = dtype
         self.metadata = metadata
         self.keep_partition_files = config.keep_partition_files
         if config.partitions == 1:
             prefixes = [self.final_prefix]
         else:
-            prefixes = [partition_prefix(config.output_prefix, p, key) for p in range(config.partitions)]
+            prefixes = [partition_prefix(config.output_prefix, p, key, suffix) for p in range(config.partitions)]
         self.partitions: list[_PartitionWriter] = []
         self.merged: IndexedDatasetBuilder | None = None
         try:
@@ -305,9 +325,18 @@ class Outputs:
     ) -> None:
         files = _OpenFiles(plan.open_files)
         self.by_key: dict[str, _KeyOutput] = {}
+        # A loss mask holds 0/1 per token: a pair of uint8 "ids" of a vocabulary of 2, in its own metadata.
+        mask_metadata = replace(metadata, vocab_size=2, eod_id=None, token_dtype="uint8")
         try:
-            for key in config.json_keys:
-                self.by_key[key] = _KeyOutput(config, key, dtype, files, metadata.to_json())
+            for key, suffix in _outputs(config):
+                self.by_key[output_name(key, suffix)] = _KeyOutput(
+                    config,
+                    key,
+                    suffix,
+                    np.dtype(np.uint8) if suffix else dtype,
+                    files,
+                    (mask_metadata if suffix else metadata).to_json(),
+                )
         except BaseException:
             self.abort()
             raise
@@ -343,5 +372,5 @@ class Outputs:
             out.abort()
 
     def total(self, attribute: str) -> int:
-        """``documents``, ``tokens`` or ``sequences`` written, over every key and partition."""
-        return sum(out.total(attribute) for out in self.by_key.values())
+        """``documents``, ``tokens`` or ``sequences`` written, over every key and partition (loss masks aside)."""
+        return sum(out.total(attribute) for out in self.by_key.values() if not out.is_mask)

@@ -39,6 +39,7 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata
+from hyper_parallel.data.text.build_data_transform import TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.records import (
     RecordChunk,
@@ -58,7 +59,7 @@ from hyper_parallel.data.tools.offline_encoding import (
     encode_chunk_in_worker,
     init_worker,
 )
-from hyper_parallel.data.tools.offline_outputs import Outputs, plan_outputs
+from hyper_parallel.data.tools.offline_outputs import Outputs, output_name, plan_outputs
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
 __all__ = [
@@ -222,6 +223,11 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
             config.pack_to_seq_len,
         )
     dtype = _token_dtype(config, tokenizer.vocab_size)
+    conversation = None
+    if config.chat_template is not None:
+        conversation = TextConversationTransform(
+            tokenizer, chat_template=config.chat_template, text_keys=config.json_keys, role_map=config.role_map
+        )
     source = source or _local_source(config)
     settings = EncodingSettings(
         json_keys=config.json_keys,
@@ -230,6 +236,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         eod_id=tokenizer.eod,
         add_special_tokens=config.add_special_tokens,
         token_dtype=dtype.str,
+        conversation=conversation,
     )
     metadata = PairMetadata(
         tokenizer_fingerprint=tokenizer.fingerprint,
@@ -239,7 +246,11 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         tokenizer=tokenizer.name_or_path,  # a loaded tokenizer object is named by its path, not its repr
     )
     summary = PreparationSummary(
-        outputs={key: config.output_prefix_for(key) for key in config.json_keys},
+        outputs={
+            output_name(key, suffix): config.output_prefix_for(key, suffix)
+            for key in config.json_keys
+            for suffix in config.output_suffixes
+        },
         token_dtype=str(dtype),
         packed_to=config.pack_to_seq_len,
     )

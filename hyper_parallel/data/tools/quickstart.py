@@ -3,7 +3,7 @@
 Steps (about 20 s on two cores):
 
 1. prepare the example data (``tools.example_data``) that the configs under ``examples/`` read: the chapters as
-   JSON lines (in passages of at most 4096 tokens), synthetic conversations, and Megatron-compatible
+   JSON lines (in passages of at most 4096 tokens), synthetic conversations and instructions, and Megatron-compatible
    ``.bin``/``.idx`` pairs (one document per passage, packed 4096-token records, one pair per book);
 2. verify every pair and summarise the corpus pair; 3. decode the start of its first document;
 4. cut it into train/valid/test samples with the Indexed path (megatron-core's sample order);
@@ -183,12 +183,16 @@ def _prepare(output_dir: Path, workers: int) -> ExampleData:
     seconds = time.perf_counter() - started
     passages = sum(1 for _ in data.train_jsonl.open(encoding="utf-8"))
     conversations = sum(1 for _ in data.conversations_jsonl.open(encoding="utf-8"))
+    instructions = sum(1 for _ in data.instructions_jsonl.open(encoding="utf-8"))
     rows = [
         (data.train_jsonl, f"{passages} passages as JSON lines", "Online configs"),
         (data.conversations_jsonl, f"{conversations} synthetic conversations", "the SFT config"),
+        (data.instructions_jsonl, f"{instructions} synthetic instructions", "the instruction SFT config"),
     ]
     uses = ["Indexed configs", "offline-packed records", *(f"the blend ({book})" for book in BLEND_BOOKS)]
-    for prefix, use in zip((data.corpus_prefix, data.packed_prefix, *data.blend_prefixes), uses, strict=True):
+    uses.append("the Indexed SFT config, with its _loss_mask pair")
+    prefixes = (data.corpus_prefix, data.packed_prefix, *data.blend_prefixes, data.conversations_prefix)
+    for prefix, use in zip(prefixes, uses, strict=True):
         reader = IndexedDataReader(prefix)
         what = f"{reader.num_documents} documents, {reader.num_tokens:,} tokens"
         if prefix == data.packed_prefix:
