@@ -11,6 +11,7 @@ transforms or sampling.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import glob
 import gzip
@@ -27,14 +28,17 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 
 __all__ = [
     "FILE_FORMATS",
+    "FileRange",
     "RecordChunk",
     "count_records",
     "file_format",
+    "iter_range_chunks",
     "iter_record_chunks",
     "is_saved_hf_dataset",
     "data_path_entries",
     "resolve_data_files",
     "select_hf_split",
+    "split_record_ranges",
 ]
 
 # Extension (after removing ".gz") -> format name. Parquet and Arrow carry their own compression.
@@ -350,21 +354,34 @@ def _table_columns(path: Path, schema_names: Sequence[str], columns: Sequence[st
     return list(columns)
 
 
-def _parquet_chunks(path: Path, chunk_size: int, columns: Sequence[str] | None) -> Iterator[RecordChunk]:
+def _open_parquet(path: Path):
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
         raise DataFileError(f"{path}: not a readable Parquet file ({error})") from None
+
+
+def _parquet_chunks(
+    path: Path, chunk_size: int, columns: Sequence[str] | None, row_groups: range | None = None
+) -> Iterator[RecordChunk]:
+    """The rows of a Parquet file, or of its ``row_groups`` only (numbered as in the whole file)."""
+    parquet = _open_parquet(path)
     selected = _table_columns(path, parquet.schema_arrow.names, columns)
     size = path.stat().st_size
-    row = 0
     total = parquet.metadata.num_rows
-    for batch in parquet.iter_batches(batch_size=chunk_size, columns=selected):
+    row = 0
+    if row_groups is not None:
+        row = sum(parquet.metadata.row_group(g).num_rows for g in range(row_groups.start))
+        size = size * sum(parquet.metadata.row_group(g).num_rows for g in row_groups) // max(total, 1)
+        total = sum(parquet.metadata.row_group(g).num_rows for g in row_groups)
+    first_row = row
+    for batch in parquet.iter_batches(batch_size=chunk_size, columns=selected, row_groups=row_groups):
         items = batch.to_pylist()
         end = row + len(items)
-        yield RecordChunk(str(path), "records", items, list(range(row, end)), "row", size * end // max(total, 1))
+        read = size * (end - first_row) // max(total, 1)
+        yield RecordChunk(str(path), "records", items, list(range(row, end)), "row", read)
         row = end
 
 
@@ -433,6 +450,129 @@ def iter_record_chunks(
             chunk.bytes_read += finished_bytes
             yield chunk
         finished_bytes += Path(path).stat().st_size
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """A part of one input file that holds whole records: bytes ``[start, end)`` of a JSON-lines or text file (the
+    lines that start there), row groups ``[start, end)`` of a Parquet file, or the whole file (``end`` None)."""
+
+    path: Path
+    start: int = 0
+    end: int | None = None
+
+
+def _line_file_is_cuttable(path: Path, fmt: str) -> bool:
+    """Whether a byte range of ``path`` can be read alone: uncompressed lines (not a ``.json`` array)."""
+    if fmt not in ("json", "text") or path.name.lower().endswith(".gz"):
+        return False
+    return not (fmt == "json" and path.name.lower().endswith(".json") and _starts_with_array(path))
+
+
+def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[list[FileRange]]:
+    """Split ``files`` into ``parts`` consecutive lists of ranges of about equal size, records never cut.
+
+    Reading part 0, then part 1, ... gives every record once, in the order of ``iter_record_chunks``. Line files
+    are cut at any byte (a line belongs to the range it starts in), Parquet files between row groups, other files
+    (compressed, CSV, Arrow, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
+    """
+    units: list[tuple[Path, int, int, bool]] = []  # (file, row group or -1, weight, cuttable)
+    for path in map(Path, files):
+        if fmt == "parquet":
+            metadata = _open_parquet(path).metadata
+            units += [(path, g, metadata.row_group(g).total_byte_size, False) for g in range(metadata.num_row_groups)]
+        else:
+            units.append((path, -1, path.stat().st_size, _line_file_is_cuttable(path, fmt)))
+    total = sum(weight for _, _, weight, _ in units)
+    bounds = [total * part // parts for part in range(parts + 1)]
+    ranges: list[list[FileRange]] = [[] for _ in range(parts)]
+    offset = 0
+    for path, group, weight, cuttable in units:
+        if cuttable:
+            for part in range(parts):
+                start, end = max(offset, bounds[part]), min(offset + weight, bounds[part + 1])
+                if start < end:
+                    ranges[part].append(FileRange(path, start - offset, end - offset))
+        else:
+            part = min(max(bisect.bisect_right(bounds, offset) - 1, 0), parts - 1)
+            previous = ranges[part][-1] if ranges[part] else None
+            if group < 0:
+                ranges[part].append(FileRange(path))
+            elif previous is not None and previous.path == path and previous.end == group:
+                ranges[part][-1] = FileRange(path, previous.start, group + 1)
+            else:
+                ranges[part].append(FileRange(path, group, group + 1))
+        offset += weight
+    return ranges
+
+
+def _newlines_before(path: Path, position: int) -> int:
+    count = 0
+    with open(path, "rb") as file:
+        while position > 0:
+            block = file.read(min(position, 16 << 20))
+            if not block:
+                break
+            count += block.count(b"\n")
+            position -= len(block)
+    return count
+
+
+def _line_range_chunks(
+    path: Path, kind: RecordKind, start: int, end: int, chunk_size: int, chunk_bytes: int
+) -> Iterator[RecordChunk]:
+    """The non-blank lines that start in bytes ``[start, end)``, numbered as in the whole file."""
+    with open(path, "rb", buffering=1 << 20) as file:
+        position = 0
+        if start > 0:
+            file.seek(start - 1)
+            file.readline()  # to just after the first newline at or after start - 1: the first line starting in range
+            position = file.tell()
+        number = _newlines_before(path, position)
+        items: list[bytes] = []
+        locations: list[int] = []
+        size = 0
+        for line in file:
+            if position >= end:
+                break
+            number += 1
+            position += len(line)
+            if not line.strip():
+                continue
+            items.append(line)
+            locations.append(number)
+            size += len(line)
+            if len(items) == chunk_size or size >= chunk_bytes:
+                yield RecordChunk(str(path), kind, items, locations, "line", position - start)
+                items, locations, size = [], [], 0
+        if items:
+            yield RecordChunk(str(path), kind, items, locations, "line", position - start)
+
+
+def iter_range_chunks(
+    ranges: Iterable[FileRange],
+    fmt: str,
+    chunk_size: int = 4096,
+    columns: Sequence[str] | None = None,
+    chunk_bytes: int = 1 << 20,
+) -> Iterator[RecordChunk]:
+    """``iter_record_chunks`` over parts of files (from ``split_record_ranges``); ``bytes_read`` counts from the
+    start of the first range."""
+    finished_bytes = 0
+    for part in ranges:
+        if part.end is None:
+            chunks = _file_chunks(part.path, fmt, chunk_size, columns, chunk_bytes)
+        elif fmt == "parquet":
+            chunks = _parquet_chunks(part.path, chunk_size, columns, range(part.start, part.end))
+        else:
+            kind: RecordKind = "json_lines" if fmt == "json" else "text_lines"
+            chunks = _line_range_chunks(part.path, kind, part.start, part.end, chunk_size, chunk_bytes)
+        read = 0
+        for chunk in chunks:
+            read = chunk.bytes_read
+            chunk.bytes_read += finished_bytes
+            yield chunk
+        finished_bytes += read
 
 
 def count_records(files: Iterable[Path], fmt: str, columns: Sequence[str] | None = None) -> int:
