@@ -15,8 +15,10 @@ from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.text.records import (
     count_records,
     file_format,
+    iter_range_chunks,
     iter_record_chunks,
     resolve_data_files,
+    split_record_ranges,
 )
 
 
@@ -189,3 +191,36 @@ def test_csv_locations_are_the_lines_records_start_on(tmp_path):
     (chunk,) = chunks_of(path)
     assert [r["text"] for r in chunk.items] == ["first\nspans two lines", "second"]
     assert chunk.locations == [2, 4]
+
+
+def _records_with_locations(chunks) -> list[tuple[str, int, object]]:
+    return [
+        (chunk.source, where, item)
+        for chunk in chunks
+        for where, item in zip(chunk.locations, chunk.items, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5, 8])
+def test_split_ranges_read_in_order_give_every_record_once(tmp_path, parts):
+    """Byte ranges of JSON-lines files (blank lines, a file without a final newline, an empty file) and row groups
+    of Parquet files, read part after part, give exactly the records and line or row numbers of one pass."""
+    lines = tmp_path / "lines"
+    lines.mkdir()
+    texts = random_texts(90, seed=3)
+    (lines / "a.jsonl").write_bytes(
+        b"".join(jsonl_line(t) + (b"\n" if i % 7 == 0 else b"") for i, t in enumerate(texts[:50]))
+    )
+    (lines / "b.jsonl").write_bytes(b"")
+    (lines / "c.jsonl").write_bytes(b"".join(map(jsonl_line, texts[50:]))[:-1])
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for name, part in (("a", texts[:37]), ("b", texts[37:])):
+        pq.write_table(pa.table({"text": part}), tables / f"{name}.parquet", row_group_size=6)
+    for directory in (lines, tables):
+        files, fmt = resolve_data_files(directory)
+        expected = _records_with_locations(iter_record_chunks(files, fmt, chunk_size=4))
+        ranges = split_record_ranges(files, fmt, parts)
+        assert len(ranges) == parts
+        read = [record for part in ranges for record in _records_with_locations(iter_range_chunks(part, fmt, 4))]
+        assert read == expected
