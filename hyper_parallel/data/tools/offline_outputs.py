@@ -360,12 +360,14 @@ class Outputs:
             self.by_key[key].add(documents, self._partitions_of(documents))
         self.next_record += encoded.records
 
-    def finalize(self) -> int:
-        """Seal every key's files, then publish them all; returns the tail tokens dropped by packing."""
-        dropped = sum(out.seal() for out in self.by_key.values())
+    def seal(self) -> int:
+        """Complete every key's files under their temporary names; returns the tail tokens dropped by packing."""
+        return sum(out.seal() for out in self.by_key.values())
+
+    def publish(self) -> None:
+        """Rename every sealed file into place."""
         for out in self.by_key.values():
             out.publish()
-        return dropped
 
     def abort(self) -> None:
         for out in self.by_key.values():

@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,7 @@ from hyper_parallel.data.text.records import (
     resolve_data_files,
 )
 from hyper_parallel.data.tools.cli import command_parser
+from hyper_parallel.data.tools.distributed_preparation import DistributedRunError
 from hyper_parallel.data.tools.offline_config import (
     OfflinePreparationConfig,
     add_preparation_arguments,
@@ -59,7 +60,7 @@ from hyper_parallel.data.tools.offline_encoding import (
     encode_chunk_in_worker,
     init_worker,
 )
-from hyper_parallel.data.tools.offline_outputs import Outputs, output_name, plan_outputs
+from hyper_parallel.data.tools.offline_outputs import OutputPlan, Outputs, output_name, plan_outputs
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
 __all__ = [
@@ -199,18 +200,30 @@ def _token_dtype(config: OfflinePreparationConfig, vocab_size: int) -> np.dtype:
     return dtype
 
 
-def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSource | None = None) -> PreparationSummary:
+def run_offline_preparation(
+    config: OfflinePreparationConfig,
+    source: RecordSource | None = None,
+    *,
+    plan: OutputPlan | None = None,
+    progress=None,
+    before_publish: Callable[[PreparationSummary], None] | None = None,
+) -> PreparationSummary:
     """Tokenize every record of the input and write one ``.bin``/``.idx`` pair (and its metadata) per json key.
 
     Args:
         config: the validated options.
         source: where records come from; default: the files named by ``config.dataset_name_or_path``.
+        plan: the checked outputs; default: ``plan_outputs(config)``.
+        progress: what ``update(bytes_read, documents, tokens)`` and ``close()`` report progress to; default: a
+            progress bar and log lines.
+        before_publish: called with the summary once every file is complete under its temporary name; if it
+            raises, nothing is published.
 
     Returns:
         What was written and how fast.
     """
     started = time.perf_counter()
-    plan = plan_outputs(config)
+    plan = plan or plan_outputs(config)
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
     if config.append_eod and tokenizer.eod is None:
         raise DataConfigError(
@@ -254,7 +267,7 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
         token_dtype=str(dtype),
         packed_to=config.pack_to_seq_len,
     )
-    progress = _Progress(source.total_bytes, config.log_interval)
+    progress = progress or _Progress(source.total_bytes, config.log_interval)
     outputs = Outputs(config, plan, dtype, source.total_records, metadata)  # removes its files if it fails
     try:
         initargs = (tokenizer.backend.to_str(), settings, config.skip_bad_records)
@@ -266,15 +279,18 @@ def run_offline_preparation(config: OfflinePreparationConfig, source: RecordSour
                 summary.empty_documents += encoded.empty_documents
                 summary.input_bytes = chunk.bytes_read
                 progress.update(chunk.bytes_read, outputs.total("documents"), outputs.total("tokens"))
-        summary.dropped_tail_tokens = outputs.finalize()
+        summary.dropped_tail_tokens = outputs.seal()
+        summary.documents = outputs.total("documents")
+        summary.tokens = outputs.total("tokens")
+        summary.sequences = outputs.total("sequences")
+        if before_publish is not None:
+            before_publish(summary)
+        outputs.publish()
     except BaseException:
         outputs.abort()
         raise
     finally:
         progress.close()
-    summary.documents = outputs.total("documents")
-    summary.tokens = outputs.total("tokens")
-    summary.sequences = outputs.total("sequences")
     summary.seconds = time.perf_counter() - started
     if summary.documents == 0:
         logger.warning("no documents were written: every record was empty, malformed or shorter than one record")
@@ -307,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
         "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
     )
     add_preparation_arguments(parser)
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="under torchrun: split the input across the ranks by file and byte range (records never cut), each "
+        "rank writes one partition with its own --workers, rank 0 merges them; the output is byte-identical to a "
+        "single-process run. Not with --pack-to-seq-len or --partitions",
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --distributed: how long the ranks wait for one that stopped answering before failing (default 60)",
+    )
     return parser
 
 
@@ -362,7 +392,7 @@ def run_cli(run, summary_header: str) -> int:
         except (DataFileError, DataConfigError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        except WorkerPoolError as error:
+        except (WorkerPoolError, DistributedRunError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt as interrupt:
@@ -379,10 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     enable_dataset_logging("info", ranks=None)
 
-    def run() -> PreparationSummary:
-        return run_offline_preparation(config_from_args(args))
+    if not args.distributed:
+        return run_cli(lambda: run_offline_preparation(config_from_args(args)), "offline preparation finished:")
+    from hyper_parallel.data.tools.distributed_preparation import run_distributed_preparation
 
-    return run_cli(run, "offline preparation finished:")
+    rank = int(os.environ.get("RANK", "0"))
+    header = "offline preparation finished:" if rank == 0 else f"rank {rank} finished its part:"
+    return run_cli(lambda: run_distributed_preparation(config_from_args(args), args.distributed_timeout), header)
 
 
 if __name__ == "__main__":

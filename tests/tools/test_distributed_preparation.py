@@ -1,0 +1,152 @@
+"""Specification of offline preparation across processes: real ranks, a real gloo process group, real files.
+
+Every run is a subprocess with a deadline that only turns a hang into a failure. The output of every world size is
+compared byte for byte with a single-process run of the same input and settings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+from hyper_parallel.data.tools.distributed_preparation import EXIT_HOOK_VARIABLE, check_distributed_config
+from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+from hyper_parallel.data.tools.offline_preparation import main
+
+from .test_offline_preparation import PAIR_FILES, make_records, prepare, write_jsonl
+
+DEADLINE = 180  # seconds: only turns a hang into a failure
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Three JSONL files of unequal size, with a blank line, so that ranks cut files and lines fall across cuts."""
+    directory = tmp_path_factory.mktemp("corpus")
+    for number, count in enumerate((120, 40, 200)):
+        write_jsonl(directory / f"part{number}.jsonl", make_records(count, seed=number))
+    with open(directory / "part1.jsonl", "a", encoding="utf-8") as file:
+        file.write("\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    prefix = tmp_path_factory.mktemp("reference") / "corpus"
+    prepare(corpus, prefix, chunk_size=16)
+    return Path(f"{prefix}_text_document")
+
+
+def prepare_argv(data: Path, output_prefix: Path, *extra: str) -> list[str]:
+    return [
+        *("-m", "hyper_parallel.data.tools.offline_preparation", "--distributed", "--workers", "1"),
+        *("--dataset-name-or-path", str(data), "--output-prefix", str(output_prefix)),
+        *("--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--chunk-size", "16", *extra),
+    ]
+
+
+def environment(**variables: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPOSITORY), **variables}
+
+
+def torchrun(processes: int, argv: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", *argv]
+    return subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=DEADLINE)
+
+
+def ranks_by_hand(processes: int, argv: list[str], **variables: str) -> list[subprocess.CompletedProcess]:
+    """Start the ranks as torchrun would, without its agent: the agent stops every rank with SIGTERM as soon as one
+    exits non-zero, which would hide whether the ranks stop by themselves."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes), **variables}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env=environment(**shared, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(processes)
+    ]
+    finished = []
+    for rank in ranks:
+        stdout, stderr = rank.communicate(timeout=DEADLINE)
+        finished.append(subprocess.CompletedProcess(rank.args, rank.returncode, stdout, stderr))
+    return finished
+
+
+def published(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_output_is_byte_identical_to_one_process_for_any_number_of_ranks(corpus, reference, tmp_path, processes):
+    prefix = tmp_path / "corpus"
+    result = torchrun(processes, prepare_argv(corpus, prefix))
+    assert result.returncode == 0, result.stderr
+    for extension in PAIR_FILES:
+        assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
+    assert published(tmp_path) == [f"corpus_text_document.{extension}" for extension in sorted(PAIR_FILES)]
+    assert re.search(r"documents written\s+360\b", result.stdout)  # the run's total, not one rank's
+
+
+def test_a_bad_record_on_one_rank_stops_every_rank_with_its_location(corpus, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in corpus.iterdir():
+        (data / path.name).write_bytes(path.read_bytes())
+    last = data / "part2.jsonl"  # its end is read by the last rank
+    with open(last, "a", encoding="utf-8") as file:
+        file.write('{"text": unquoted}\n')
+    out = tmp_path / "out"
+    results = ranks_by_hand(3, prepare_argv(data, out / "corpus"))
+    location = f"{last}:line 201"
+    assert [result.returncode for result in results] == [1, 1, 2]
+    assert location in results[2].stderr and "invalid JSON" in results[2].stderr
+    for result in results[:2]:
+        assert f"rank 2 failed: {location}" in result.stderr
+    assert published(out) == []
+
+
+def test_a_killed_rank_fails_the_others_and_the_rerun_starts_clean(corpus, reference, tmp_path):
+    """Rank 1 leaves with os._exit after its first records, as a killed process does: no cleanup, no message."""
+    prefix = tmp_path / "corpus"
+    argv = prepare_argv(corpus, prefix, "--distributed-timeout", "20")
+    results = ranks_by_hand(2, argv, **{EXIT_HOOK_VARIABLE: "1:48"})
+    assert results[1].returncode == 1 and results[0].returncode == 1
+    assert "stopped answering" in results[0].stderr
+    left = published(tmp_path)
+    assert left and all(".tmp-" in name for name in left)  # only the dead rank's temporaries
+    rerun = torchrun(2, prepare_argv(corpus, prefix))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "removed" in rerun.stderr
+    assert published(tmp_path) == [f"corpus_text_document.{extension}" for extension in sorted(PAIR_FILES)]
+    for extension in PAIR_FILES:
+        assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
+
+
+@pytest.mark.parametrize("option", [{"pack_to_seq_len": 64}, {"partitions": 2}])
+def test_options_whose_output_depends_on_the_ranks_are_refused(option):
+    config = OfflinePreparationConfig(
+        dataset_name_or_path="in.jsonl", output_prefix="out", tokenizer_name_or_path="tok", **option
+    )
+    with pytest.raises(DataConfigError, match="cannot be combined with --distributed"):
+        check_distributed_config(config)
+
+
+def test_distributed_outside_torchrun_says_how_to_start(corpus, tmp_path, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(prepare_argv(corpus, tmp_path / "corpus")[2:]) == 2
+    assert "torchrun --nproc-per-node" in capsys.readouterr().err
