@@ -203,18 +203,15 @@ def _agree(dist, world_size: int, error: BaseException | None) -> None:
 
 def _merge(config: OfflinePreparationConfig, world_size: int, outputs: list[tuple[str, str]]) -> None:
     """Rank 0: merge the published partition pairs of every key in rank order, then publish the merged pairs."""
-    builders: list[tuple[IndexedDatasetBuilder, list[str]]] = []
-    partitions = [
-        [partition_prefix(config.output_prefix, rank, key, suffix) for rank in range(world_size)]
-        for key, suffix in outputs
-    ]
+    builders: list[IndexedDatasetBuilder] = []
+    partitions = _partition_prefixes(config, world_size, outputs)
     try:
         for (key, suffix), prefixes in zip(outputs, partitions, strict=True):
             final = config.output_prefix_for(key, suffix)
             idx_path, bin_path = data_file_paths(final)
             readers = [IndexedDataReader(prefix) for prefix in prefixes]
             builder = IndexedDatasetBuilder(bin_path, dtype=readers[0].dtype)
-            builders.append((builder, prefixes))
+            builders.append(builder)
             for prefix in prefixes:
                 builder.add_index(prefix)
             builder.seal(idx_path, {metadata_path(final): metadata_path(prefixes[0]).read_bytes()})
@@ -226,10 +223,10 @@ def _merge(config: OfflinePreparationConfig, world_size: int, outputs: list[tupl
                 manifest = manifest_path(final)
                 manifest.unlink(missing_ok=True)
                 write_atomically(manifest, manifest_json(final, counts))
-        for builder, _ in builders:
+        for builder in builders:
             builder.publish()
     except BaseException:
-        for builder, _ in builders:
+        for builder in builders:
             builder.abort()
         for key, suffix in outputs:
             manifest_path(config.output_prefix_for(key, suffix)).unlink(missing_ok=True)
@@ -237,6 +234,16 @@ def _merge(config: OfflinePreparationConfig, world_size: int, outputs: list[tupl
         raise
     if not config.keep_partition_files:
         _remove_partitions(partitions)
+
+
+def _partition_prefixes(
+    config: OfflinePreparationConfig, world_size: int, outputs: list[tuple[str, str]]
+) -> list[list[str]]:
+    """Per output, the prefix of every rank's partition pair, in rank order."""
+    return [
+        [partition_prefix(config.output_prefix, rank, key, suffix) for rank in range(world_size)]
+        for key, suffix in outputs
+    ]
 
 
 def _remove_partitions(partitions: list[list[str]]) -> None:
@@ -305,15 +312,22 @@ def run_distributed_preparation(config: OfflinePreparationConfig, timeout_second
         except DistributedRunError:
             raise
         except BaseException as failure:
+            if exchange.counts[_DONE]:  # failed publishing its partition: the others wait in the agreement below
+                _agree(dist, world_size, failure)
             peer_error = exchange.finish(str(failure) or type(failure).__name__)
             if peer_error is not None and isinstance(failure, Exception):
                 failure.add_note(peer_error)
             raise
         totals = exchange.totals
-        _agree(dist, world_size, None)  # every partition is published
+        outputs = _outputs(config)
+        try:
+            _agree(dist, world_size, None)  # every partition is published
+        except DistributedRunError:
+            if rank == 0:
+                _remove_partitions(_partition_prefixes(config, world_size, outputs))
+            raise
         summary.outputs = {}  # this rank's partition is merged into rank 0's outputs
         if rank == 0:
-            outputs = _outputs(config)
             _merge(config, world_size, outputs)
             summary.outputs = {
                 output_name(key, suffix): config.output_prefix_for(key, suffix) for key, suffix in outputs
