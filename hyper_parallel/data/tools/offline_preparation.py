@@ -11,6 +11,9 @@ document (one sequence per string, several for a list of strings), for GPTDatase
 concatenated and cut into records of N + 1 tokens, for GPTFromMRDataset; each partition packs on its own and
 drops its own tail.
 
+With ``--distributed`` under torchrun, the ranks split the input and rank 0 merges their partitions into the same
+bytes as one process writes (see docs/offline.md, "Across processes").
+
 Existing outputs are replaced only with ``--overwrite``. Ctrl-C (SIGINT) or SIGTERM stops the workers, removes
 the temporary files and exits with 130 or 143; a second signal exits at once, and the next run of the same
 prefix removes what was left. Workers also stop by themselves when the main process dies.
