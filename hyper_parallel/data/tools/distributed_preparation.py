@@ -334,6 +334,8 @@ def run_distributed_preparation(config: OfflinePreparationConfig, timeout_second
             }
             for counter, name in _SUMMED.items():
                 setattr(summary, name, totals[counter])
+            if summary.documents == 0:
+                logger.warning("no documents were written: every record was empty or malformed")
         return summary
     finally:
         dist.destroy_process_group()

@@ -295,7 +295,7 @@ def run_offline_preparation(
     finally:
         progress.close()
     summary.seconds = time.perf_counter() - started
-    if summary.documents == 0:
+    if summary.documents == 0 and before_publish is None:  # otherwise the caller knows what the run is part of
         logger.warning("no documents were written: every record was empty, malformed or shorter than one record")
     return summary
 
