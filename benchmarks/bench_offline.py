@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
@@ -182,6 +183,73 @@ def large_record_row(context: BenchContext, tokenizer_path: Path) -> Row:
     )
 
 
+DISTRIBUTED_PROCESSES = (1, 2, 4)
+
+
+def distributed_rows(context: BenchContext, texts: list[str], tokens: int, bare_seconds: float) -> list[Row]:
+    """``--distributed`` under torchrun with 1, 2 and 4 ranks on the texts as JSONL in 4 files (so that ranks cut
+    files and lines), each rank with its share of the cores; each output is checked byte for byte against one
+    process's."""
+    from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
+    from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
+    from hyper_parallel.data.tools.offline_preparation import run_offline_preparation
+
+    work, outputs = context.workdir / "distributed", context.workdir / "distributed_out"
+    work.mkdir()
+    outputs.mkdir()
+    quarter = -(-len(texts) // 4)
+    for part in range(4):
+        write_jsonl(texts[part * quarter : (part + 1) * quarter], work / f"part{part}.jsonl")
+    cores = os.cpu_count() or 1
+    single = outputs / "single"
+    with _quiet_project_logging():
+        config = OfflinePreparationConfig(
+            dataset_name_or_path=str(work),
+            output_prefix=str(single),
+            tokenizer_name_or_path=str(BUNDLED_TOKENIZER_PATH),
+            json_keys=(JSON_KEY,),
+            add_special_tokens=False,
+            workers=cores,
+        )
+        run_offline_preparation(config)
+    single_prefix = config.output_prefix_for(JSON_KEY)
+    rows = []
+    for processes in DISTRIBUTED_PROCESSES:
+        prefix = outputs / f"ranks{processes}"
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"),
+            *("-m", "hyper_parallel.data.tools.offline_preparation", "--distributed"),
+            *("--dataset-name-or-path", str(work), "--output-prefix", str(prefix), "--json-keys", JSON_KEY),
+            *("--tokenizer-name-or-path", str(BUNDLED_TOKENIZER_PATH), "--add-special-tokens", "false"),
+            *("--workers", str(max(1, cores // processes))),
+        ]
+        log(f"--distributed on {processes} rank(s)")
+        started = time.perf_counter()
+        subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        seconds = time.perf_counter() - started
+        merged = f"{prefix}_{JSON_KEY}_document"
+        for extension in (".bin", ".idx"):
+            assert Path(merged + extension).read_bytes() == Path(single_prefix + extension).read_bytes(), (
+                f"--distributed on {processes} ranks wrote another {extension} than one process"
+            )
+        rows.append(
+            Row.compare(
+                f"offline prep --distributed, {processes} rank(s): tokens/s",
+                tokens / seconds,
+                tokens / bare_seconds,
+                "tokens/s",
+                note=(
+                    f"ours: torchrun --standalone --nproc-per-node {processes} wall time {seconds:.2f} s (launcher, "
+                    f"process group and {max(1, cores // processes)} worker(s) per rank included; output checked "
+                    "byte-identical to one process); ref: the bare tokenizer bound above"
+                ),
+            )
+        )
+    for path in (*work.iterdir(), *outputs.iterdir()):
+        path.unlink()
+    return rows
+
+
 def run(context: BenchContext) -> list[Row]:
     """Reference and ours in interleaved rounds on identical texts; ours is checked token for token."""
     from tokenizers import Tokenizer
@@ -269,4 +337,5 @@ def run(context: BenchContext) -> list[Row]:
             note="ours: a run on a one-document input (process pool start, tokenizer load); ref: the full run above",
         ),
         large_record_row(context, BUNDLED_TOKENIZER_PATH),
+        *distributed_rows(context, texts, tokens, bare),
     ]
