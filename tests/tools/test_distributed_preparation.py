@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.distributed_preparation import EXIT_HOOK_VARIABLE, check_distributed_config
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_preparation import main
 
-from .test_offline_preparation import PAIR_FILES, make_records, prepare, write_jsonl
+from .test_offline_preparation import PAIR_FILES, make_records, prepare, read_documents, write_jsonl
 
 DEADLINE = 180  # seconds: only turns a hang into a failure
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -99,6 +100,24 @@ def test_output_is_byte_identical_to_one_process_for_any_number_of_ranks(corpus,
         assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
     assert published(tmp_path) == [f"corpus_text_document.{extension}" for extension in sorted(PAIR_FILES)]
     assert re.search(r"documents written\s+360\b", result.stdout)  # the run's total, not one rank's
+
+
+def test_kept_partitions_of_every_key_are_the_ranks_parts_listed_by_their_manifest(corpus, tmp_path):
+    prefix = tmp_path / "corpus"
+    result = torchrun(2, prepare_argv(corpus, prefix, "--json-keys", "text", "title", "--keep-partition-files"))
+    assert result.returncode == 0, result.stderr
+    single = tmp_path / "single"
+    prepare(corpus, single, json_keys=("text", "title"), chunk_size=16)
+    for key in ("text", "title"):
+        merged = f"{prefix}_{key}_document"
+        for extension in PAIR_FILES:
+            assert (
+                Path(f"{merged}.{extension}").read_bytes() == Path(f"{single}_{key}_document.{extension}").read_bytes()
+            )
+        parts = partition_prefixes(merged)
+        assert parts == [str(tmp_path / f"corpus_{rank}_{key}_document") for rank in range(2)]
+        assert [d for part in parts for d in read_documents(part)] == read_documents(merged)
+        assert all(read_documents(part) for part in parts)  # the input was split, not given to one rank
 
 
 def test_a_bad_record_on_one_rank_stops_every_rank_with_its_location(corpus, tmp_path):

@@ -123,10 +123,7 @@ class _Exchange:
                 self.totals = tensor.tolist()
                 self._show()
                 if self.totals[_FAILED]:
-                    messages = [None] * self.world_size
-                    self.dist.all_gather_object(messages, self.message)
-                    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-                    self.peer_error = "; ".join(f"rank {r} failed: {m}" for r, m in failed)
+                    self.peer_error = _gather_failures(self.dist, self.world_size, self.message)
                     return
                 if self.totals[_DONE] == self.world_size:
                     return
@@ -190,15 +187,21 @@ def _exit_hook(rank: int) -> int | None:
     return int(records) if int(hook_rank) == rank else None
 
 
+def _gather_failures(dist, world_size: int, message: str | None) -> str | None:
+    """Every rank's failure message (None: it did not fail), as ``rank R failed: ...``; None when none failed."""
+    messages = [None] * world_size
+    dist.all_gather_object(messages, message)
+    failed = [f"rank {rank} failed: {text}" for rank, text in enumerate(messages) if text is not None]
+    return "; ".join(failed) or None
+
+
 def _agree(dist, world_size: int, error: BaseException | None) -> None:
     """A barrier that fails on every rank when one raised ``error`` before it, with that rank's message."""
-    messages = [None] * world_size
-    dist.all_gather_object(messages, None if error is None else str(error))
+    failures = _gather_failures(dist, world_size, None if error is None else str(error) or type(error).__name__)
     if error is not None:
         raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        raise DistributedRunError("; ".join(f"rank {r} failed: {m}" for r, m in failed))
+    if failures is not None:
+        raise DistributedRunError(failures)
 
 
 def _merge(config: OfflinePreparationConfig, world_size: int, outputs: list[tuple[str, str]]) -> None:
