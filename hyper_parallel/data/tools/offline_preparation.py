@@ -70,6 +70,7 @@ __all__ = [
     "Interrupted",
     "PreparationSummary",
     "RecordSource",
+    "default_workers",
     "main",
     "preparation_parser",
     "run_cli",
@@ -406,10 +407,21 @@ def run_cli(run, summary_header: str) -> int:
     return 0
 
 
+def default_workers(distributed: bool) -> int:
+    """One worker per CPU, shared among the ranks of this host under ``--distributed`` (torchrun sets
+    ``LOCAL_WORLD_SIZE``)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
 def main(argv: list[str] | None = None) -> int:
     from hyper_parallel.data.dataset_logging import enable_dataset_logging
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.set_defaults(workers=None)  # the default depends on --distributed
+    args = parser.parse_args(argv)
+    if args.workers is None:
+        args.workers = default_workers(args.distributed)
     enable_dataset_logging("info", ranks=None)
 
     if not args.distributed:
