@@ -20,7 +20,7 @@ from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools.distributed_preparation import EXIT_HOOK_VARIABLE, check_distributed_config
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
-from hyper_parallel.data.tools.offline_preparation import main
+from hyper_parallel.data.tools.offline_preparation import default_workers, main
 
 from .test_offline_preparation import PAIR_FILES, make_records, prepare, read_documents, write_jsonl
 
@@ -164,8 +164,17 @@ def test_options_whose_output_depends_on_the_ranks_are_refused(option):
         check_distributed_config(config)
 
 
-def test_distributed_outside_torchrun_says_how_to_start(corpus, tmp_path, monkeypatch, capsys):
+def test_distributed_outside_torchrun_says_how_to_start(corpus, tmp_path, monkeypatch, capsys, restore_package_logger):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     assert main(prepare_argv(corpus, tmp_path / "corpus")[2:]) == 2
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
+
+
+def test_the_default_workers_share_the_cpus_among_the_ranks_of_the_host(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_workers(distributed=True) == 4
+    assert default_workers(distributed=False) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert default_workers(distributed=True) == 1
