@@ -3,9 +3,11 @@
 Owns: checking a mixture's sources and settings, turning a sample number of the mixture into a record of one of
 its sources (``mixture_order`` plans the source and its count; here each source's count becomes a record: a
 source is read in epochs, each in an order drawn from ``(seed, source name, epoch)``), reading records of several
-sources in one call, the common form of the samples of a mix (below), and what a loader keeps of a mixture
-(``mixture_tally``). Not responsible for: the order itself (``mixture_order``), reading files or tokenizing (the
-sources), batching (the loaders; the DP batch sampler orders the mixture's samples as any dataset's).
+sources in one call, the common form of the samples of a mix (below), what a loader keeps of a mixture
+(``mixture_tally``), and taking a loader state's plan (``mixture_plan``: its segments, continued with new weights
+or sources when ``mixture_change: allow``). Not responsible for: the order itself (``mixture_order``), reading
+files or tokenizing (the sources), batching (the loaders; the DP batch sampler orders the mixture's samples as any
+dataset's).
 
 Sample forms. A mix of ready-sample sources only (Indexed GPTDatasets or blends, of one ``seq_length`` and EOD id)
 gives their samples as they are, stacked by the Indexed collator. A mix with an Online mapping source gives
