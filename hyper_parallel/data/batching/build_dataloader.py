@@ -280,8 +280,9 @@ class _Loader:
         source["position"] = {**position, "total_samples": len(plan)}
         replay = source.get("replay")
         if isinstance(replay, list) and replay:
-            kept = [[key for key in keys if self.dataset.readable([key])[0]] for keys in replay]
-            self._warn_dropped(sum(map(len, replay)) - sum(map(len, kept)), "not yet read")
+            readable = iter(self.dataset.readable([key for keys in replay for key in keys]).tolist())
+            kept = [[key for key in keys if next(readable)] for keys in replay]
+            self._warn_dropped(sum(map(len, replay)) - sum(map(len, kept)), "read but not yet packed")
             source["replay"] = [keys for keys in kept if keys]
             source["replay_epoch"] = source.get("replay_epoch") if source["replay"] else None
         return {**state, "source": source, "data": self._source.identities[0]}
@@ -649,7 +650,8 @@ class DynamicBatchDataLoader(_Loader):
         that gives the policy the kept ones (read here once, to count their cost)."""
         packing = state["packing"]
         buffer = state_field(packing, "buffer", list, "the loader state['packing']")
-        kept = [entry for entry in buffer if self.dataset.readable([entry[0]])[0]]
+        readable = self.dataset.readable([entry[0] for entry in buffer]).tolist() if buffer else []
+        kept = [entry for entry, keep in zip(buffer, readable, strict=True) if keep]
         if len(kept) == len(buffer):
             return state, self._source
         self._warn_dropped(len(buffer) - len(kept), "buffered")
