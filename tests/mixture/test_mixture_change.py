@@ -174,8 +174,17 @@ def test_the_new_weights_hold_from_the_resume_point(sources):
     state = roundtrip(saved.state_dict())
     resume_at = 250 * 4
     changed = mixture(sources, after, mixture_change="allow", **settings)
-    FixedBatchDataLoader(changed, micro_batch_size=4).load_state_dict(state)
+    loader = FixedBatchDataLoader(changed, micro_batch_size=4)
+    loader.load_state_dict(state)
     assert len(changed) == 30_000
+    # What the loader delivers after the change: 2,000 samples in the new proportions.
+    for _ in zip(range(500), loader, strict=False):
+        pass
+    counts = loader.state_dict()["mixture"]["sources"]
+    at_change = state["mixture"]["sources"]
+    for name, weight in after.items():
+        since = counts[name]["samples"] - at_change.get(name, {"samples": 0})["samples"]
+        assert abs(since / 2_000 - weight) < 0.03
     # Before the resume point the samples are those the first mixture planned; after it, the new weights.
     assert changed.sources_of(np.arange(resume_at)).tolist() == saved.dataset.sources_of(np.arange(resume_at)).tolist()
     names = [changed.known_names[source] for source in changed.sources_of(np.arange(resume_at, resume_at + 20_000))]
