@@ -271,3 +271,14 @@ def test_a_changed_source_or_an_unordered_sampler_is_refused_even_with_the_opt_i
     )
     with pytest.raises(ResumeStateError, match="only where the loader reads it in order.*sampler_type single"):
         other.load_state_dict(cyclic.state_dict(), allow_mixture_change=True)
+
+
+def test_a_damaged_plan_is_refused_naming_the_field(sources):
+    saved = FixedBatchDataLoader(mixture(sources, {"first": 0.5, "second": 0.5}), micro_batch_size=2)
+    for _ in zip(range(2), saved, strict=False):
+        pass
+    state = roundtrip(saved.state_dict())
+    state["mixture"]["plan"]["segments"][0]["offsets"]["first"] = "3"
+    loader = FixedBatchDataLoader(mixture(sources, {"first": 0.5, "second": 0.5}), micro_batch_size=2)
+    with pytest.raises(ResumeStateError, match=r"\['segments'\]\[0\]\['offsets'\]\['first'\] must be an? int"):
+        loader.load_state_dict(state)

@@ -297,6 +297,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         ``mixture_change: allow``: then the plan is continued from ``resume_at()`` (the sample number the loader
         resumes at) with this mixture's weights. A changed source's data or budget is always refused.
         """
+        if saved == self.plan.state_dict():  # the common case: this very plan, its orders not planned again
+            return None
         plan = MixturePlan.from_state(saved, self._settings())
         changes, refusals = plan.differences(self.weights, self._known())
         if refusals:

@@ -150,6 +150,11 @@ class MixturePlan:
             offsets = state_field(entry, "offsets", Mapping, where)
             if set(budgets) != set(weights) or not set(offsets) <= set(known) or not set(weights) <= set(known):
                 raise ResumeStateError(f"{where} names sources it does not know; the checkpoint is damaged")
+            for name in weights:
+                check_state_type(weights[name], (int, float), f"{where}['weights'][{name!r}]")
+                check_state_type(budgets[name], (int, None), f"{where}['budgets'][{name!r}]")
+            for name in offsets:
+                check_state_type(offsets[name], int, f"{where}['offsets'][{name!r}]")
             length = state_field(entry, "length", int, where)
             segments.append(_segment(start, weights, budgets, offsets, settings, length))
             start += length
