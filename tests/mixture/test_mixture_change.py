@@ -282,3 +282,43 @@ def test_a_damaged_plan_is_refused_naming_the_field(sources):
     loader = FixedBatchDataLoader(mixture(sources, {"first": 0.5, "second": 0.5}), micro_batch_size=2)
     with pytest.raises(ResumeStateError, match=r"\['segments'\]\[0\]\['offsets'\]\['first'\] must be an? int"):
         loader.load_state_dict(state)
+
+
+def test_every_dp_rank_continues_the_changed_mixture_and_together_they_give_each_record_once(
+    sources, records_by_tokens
+):
+    before, after = CHANGES["add"]
+
+    def make_rank(dataset, rank):
+        return FixedBatchDataLoader(dataset, micro_batch_size=2, global_batch_size=4, dp_rank=rank, dp_world_size=2)
+
+    got: dict[str, list[int]] = {}
+    states = []
+    for rank in range(2):
+        loader = make_rank(mixture(sources, before), rank)
+        read(loader, records_by_tokens, got, batches=8)
+        states.append(roundtrip(loader.state_dict()))
+    for rank in range(2):  # each rank builds its own mixture, as every process does
+        loader = make_rank(mixture(sources, after, mixture_change="allow"), rank)
+        loader.load_state_dict(states[rank])
+        read(loader, records_by_tokens, got)
+    for name in after:  # the ranks' shares together: every record of each source once
+        assert sorted(got[name]) == list(range(len(got[name])))
+
+
+def test_a_dynamic_loader_over_several_dp_ranks_changes_its_mixture_only_at_an_epoch_start(sources):
+    before, after = CHANGES["add"]
+
+    def make_rank(dataset):
+        return DynamicBatchDataLoader(dataset, micro_batch_size=2, dp_rank=0, dp_world_size=2, min_buffered_samples=8)
+
+    saved = make_rank(mixture(sources, before))
+    for _ in zip(range(2), saved, strict=False):
+        pass
+    with pytest.raises(ResumeStateError, match="only at an epoch's start: each rank packs its own share"):
+        make_rank(mixture(sources, after, mixture_change="allow")).load_state_dict(saved.state_dict())
+    for _ in saved:  # to the epoch's end: the state is at the next epoch's start
+        pass
+    restored = make_rank(mixture(sources, after, mixture_change="allow"))
+    restored.load_state_dict(saved.state_dict())
+    assert len(restored.dataset.plan.segments) == 1 and restored.dataset.plan.segments[0].weights == after

@@ -249,7 +249,7 @@ class _Loader:
         mixture's plan is followed first (``_follow_mixture``); ``_refused`` undoes it if a check then fails."""
         state = migrate_loader_state(state, self)
         if self._tally is not None:
-            state = self._follow_mixture(state, allow_mixture_change)
+            state = self._follow_mixture(state, allow_mixture_change, packs_per_rank)
         check_envelope(state, type(self).__name__, self._source.identities, fields, self)
         self._tracked.check_state(
             state["source"],
@@ -261,13 +261,13 @@ class _Loader:
             self._tally.check_state(state.get("mixture"))
         return state
 
-    def _follow_mixture(self, state: dict, allow_change: bool) -> dict:
+    def _follow_mixture(self, state: dict, allow_change: bool, packs_per_rank: bool) -> dict:
         """Take the plan of the state's mixture (the mixture checks it against its own sources and weights, and
         continues it with new ones if allowed): the dataset reads it, the sampler covers its length, and keys
         of sources no longer mixed are left out of the replay (said with their count)."""
         self._tally.check_state(state.get("mixture"))
         plan = self.dataset.resumed_plan(
-            state["mixture"]["plan"], lambda: self._mixture_resume_point(state), allow_change
+            state["mixture"]["plan"], lambda: self._mixture_resume_point(state, packs_per_rank), allow_change
         )
         if plan is None:
             return state
@@ -287,9 +287,10 @@ class _Loader:
             source["replay_epoch"] = source.get("replay_epoch") if source["replay"] else None
         return {**state, "source": source, "data": self._source.identities[0]}
 
-    def _mixture_resume_point(self, state: Mapping) -> int:
+    def _mixture_resume_point(self, state: Mapping, packs_per_rank: bool) -> int:
         """The sample number a state resumes at, where a changed mixture's new plan begins; refused where the
-        samples before it are not exactly the ones delivered or buffered."""
+        samples before it are not exactly the ones delivered or buffered, or where DP ranks that pack their own
+        shares (``packs_per_rank``) may have read to different sample numbers (anywhere but an epoch's start)."""
         source = state.get("source")
         position = source.get("position") if isinstance(source, Mapping) else None
         sampler = getattr(self._source, "sampler", None)
@@ -309,6 +310,13 @@ class _Loader:
                 "with"
             )
         resume_at = state_field(position, "consumed_samples", int, "the loader state['source']['position']")
+        if packs_per_rank and resume_at and self.dp_world_size > 1:
+            raise ResumeStateError(
+                f"a {type(self).__name__} over {self.dp_world_size} DP ranks can change its mixture only at an "
+                "epoch's start: each rank packs its own share and has read the mixture to its own sample number, "
+                f"so the ranks would continue from different points (this rank from sample {resume_at:,}); resume "
+                "with the mixture the state was saved with and change it at the next epoch, or use one DP rank"
+            )
         keys = [key for keys in source.get("replay") or () for key in keys]
         packing = state.get("packing")
         if isinstance(packing, Mapping):
