@@ -258,14 +258,16 @@ class _Loader:
             holds_samples=state.get("buffered_samples", 0) > 0,  # the dynamic loader's field, checked above
         )
         if self._tally is not None:
-            self._tally.check_state(state.get("mixture"))
+            self._tally.check_state(state.get("mixture"))  # a state without one, named after the envelope's checks
         return state
 
     def _follow_mixture(self, state: dict, allow_change: bool, packs_per_rank: bool) -> dict:
         """Take the plan of the state's mixture (the mixture checks it against its own sources and weights, and
         continues it with new ones if allowed): the dataset reads it, the sampler covers its length, and keys
         of sources no longer mixed are left out of the replay (said with their count)."""
-        self._tally.check_state(state.get("mixture"))
+        if "mixture" not in state:
+            return state
+        self._tally.check_state(state["mixture"])
         plan = self.dataset.resumed_plan(
             state["mixture"]["plan"], lambda: self._mixture_resume_point(state, packs_per_rank), allow_change
         )
@@ -658,7 +660,9 @@ class DynamicBatchDataLoader(_Loader):
         that gives the policy the kept ones (read here once, to count their cost)."""
         packing = state["packing"]
         buffer = state_field(packing, "buffer", list, "the loader state['packing']")
-        readable = self.dataset.readable([entry[0] for entry in buffer]).tolist() if buffer else []
+        if not buffer or not all(isinstance(entry, list | tuple) and entry for entry in buffer):
+            return state, self._source  # nothing to leave out, or a damaged buffer the policy's load names
+        readable = self.dataset.readable([entry[0] for entry in buffer]).tolist()
         kept = [entry for entry, keep in zip(buffer, readable, strict=True) if keep]
         if len(kept) == len(buffer):
             return state, self._source
