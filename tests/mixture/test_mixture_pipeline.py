@@ -255,6 +255,7 @@ def node(name: str, weight, dataset) -> dict:
         ({"sources": [{**node("a", 1, "first"), "epochs": 1, "max_samples": 3}]}, "both epochs and max_samples"),
         ({"sources": [{**node("a", 1, "first"), "share": 1}]}, r"unknown keys \['share'\]"),
         ({"on_exhausted": "restart"}, "no end.*num_samples"),
+        ({"mixture_change": "yes"}, "mixture_change is 'yes'; use one of refuse, allow"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_key_and_the_fix(sources, change, message):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_online_text_collate_fn
-from hyper_parallel.data.batching.elastic import is_elastic, rank_state
+from hyper_parallel.data.batching.elastic import DecodedSamples, is_elastic, rank_state
 from hyper_parallel.data.batching.key_sources import KeyBatch, key_source_for
 from hyper_parallel.data.batching.loader_options import LoaderOptions, takes_loader_options
 from hyper_parallel.data.batching.loader_state import check_envelope, envelope, migrate_loader_state
@@ -41,9 +41,11 @@ from hyper_parallel.data.batching.read_tracking import TrackedDataLoader
 from hyper_parallel.data.batching.token_batcher import TextTokenBatcher
 from hyper_parallel.data.batching.worker_errors import CollateInWorker, FetchInWorker
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
+from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError, require_int
 from hyper_parallel.data.mixture.mixture_tally import record_tokens
+from hyper_parallel.data.parallel.batch_sampler import DatasetBatchSampler
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.resume_checks import state_field
 
 __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micro_batches"]
 
@@ -135,6 +137,7 @@ class _Loader:
         self._source = key_source_for(dataset, options)
         tally = getattr(dataset, "mixture_tally", None)  # a mixture: what was delivered from each source
         self._tally = tally() if callable(tally) else None
+        self._before_mixture_change = None  # while a state that changes the mixture is checked: what to go back to
 
     def _log_construction(self, batching: str) -> None:
         """Say once, at construction, what this loader reads, how it batches, and where its keys come from."""
@@ -237,11 +240,16 @@ class _Loader:
             extra["mixture"] = self._tally.state_dict()
         return {**head, "source": source_state, **extra}
 
-    def _checked(self, state, fields: tuple = (), *, packs_per_rank: bool = False) -> dict:
+    def _checked(
+        self, state, fields: tuple = (), *, packs_per_rank: bool = False, allow_mixture_change: bool = False
+    ) -> dict:
         """The state in the current layout, after checking every part but the packing policy's: the envelope and
         the loader's ``fields``, the data it was saved over, the read tracker's and the key source's parts, and the
-        DP placement (``packs_per_rank``: the loader packs each rank's share on its own)."""
+        DP placement (``packs_per_rank``: the loader packs each rank's share on its own). Over a mixture, the
+        mixture's plan is followed first (``_follow_mixture``); ``_refused`` undoes it if a check then fails."""
         state = migrate_loader_state(state, self)
+        if self._tally is not None:
+            state = self._follow_mixture(state, allow_mixture_change, packs_per_rank)
         check_envelope(state, type(self).__name__, self._source.identities, fields, self)
         self._tracked.check_state(
             state["source"],
@@ -250,10 +258,98 @@ class _Loader:
             holds_samples=state.get("buffered_samples", 0) > 0,  # the dynamic loader's field, checked above
         )
         if self._tally is not None:
-            self._tally.check_state(state.get("mixture"))
+            self._tally.check_state(state.get("mixture"))  # a state without one, named after the envelope's checks
         return state
 
+    def _follow_mixture(self, state: dict, allow_change: bool, packs_per_rank: bool) -> dict:
+        """Take the plan of the state's mixture (the mixture checks it against its own sources and weights, and
+        continues it with new ones if allowed): the dataset reads it, the sampler covers its length, and keys
+        of sources no longer mixed are left out of the replay (said with their count)."""
+        if "mixture" not in state:
+            return state
+        self._tally.check_state(state["mixture"])
+        plan = self.dataset.resumed_plan(
+            state["mixture"]["plan"], lambda: self._mixture_resume_point(state, packs_per_rank), allow_change
+        )
+        if plan is None:
+            return state
+        self._before_mixture_change = (self.dataset.plan, self._source.sampler, self._tally)
+        self.dataset.adopt(plan)
+        self._source.sampler = DatasetBatchSampler.from_options(len(plan), self.options.layout, self.options.sampler)
+        self._tally = self.dataset.mixture_tally()
+        source = dict(state_field(state, "source", Mapping, "the loader state"))
+        position = state_field(source, "position", Mapping, "the loader state['source']")
+        source["position"] = {**position, "total_samples": len(plan)}
+        replay = source.get("replay")
+        if isinstance(replay, list) and replay:
+            readable = iter(self.dataset.readable([key for keys in replay for key in keys]).tolist())
+            kept = [[key for key in keys if next(readable)] for keys in replay]
+            self._warn_dropped(sum(map(len, replay)) - sum(map(len, kept)), "read but not yet packed")
+            source["replay"] = [keys for keys in kept if keys]
+            source["replay_epoch"] = source.get("replay_epoch") if source["replay"] else None
+        return {**state, "source": source, "data": self._source.identities[0]}
+
+    def _mixture_resume_point(self, state: Mapping, packs_per_rank: bool) -> int:
+        """The sample number a state resumes at, where a changed mixture's new plan begins; refused where the
+        samples before it are not exactly the ones delivered or buffered, or where DP ranks that pack their own
+        shares (``packs_per_rank``) may have read to different sample numbers (anywhere but an epoch's start)."""
+        source = state.get("source")
+        position = source.get("position") if isinstance(source, Mapping) else None
+        sampler = getattr(self._source, "sampler", None)
+        in_order = (
+            sampler is not None
+            and isinstance(position, Mapping)
+            and position.get("sampler_type") == sampler.sampler_type == "single"
+            and not sampler.data_sharding
+            and sampler.rearrange_map is None
+            and position.get("remaining") is None
+        )
+        if not in_order:
+            raise ResumeStateError(
+                "a mixture can change only where the loader reads it in order, so that the samples before the "
+                "resume point are the ones delivered: sampler_type single, without data_sharding, "
+                "data_rearrange_map or an elastic hand-over in progress; resume with the mixture the state was saved "
+                "with"
+            )
+        resume_at = state_field(position, "consumed_samples", int, "the loader state['source']['position']")
+        if packs_per_rank and resume_at and self.dp_world_size > 1:
+            raise ResumeStateError(
+                f"a {type(self).__name__} over {self.dp_world_size} DP ranks can change its mixture only at an "
+                "epoch's start: each rank packs its own share and has read the mixture to its own sample number, "
+                f"so the ranks would continue from different points (this rank from sample {resume_at:,}); resume "
+                "with the mixture the state was saved with and change it at the next epoch, or use one DP rank"
+            )
+        keys = [key for keys in source.get("replay") or () for key in keys]
+        packing = state.get("packing")
+        if isinstance(packing, Mapping):
+            keys += [entry[0] for entry in packing.get("buffer") or () if isinstance(entry, list | tuple) and entry]
+        if any(not isinstance(key, int) or key >= resume_at for key in keys):
+            raise ResumeStateError(
+                f"the state resumes at sample {resume_at:,} of the mixture, but holds samples still to deliver "
+                "from an epoch that has ended (it was saved while the last batches of an epoch were delivered); "
+                "resume it with the mixture it was saved with, and change the mixture at a later state"
+            )
+        return resume_at
+
+    def _warn_dropped(self, dropped: int, what: str) -> None:
+        if dropped:
+            logger.warning(
+                "%r: %d samples %s at the resume point are of sources no longer mixed and are dropped; their "
+                "sources' positions count them, so a source added back later continues after them",
+                self,
+                dropped,
+                what,
+            )
+
+    def _refused(self) -> None:
+        """Undo ``_follow_mixture`` after a refused state: a refused state changes nothing."""
+        if self._before_mixture_change is not None:
+            plan, self._source.sampler, self._tally = self._before_mixture_change
+            self.dataset.adopt(plan)
+        self._before_mixture_change = None
+
     def _restore_tally(self, state: Mapping) -> None:
+        self._before_mixture_change = None  # the state is taken
         if self._tally is not None:
             self._tally.load_state_dict(state["mixture"])
 
@@ -318,8 +414,11 @@ class FixedBatchDataLoader(_Loader):
         """The position after the last batch delivered (plain Python containers, safe for ``torch.save``)."""
         return self._state(self._tracked.state_dict())
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping, *, allow_mixture_change: bool = False) -> None:
         """Continue after the batches ``state`` describes; a refused state changes nothing.
+
+        Over a mixture, ``allow_mixture_change`` continues a state saved over other weights or sources
+        (``mixture_change: allow`` on the mixture node does too; docs/mixtures.md).
 
         With a mapping source the DP size may differ from the saved one when the global batch size is the same
         and the state is at an optimizer-step boundary (the sampler checks both and says why when it refuses);
@@ -328,7 +427,11 @@ class FixedBatchDataLoader(_Loader):
         """
         if is_elastic(state):
             state, _ = rank_state(state, self._source, self.options.layout)
-        state = self._checked(state)
+        try:
+            state = self._checked(state, allow_mixture_change=allow_mixture_change)
+        except BaseException:
+            self._refused()
+            raise
         self._tracked.load_state_dict(state["source"])
         self._restore_tally(state)
         logger.info("%r restored: %d key batches to read again", self, len(self._tracked.replay))
@@ -517,8 +620,12 @@ class DynamicBatchDataLoader(_Loader):
             packing=self.policy.state_dict(self._source),
         )
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping, *, allow_mixture_change: bool = False) -> None:
         """Continue exactly where ``state`` was saved, buffer included; a refused state changes nothing.
+
+        Over a mixture, ``allow_mixture_change`` continues a state saved over other weights or sources
+        (``mixture_change: allow`` on the mixture node does too); buffered samples of a source no longer mixed
+        are dropped, with a warning giving their count (docs/mixtures.md).
 
         The DP size may change only at an epoch boundary with nothing buffered: each rank packs its own share of
         the data, so the packs of a different DP size are different batches. To change it anywhere else, give
@@ -528,8 +635,16 @@ class DynamicBatchDataLoader(_Loader):
         codec = self._source
         if is_elastic(state):
             state, codec = rank_state(state, self._source, self.options.layout, self.policy)
-        state = self._checked(state, _DYNAMIC_FIELDS, packs_per_rank=True)
-        self.policy.load_state_dict(state["packing"], codec)  # checked whole first, like the parts above
+        try:
+            state = self._checked(
+                state, _DYNAMIC_FIELDS, packs_per_rank=True, allow_mixture_change=allow_mixture_change
+            )
+            if self._before_mixture_change is not None:
+                state, codec = self._without_removed_buffer(state)
+            self.policy.load_state_dict(state["packing"], codec)  # checked whole first, like the parts above
+        except BaseException:
+            self._refused()
+            raise
         self._tracked.load_state_dict(state["source"])
         self._restore_tally(state)
         self._reading, self._flushing, self._epoch = None, state["flushing"], None
@@ -539,6 +654,23 @@ class DynamicBatchDataLoader(_Loader):
             len(self.policy),
             len(self._tracked.replay),
         )
+
+    def _without_removed_buffer(self, state: dict) -> tuple[dict, object]:
+        """The state without the buffered samples of sources a changed mixture no longer mixes, and the codec
+        that gives the policy the kept ones (read here once, to count their cost)."""
+        packing = state["packing"]
+        buffer = state_field(packing, "buffer", list, "the loader state['packing']")
+        if not buffer or not all(isinstance(entry, list | tuple) and entry for entry in buffer):
+            return state, self._source  # nothing to leave out, or a damaged buffer the policy's load names
+        readable = self.dataset.readable([entry[0] for entry in buffer]).tolist()
+        kept = [entry for entry, keep in zip(buffer, readable, strict=True) if keep]
+        if len(kept) == len(buffer):
+            return state, self._source
+        self._warn_dropped(len(buffer) - len(kept), "buffered")
+        entries = self._source.decode_samples(kept, "the loader state['packing']['buffer']")
+        tokens = sum(self.policy.cost(sample) for _, sample in entries)
+        packing = {**packing, "buffer": kept, "buffer_tokens": tokens}
+        return {**state, "packing": packing, "buffered_samples": len(kept)}, DecodedSamples(kept, entries)
 
     def __repr__(self) -> str:
         return f"DynamicBatchDataLoader({self.dataset!r}, {self.policy!r}, dp {self.dp_rank}/{self.dp_world_size})"

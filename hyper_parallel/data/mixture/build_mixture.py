@@ -3,9 +3,11 @@
 Owns: checking a mixture's sources and settings, turning a sample number of the mixture into a record of one of
 its sources (``mixture_order`` plans the source and its count; here each source's count becomes a record: a
 source is read in epochs, each in an order drawn from ``(seed, source name, epoch)``), reading records of several
-sources in one call, the common form of the samples of a mix (below), and what a loader keeps of a mixture
-(``mixture_tally``). Not responsible for: the order itself (``mixture_order``), reading files or tokenizing (the
-sources), batching (the loaders; the DP batch sampler orders the mixture's samples as any dataset's).
+sources in one call, the common form of the samples of a mix (below), what a loader keeps of a mixture
+(``mixture_tally``), and taking a loader state's plan (``mixture_plan``: its segments, continued with new weights
+or sources when ``mixture_change: allow``). Not responsible for: the order itself (``mixture_order``), reading
+files or tokenizing (the sources), batching (the loaders; the DP batch sampler orders the mixture's samples as any
+dataset's).
 
 Sample forms. A mix of ready-sample sources only (Indexed GPTDatasets or blends, of one ``seq_length`` and EOD id)
 gives their samples as they are, stacked by the Indexed collator. A mix with an Online mapping source gives
@@ -29,8 +31,9 @@ import torch.utils.data
 from hyper_parallel.data.batching.sequence_boundaries import eod_sequence_ends
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, require_choice, require_int
+from hyper_parallel.data.errors import DataConfigError, ResumeStateError, require_choice, require_int
 from hyper_parallel.data.mixture.mixture_order import EXHAUSTION_MODES, STRATEGIES, MixtureOrder
+from hyper_parallel.data.mixture.mixture_plan import MixturePlan
 from hyper_parallel.data.mixture.mixture_tally import MixtureTally
 from hyper_parallel.data.resume_checks import data_identity, dataset_identity, transform_identity
 from hyper_parallel.data.text.transform_dataset import RecordReading
@@ -155,16 +158,29 @@ class MixtureDataset(torch.utils.data.Dataset):
         seed: keys each source's epoch shuffles.
         shuffle: read each source's epochs in a shuffled order (false: in record order, every epoch).
         log_every: a loader over the mixture logs what it has taken from each source every this many batches.
+        num_samples: the length asked for (None: where the sources run out), kept for a changed mixture's plan.
+        mixture_change: ``allow``: a loader state saved over other weights or sources continues with these
+            (``mixture_plan``); ``refuse``: such a state is refused.
     """
 
     def __init__(
-        self, sources: Sequence[MixtureSource], order: MixtureOrder, *, seed: int, shuffle: bool, log_every: int
+        self,
+        sources: Sequence[MixtureSource],
+        order: MixtureOrder,
+        *,
+        seed: int,
+        shuffle: bool,
+        log_every: int,
+        num_samples: int | None = None,
+        mixture_change: str = "refuse",
     ) -> None:
         self.sources = list(sources)
         self.order = order
         self.seed = seed
         self.shuffle = shuffle
         self.log_every = log_every
+        self.num_samples = num_samples
+        self.mixture_change = mixture_change
         self.names = [source.name for source in self.sources]
         self._lengths = np.array([len(source.dataset) for source in self.sources], dtype=np.int64)
         self._budgets = np.array([source.budget for source in self.sources], dtype=np.int64)
@@ -172,6 +188,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.model_samples = any(transform is not None for transform in self._transforms)
         self.eod_token_id = self._common_eod()
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        self._adopt(MixturePlan.single(order, self.weights, self._known(), self._settings()))
+        self._identity = self._built_identity()  # of the mixture as configured, whatever plan it later adopts
 
     def _common_eod(self) -> int | None:
         ready = [s for s, t in zip(self.sources, self._transforms, strict=True) if t is None]
@@ -192,7 +210,11 @@ class MixtureDataset(torch.utils.data.Dataset):
     # What loaders ask ----------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.order)
+        return len(self.plan)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {source.name: source.weight for source in self.sources}
 
     @property
     def description(self) -> str:
@@ -216,7 +238,11 @@ class MixtureDataset(torch.utils.data.Dataset):
         return RecordReading(_MixtureTransform(parts, self.max_seq_len))
 
     def data_identity(self) -> dict:
-        """The sources' identities and the mixture's settings: a state resumes only over the same mixture."""
+        """The sources' identities and the mixture's settings: a state resumes only over the same mixture (or,
+        with ``mixture_change: allow``, over a changed one the plan continues)."""
+        return self._identity
+
+    def _built_identity(self) -> dict:
         entries = {
             "strategy": self.order.strategy,
             "on_exhausted": self.order.on_exhausted,
@@ -227,27 +253,117 @@ class MixtureDataset(torch.utils.data.Dataset):
                     "name": source.name,
                     "weight": source.weight,
                     "budget": int(budget),
-                    "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
+                    "data": self._known()[source.name]["data"],
                 }
                 for source, budget in zip(self.sources, self._budgets, strict=True)
             ],
         }
         return data_identity(self.description, entries)
 
+    # The plan, and a state's plan -----------------------------------------------------------------------------
+
+    def _known(self) -> dict[str, dict]:
+        return {
+            source.name: {
+                "budget": int(budget),
+                "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
+            }
+            for source, budget in zip(self.sources, self._budgets, strict=True)
+        }
+
+    def _settings(self) -> dict:
+        return {
+            "strategy": self.order.strategy,
+            "on_exhausted": self.order.on_exhausted,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def _adopt(self, plan: MixturePlan) -> None:
+        self.plan = plan
+        # The sources mixed now, then those a state still counts (mixed before): the ids sources_of gives.
+        self.known_names = self.names + [name for name in plan.known if name not in self.names]
+        ids = {name: position for position, name in enumerate(self.known_names)}
+        self._segment_ids = [np.array([ids[name] for name in s.drawn], dtype=np.int64) for s in plan.segments]
+        self._segment_offsets = [
+            np.array([s.offsets.get(name, 0) for name in s.drawn], dtype=np.int64) for s in plan.segments
+        ]
+
+    def resumed_plan(self, saved, resume_at, allow_change: bool) -> MixturePlan | None:
+        """The plan a loader state's ``saved`` plan continues with here, or None when it is this mixture's own.
+
+        A plan whose last segment has this mixture's weights is taken as it is (a run resumed after a change).
+        Other weights or sources are refused, naming each difference, unless ``allow_change`` or this mixture's
+        ``mixture_change: allow``: then the plan is continued from ``resume_at()`` (the sample number the loader
+        resumes at) with this mixture's weights. A changed source's data or budget is always refused.
+        """
+        if saved == self.plan.state_dict():  # the common case: this very plan, its orders not planned again
+            return None
+        plan = MixturePlan.from_state(saved, self._settings())
+        changes, refusals = plan.differences(self.weights, self._known())
+        if refusals:
+            raise ResumeStateError(
+                f"the state was saved over a mixture whose sources were other data: {'; '.join(refusals)}; a "
+                "changed mixture may change weights and add or remove sources, not change a source: give the "
+                "changed data a new name, resume with the data it was saved with, or start without the state"
+            )
+        if changes and not (allow_change or self.mixture_change == "allow"):
+            raise ResumeStateError(
+                f"the state was saved over another mixture: {'; '.join(changes)}; to continue it with this one "
+                "(every source from its own position, the new weights from the resume point), set mixture_change: "
+                "allow on the mixture node or call load_state_dict(state, allow_mixture_change=True); otherwise "
+                "resume with the mixture it was saved with, or start without the state"
+            )
+        if changes:
+            plan = plan.continued(resume_at(), self.weights, self._known(), self.num_samples)
+            logger.info("%r continues a state saved over another mixture: %s", self, "; ".join(changes))
+        elif len(plan.segments) == 1:
+            return None
+        return plan
+
+    def adopt(self, plan: MixturePlan) -> None:
+        """Read the samples of ``plan`` (from ``resumed_plan``) from here on; its length is this dataset's."""
+        self._adopt(plan)
+
+    def readable(self, indices) -> np.ndarray:
+        """Whether each sample number is of a source mixed now (bool), not of one no longer mixed."""
+        return self.sources_of(indices) < len(self.sources)
+
     def mixture_tally(self) -> MixtureTally:
         """What a loader over this mixture keeps: the samples and tokens it delivered from each source."""
         return MixtureTally(self, self.log_every)
 
     def sources_of(self, indices) -> np.ndarray:
-        """The source id of each sample number."""
-        return self.order.plan_at(np.asarray(indices, dtype=np.int64))[0]
+        """The source id (a position in ``known_names``) of each sample number."""
+        return self.planned(indices)[0]
+
+    def planned(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """The source id and that source's count (its samples before it) of each sample number."""
+        numbers = np.asarray(indices, dtype=np.int64)
+        if len(numbers) and (numbers.min() < 0 or numbers.max() >= len(self)):
+            raise IndexError(f"sample numbers must lie in [0, {len(self)}), got {numbers.min()}..{numbers.max()}")
+        segments = np.searchsorted(self.plan.starts, numbers, side="right") - 1
+        sources = np.empty(len(numbers), dtype=np.int64)
+        counts = np.empty(len(numbers), dtype=np.int64)
+        for index in np.unique(segments).tolist():
+            chosen = segments == index
+            segment = self.plan.segments[index]
+            drawn, positions = segment.order.plan_at(numbers[chosen] - segment.start)
+            sources[chosen] = self._segment_ids[index][drawn]
+            counts[chosen] = positions + self._segment_offsets[index][drawn]
+        return sources, counts
 
     def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """The source id and the record within it of each sample number."""
-        sources, counts = self.order.plan_at(np.asarray(indices, dtype=np.int64))
+        sources, counts = self.planned(indices)
         records = np.empty(len(sources), dtype=np.int64)
         for source in np.unique(sources).tolist():
             chosen = sources == source
+            if source >= len(self.sources):
+                raise DataConfigError(
+                    f"sample {int(np.flatnonzero(chosen)[0])} of the {self.description} is of the source "
+                    f"{self.known_names[source]!r}, which is no longer mixed"
+                )
             records[chosen] = self._records(source, counts[chosen])
         return sources, records
 
@@ -344,6 +460,7 @@ def build_mixture_dataset(
     seed: int | None = None,
     shuffle: bool = True,
     log_every: int = 100,
+    mixture_change: str = "refuse",
 ) -> MixtureDataset:
     """Mix dataset nodes by weight into one dataset, usable wherever a dataset node is.
 
@@ -362,6 +479,9 @@ def build_mixture_dataset(
             default 1234.
         shuffle: read each source's epochs in a shuffled order; false reads them in record order.
         log_every: a loader logs the samples and tokens it took from each source every this many batches.
+        mixture_change: ``refuse`` (the default): a loader state saved over other weights or sources is refused,
+            naming each difference; ``allow``: it continues with this mixture, every source from its own position
+            and these weights from the resume point (docs/mixtures.md).
 
     Returns:
         A ``MixtureDataset``. Its order is fixed by the config and the seed, whatever the workers or DP size.
@@ -382,6 +502,9 @@ def build_mixture_dataset(
         raise DataConfigError(f"shuffle must be true or false, got {shuffle!r}")
     if num_samples is not None:
         num_samples = require_int("num_samples", num_samples, 1)
+    mixture_change = require_choice(
+        "mixture_change", mixture_change, ("refuse", "allow"), "'refuse' or 'allow' (docs/mixtures.md)"
+    )
     checked = [_checked_source(entry, position) for position, entry in enumerate(sources)]
     names = [source.name for source in checked]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -396,7 +519,15 @@ def build_mixture_dataset(
         seed=seed,
         num_samples=num_samples,
     )
-    dataset = MixtureDataset(checked, order, seed=seed, shuffle=shuffle, log_every=log_every)
+    dataset = MixtureDataset(
+        checked,
+        order,
+        seed=seed,
+        shuffle=shuffle,
+        log_every=log_every,
+        num_samples=num_samples,
+        mixture_change=mixture_change,
+    )
     logger.info(
         "%r: %s; sources run out at %s",
         dataset,

@@ -225,6 +225,17 @@ class MixtureOrder:
             positions[chosen] = ranks[picked] + self._prefix[block][in_block[picked]]
         return sources, positions
 
+    def counts_before(self, number: int) -> np.ndarray:
+        """How many samples of each source the sample numbers ``[0, number)`` take (int64, one per source)."""
+        if not 0 <= number <= self.length:
+            raise IndexError(f"a sample number must lie in [0, {self.length}], got {number}")
+        if number == 0:
+            return np.zeros(len(self.weights), dtype=np.int64)
+        block = (number - 1) // BLOCK  # the block of the last sample counted: its starting counts always exist
+        sources, _ = self._block_plan(block)
+        within = np.bincount(sources[: number - block * BLOCK], minlength=len(self.weights))
+        return self._prefix[block] + within
+
     def __len__(self) -> int:
         return self.length
 

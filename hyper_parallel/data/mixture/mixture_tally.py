@@ -1,7 +1,8 @@
 """What a loader over a mixture has delivered from each source: samples and tokens, kept in its state.
 
 Owns: counting the samples and tokens of each delivered batch by source, the loader state's ``mixture`` part
-(``{"batches": n, "sources": {name: {"weight", "samples", "tokens"}}}``) and reading it back, the info line a loader
+(``{"batches": n, "sources": {name: {"weight", "samples", "tokens"}}, "plan": the mixture's plan}``; a source no
+longer mixed keeps its counts, with weight 0) and reading it back, the info line a loader
 logs every ``log_every`` batches, and the one-line summary ``hp-data preview`` prints. Not responsible for: which
 samples a batch holds (the loaders) or the mixture's order (``mixture_order``).
 
@@ -17,7 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import ResumeStateError
 from hyper_parallel.data.resume_checks import check_state_type, state_field
 
 __all__ = ["MixtureTally", "describe_mixture_state", "record_tokens"]
@@ -42,8 +42,8 @@ class MixtureTally:
     def __init__(self, mixture, log_every: int) -> None:
         self.mixture = mixture
         self.log_every = log_every
-        self.names = list(mixture.names)
-        self.weights = [source.weight for source in mixture.sources]
+        self.names = list(mixture.known_names)
+        self.weights = [mixture.weights.get(name, 0.0) for name in self.names]
         self.samples = np.zeros(len(self.names), dtype=np.int64)
         self.tokens = np.zeros(len(self.names), dtype=np.int64)
         self.batches = 0
@@ -89,34 +89,26 @@ class MixtureTally:
                     self.names, self.weights, self.samples, self.tokens, strict=True
                 )
             },
+            "plan": self.mixture.plan.state_dict(),
         }
 
     def check_state(self, state) -> None:
-        """Refuse a ``mixture`` part that is not this mixture's: other sources or weights are named."""
+        """Refuse a malformed ``mixture`` part (its plan is the mixture's to check: ``resumed_plan``)."""
         check_state_type(state, Mapping, _WHERE)
         state_field(state, "batches", int, _WHERE)
-        saved = state_field(state, "sources", Mapping, _WHERE)
-        here = dict(zip(self.names, self.weights, strict=True))
-        differences = [f"{name} is new (weight {here[name]:g})" for name in here if name not in saved]
-        for name, counts in saved.items():
+        state_field(state, "plan", Mapping, _WHERE)
+        for name, counts in state_field(state, "sources", Mapping, _WHERE).items():
             check_state_type(counts, Mapping, f"{_WHERE}['sources'][{name!r}]")
             for key in ("samples", "tokens"):
                 state_field(counts, key, int, f"{_WHERE}['sources'][{name!r}]")
-            if name not in here:
-                differences.append(f"{name} is no longer mixed (weight {counts.get('weight')!r})")
-            elif counts.get("weight") != here[name]:
-                differences.append(f"{name} had weight {counts.get('weight')!r}, has {here[name]:g}")
-        if differences:
-            raise ResumeStateError(
-                f"the state was saved over another mixture: {'; '.join(differences)}; resume with the mixture it was "
-                "saved with, or start without the state"
-            )
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Continue counting from ``state`` (checked by ``check_state`` first)."""
+        """Continue counting from ``state`` (checked by ``check_state`` first); a source new to it starts at 0."""
+        saved = state["sources"]
+        none = {"samples": 0, "tokens": 0}
         self.batches = state["batches"]
-        self.samples = np.array([state["sources"][name]["samples"] for name in self.names], dtype=np.int64)
-        self.tokens = np.array([state["sources"][name]["tokens"] for name in self.names], dtype=np.int64)
+        self.samples = np.array([saved.get(name, none)["samples"] for name in self.names], dtype=np.int64)
+        self.tokens = np.array([saved.get(name, none)["tokens"] for name in self.names], dtype=np.int64)
 
 
 def describe_mixture_state(state: Mapping) -> str:
