@@ -39,7 +39,9 @@ Layout::
                per rank of the first split, "levels": the frontiers of each later change},
                "records": the records read but not delivered,
      dynamic loader only: "packing": the packing policy's settings with every old rank's ``buffer``, in rank
-     order, and their ``buffer_tokens``}
+     order, and their ``buffer_tokens``,
+     over a mixture: "mixture": the ranks' plan (the same on every rank) and their tallies summed, which new rank 0
+     continues while the other new ranks count from 0}
 
 The packing policy's state must keep its buffered samples, encoded by the key source, under ``buffer`` and their
 cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). Stream states still reading a handed-over epoch merge
