@@ -299,7 +299,7 @@ class _Loader:
         """This rank's state from an elastic one (``elastic.rank_state``); over a mixture, the plan the old ranks
         read is taken first, so that the positions left are placed in the same mixture."""
         if self._tally is not None:
-            if not isinstance(merged, Mapping) or not isinstance(merged.get("mixture"), Mapping):
+            if not isinstance(merged.get("mixture"), Mapping):  # an elastic state is a Mapping (``is_elastic``)
                 raise ResumeStateError(
                     f"{self!r} reads a mixture, but the elastic state has no mixture part: merge the states of "
                     "every rank again with merge_rank_states of this release, which keeps their mixture parts"

@@ -87,8 +87,8 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
 
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
-            data, transform, sampler, stream or packing settings than the others; ranks in epochs that do not meet
-            (one mid-epoch, another past its end); data sharding.
+            data, transform, sampler, stream or packing settings or mixture plan than the others; ranks in epochs
+            that do not meet (one mid-epoch, another past its end); data sharding.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
