@@ -265,21 +265,11 @@ class _Loader:
         """Take the plan of the state's mixture (the mixture checks it against its own sources and weights, and
         continues it with new ones if allowed): the dataset reads it, the sampler covers its length, and keys
         of sources no longer mixed are left out of the replay (said with their count)."""
-        if "mixture" not in state:
+        if "mixture" not in state or not self._take_plan(state, allow_change, packs_per_rank):
             return state
-        self._tally.check_state(state["mixture"])
-        plan = self.dataset.resumed_plan(
-            state["mixture"]["plan"], lambda: self._mixture_resume_point(state, packs_per_rank), allow_change
-        )
-        if plan is None:
-            return state
-        self._before_mixture_change = (self.dataset.plan, self._source.sampler, self._tally)
-        self.dataset.adopt(plan)
-        self._source.sampler = DatasetBatchSampler.from_options(len(plan), self.options.layout, self.options.sampler)
-        self._tally = self.dataset.mixture_tally()
         source = dict(state_field(state, "source", Mapping, "the loader state"))
         position = state_field(source, "position", Mapping, "the loader state['source']")
-        source["position"] = {**position, "total_samples": len(plan)}
+        source["position"] = {**position, "total_samples": len(self.dataset.plan)}
         replay = source.get("replay")
         if isinstance(replay, list) and replay:
             readable = iter(self.dataset.readable([key for keys in replay for key in keys]).tolist())
@@ -288,6 +278,34 @@ class _Loader:
             source["replay"] = [keys for keys in kept if keys]
             source["replay_epoch"] = source.get("replay_epoch") if source["replay"] else None
         return {**state, "source": source, "data": self._source.identities[0]}
+
+    def _take_plan(self, state: Mapping, allow_change: bool, packs_per_rank: bool) -> bool:
+        """Read the plan of the state's mixture from here on (the dataset, the sampler over its length, a tally
+        of its sources); False when it is the plan read already."""
+        self._tally.check_state(state["mixture"])
+        plan = self.dataset.resumed_plan(
+            state["mixture"]["plan"], lambda: self._mixture_resume_point(state, packs_per_rank), allow_change
+        )
+        if plan is None:
+            return False
+        if self._before_mixture_change is None:  # the loader as it was before this state, for ``_refused``
+            self._before_mixture_change = (self.dataset.plan, self._source.sampler, self._tally)
+        self.dataset.adopt(plan)
+        self._source.sampler = DatasetBatchSampler.from_options(len(plan), self.options.layout, self.options.sampler)
+        self._tally = self.dataset.mixture_tally()
+        return True
+
+    def _rank_state(self, merged: Mapping, allow_change: bool, policy=None) -> tuple[dict, DecodedSamples | None]:
+        """This rank's state from an elastic one (``elastic.rank_state``); over a mixture, the plan the old ranks
+        read is taken first, so that the positions left are placed in the same mixture."""
+        if self._tally is not None:
+            if not isinstance(merged.get("mixture"), Mapping):  # an elastic state is a Mapping (``is_elastic``)
+                raise ResumeStateError(
+                    f"{self!r} reads a mixture, but the elastic state has no mixture part: merge the states of "
+                    "every rank again with merge_rank_states of this release, which keeps their mixture parts"
+                )
+            self._take_plan(merged, allow_change, False)  # a changed mixture is refused: no resume point in order
+        return rank_state(merged, self._source, self.options.layout, policy)
 
     def _mixture_resume_point(self, state: Mapping, packs_per_rank: bool) -> int:
         """The sample number a state resumes at, where a changed mixture's new plan begins; refused where the
@@ -425,9 +443,9 @@ class FixedBatchDataLoader(_Loader):
         anywhere else, give every loader of the new DP size the elastic state ``merge_rank_states`` makes of all
         the ranks' states.
         """
-        if is_elastic(state):
-            state, _ = rank_state(state, self._source, self.options.layout)
         try:
+            if is_elastic(state):
+                state, _ = self._rank_state(state, allow_mixture_change)
             state = self._checked(state, allow_mixture_change=allow_mixture_change)
         except BaseException:
             self._refused()
@@ -633,9 +651,9 @@ class DynamicBatchDataLoader(_Loader):
         (a mapping source): together they deliver the rest of the epoch, each record once.
         """
         codec = self._source
-        if is_elastic(state):
-            state, codec = rank_state(state, self._source, self.options.layout, self.policy)
         try:
+            if is_elastic(state):
+                state, codec = self._rank_state(state, allow_mixture_change, self.policy)
             state = self._checked(
                 state, _DYNAMIC_FIELDS, packs_per_rank=True, allow_mixture_change=allow_mixture_change
             )

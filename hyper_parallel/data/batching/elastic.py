@@ -39,7 +39,9 @@ Layout::
                per rank of the first split, "levels": the frontiers of each later change},
                "records": the records read but not delivered,
      dynamic loader only: "packing": the packing policy's settings with every old rank's ``buffer``, in rank
-     order, and their ``buffer_tokens``}
+     order, and their ``buffer_tokens``,
+     over a mixture: "mixture": the ranks' plan (the same on every rank) and their tallies summed, which new rank 0
+     continues while the other new ranks count from 0}
 
 The packing policy's state must keep its buffered samples, encoded by the key source, under ``buffer`` and their
 cost under ``buffer_tokens`` (as ``TextTokenBatcher`` does). Stream states still reading a handed-over epoch merge
@@ -85,8 +87,8 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
 
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
-            data, transform, sampler, stream or packing settings than the others; ranks in epochs that do not meet
-            (one mid-epoch, another past its end); data sharding.
+            data, transform, sampler, stream or packing settings or mixture plan than the others; ranks in epochs
+            that do not meet (one mid-epoch, another past its end); data sharding.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
@@ -104,6 +106,8 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     }
     if first["loader"] == "DynamicBatchDataLoader":
         merged["packing"] = _merged_packing(by_rank)
+    if any("mixture" in state for state in by_rank):
+        merged["mixture"] = _merged_mixture(by_rank)
     return merged
 
 
@@ -139,6 +143,8 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> tuple[dict, Deco
         **envelope(state_field(merged, "loader", str, _WHERE), layout, (merged["data"], merged["transform"])),
         "source": source_state,
     }
+    if "mixture" in merged:
+        state["mixture"] = _rank_mixture(merged, layout)
     if policy is not None:
         packing = state_field(merged, "packing", Mapping, _WHERE)
         buffer = state_field(packing, "buffer", list, f"{_WHERE}['packing']")
@@ -152,6 +158,20 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> tuple[dict, Deco
         )
         return state, DecodedSamples(share, entries)
     return state, None
+
+
+def _rank_mixture(merged: Mapping, layout) -> dict:
+    """This rank's ``mixture`` part of an elastic state over a mixture: the plan, and the old ranks' tally on new
+    rank 0 only (the others count from 0), so that the new ranks' tallies still sum to what the run delivered."""
+    mixture = state_field(merged, "mixture", Mapping, _WHERE)
+    if layout.dp_rank == 0:
+        return dict(mixture)
+    sources = state_field(mixture, "sources", Mapping, f"{_WHERE}['mixture']")
+    zero = {}
+    for name, counts in sources.items():
+        check_state_type(counts, Mapping, f"{_WHERE}['mixture']['sources'][{name!r}]")
+        zero[name] = {"weight": counts.get("weight"), "samples": 0, "tokens": 0}
+    return {**mixture, "batches": 0, "sources": zero}
 
 
 class DecodedSamples:
@@ -487,6 +507,34 @@ def _merged_packing(states: list[dict]) -> dict:
         buffer += state_field(packing, "buffer", list, where)
         tokens += state_field(packing, "buffer_tokens", int, where)
     return {**settings, "buffer": buffer, "buffer_tokens": tokens}
+
+
+def _merged_mixture(states: list[dict]) -> dict:
+    """The ranks' ``mixture`` parts as one: their plan (the same on every rank) and their tallies summed."""
+    plan, batches, sources = None, 0, {}
+    for rank, state in enumerate(states):
+        where = f"DP rank {rank}'s loader state['mixture']"
+        if "mixture" not in state:
+            raise ResumeStateError(
+                f"DP rank {rank}'s loader state has no mixture part, the state of another rank has one: the states are "
+                "not of one run"
+            )
+        mixture = state_field(state, "mixture", Mapping, f"DP rank {rank}'s loader state")
+        rank_plan = state_field(mixture, "plan", Mapping, where)
+        if plan is None:
+            plan = rank_plan
+        elif rank_plan != plan:
+            raise ResumeStateError(
+                f"the mixture plan of DP rank {rank} differs from DP rank 0's (their segments or sources differ): "
+                "the states are not of one run at one step; give every rank's state saved at the same step"
+            )
+        batches += state_field(mixture, "batches", int, where)
+        for name, counts in state_field(mixture, "sources", Mapping, where).items():
+            check_state_type(counts, Mapping, f"{where}['sources'][{name!r}]")
+            total = sources.setdefault(name, {"weight": counts.get("weight"), "samples": 0, "tokens": 0})
+            for key in ("samples", "tokens"):
+                total[key] += state_field(counts, key, int, f"{where}['sources'][{name!r}]")
+    return {"batches": batches, "sources": sources, "plan": plan}
 
 
 def _with_replayed(positions: np.ndarray, replay: list[int], sampler, epoch: int, epoch_len: int) -> np.ndarray:
