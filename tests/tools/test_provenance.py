@@ -419,3 +419,16 @@ def test_a_resumed_mixture_and_one_resumed_after_a_change_follow_the_plan(tmp_pa
     for number in (0, len(after) - 1):
         sequences = batch_provenance(changed, batch=number, state=again, tokenizer=tokenizer)
         _check_mixture(sequences, after[number], loaders, lines, prefix, path)
+
+
+def test_command_names_a_mixture_source_before_its_file(tmp_path, tokenizer, tokenizer_path, capsys):
+    config, *_ = _mixture_config(tmp_path, tokenizer)
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(json.dumps(config))
+    expected = batch_provenance(str(pipeline), batch=0, tokenizer=tokenizer)
+    assert hp_data(["provenance", str(pipeline), "--batch", "0", "--tokenizer", str(tokenizer_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(expected)
+    for line, sequence in zip(lines, expected, strict=True):
+        assert line.startswith(f"batch 0 span [{sequence.span[0]}, {sequence.span[1]}): {sequence.source} ")
+        assert f" {sequence.path} record {sequence.record} " in line

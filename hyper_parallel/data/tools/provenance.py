@@ -18,9 +18,12 @@ Indexed answers are computed from the sampler's position and the dataset's index
 ``sample_index``, ``document_index``; a blend's ``dataset_index`` and ``dataset_sample_index``): nothing before the
 micro-batch is read. Online answers replay the loader's choices over the records' window lengths, tokenizing each
 record once; a mapping source keeps those lengths in a cache beside its Arrow cache, so a second query tokenizes
-nothing it has seen. The loaders are built exactly as a trainer builds them (``batching.dataloader
-.build_dataloaders``), in this process. Not responsible for: delivering batches (the loaders) or the packing
-scheduler's own delivery (``scheduled_provenance`` plans a step as every rank does, from the traced lengths).
+nothing it has seen. A mixture's sample numbers are located in its sources by its plan (``MixtureDataset.locate``),
+each sequence named by its source: an Indexed row packed among Online records is one window of its row length
+(known without reading it), cut into its documents as the collator cuts it. The loaders are built exactly as a
+trainer builds them (``batching.dataloader.build_dataloaders``), in this process. Not responsible for:
+delivering batches (the loaders) or the packing scheduler's own delivery (``scheduled_provenance`` plans a step
+as every rank does, from the traced lengths).
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class SequenceProvenance:
     Attributes:
         batch: the micro-batch's number, counted from the loader's position (0-based); for a scheduled rank
             (``scheduled_provenance``), the scheduled micro-batch within the step.
-        source: the source the sequence was drawn from: the ``.bin`` prefix or the data file.
+        source: the source the sequence was drawn from: the ``.bin`` prefix or the data file; a mixture's source
+            name.
         path: the ``.bin`` prefix or the data file that holds the tokens.
         record: the document of the ``.bin`` (Indexed), the row of a mapping source or the position in this DP
             rank's stream (Online); None for a stream sample restored from a state (the state keeps its tokens).
@@ -739,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                 if sequence.tokens is not None:
                     tokens = f"record {sequence.record} tokens [{sequence.tokens[0]}, {sequence.tokens[1]})"
                 span = f"[{sequence.span[0]}, {sequence.span[1]})"
-                print(f"batch {sequence.batch} span {span}: {sequence.path} {tokens}")
+                source = "" if sequence.source == sequence.path else f"{sequence.source} "  # a mixture's source
+                print(f"batch {sequence.batch} span {span}: {source}{sequence.path} {tokens}")
     except (DataConfigError, DataFileError, ResumeStateError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
