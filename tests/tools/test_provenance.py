@@ -344,18 +344,20 @@ def _check_mixture(sequences, batch, loaders, lines, prefix, path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "loader"),
+    ("strategy", "loader", "dp_size"),
     [
-        ("weighted", "DynamicBatchDataLoader"),
-        ("interleave", "DynamicBatchDataLoader"),
-        ("weighted", "FixedBatchDataLoader"),
+        ("weighted", "DynamicBatchDataLoader", 1),
+        ("interleave", "DynamicBatchDataLoader", 2),
+        ("weighted", "FixedBatchDataLoader", 2),
+        ("interleave", "FixedBatchDataLoader", 1),
     ],
 )
-def test_a_mixture_names_each_sequences_source_and_its_record(tmp_path, tokenizer, strategy, loader):
+def test_a_mixture_names_each_sequences_source_and_its_record(tmp_path, tokenizer, strategy, loader, dp_size):
     config, lines, prefix, path = _mixture_config(tmp_path, tokenizer, strategy=strategy, loader=loader)
-    loaders, batches = _delivered(config, tokenizer, micro_batch_size=2)
+    ranks = {"micro_batch_size": 2, "dp_rank": dp_size - 1, "dp_size": dp_size}
+    loaders, batches = _delivered(config, tokenizer, **ranks)
     assert len(batches) > 4
-    traced = [batch_provenance(config, batch=n, micro_batch_size=2, tokenizer=tokenizer) for n in range(len(batches))]
+    traced = [batch_provenance(config, batch=n, tokenizer=tokenizer, **ranks) for n in range(len(batches))]
     for sequences, batch in zip(traced, batches, strict=True):
         _check_mixture(sequences, batch, loaders, lines, prefix, path)
     corpus_rows = {}
@@ -432,3 +434,13 @@ def test_command_names_a_mixture_source_before_its_file(tmp_path, tokenizer, tok
     for line, sequence in zip(lines, expected, strict=True):
         assert line.startswith(f"batch 0 span [{sequence.span[0]}, {sequence.span[1]}): {sequence.source} ")
         assert f" {sequence.path} record {sequence.record} " in line
+
+
+def test_a_mixture_keeps_its_online_source_s_lengths_in_the_source_s_cache(tmp_path, tokenizer):
+    config, *_ = _mixture_config(tmp_path, tokenizer)
+    _, batches = _delivered(config, tokenizer)
+    last = batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer)
+    (cache,) = (tmp_path / "arrow").rglob("provenance_lengths-*.npz")  # beside the Online source's Arrow cache
+    written = cache.stat().st_mtime_ns
+    assert batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer) == last
+    assert cache.stat().st_mtime_ns == written  # every Online length came from the cache: nothing new to write
