@@ -388,6 +388,14 @@ def test_an_indexed_mixture_with_the_fixed_loader(tmp_path, tokenizer):
         assert {(s.source, s.path) for s in sequences} <= {("first", first), ("second", second)}
         names |= {sequence.source for sequence in sequences}
     assert names == {"first", "second"}
+    loaders = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=2)
+    iterator = iter(loaders.train)
+    next(iterator), next(iterator)
+    state = loaders.train.state_dict()
+    after = list(iterator)
+    for number in (0, len(after) - 1):
+        sequences = batch_provenance(config, batch=number, state=state, micro_batch_size=2, tokenizer=tokenizer)
+        _check_indexed(sequences, after[number])
 
 
 @pytest.mark.parametrize("loader", ["DynamicBatchDataLoader", "FixedBatchDataLoader"])
