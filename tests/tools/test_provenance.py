@@ -300,3 +300,155 @@ def test_a_packing_scheduler_is_named_as_outside_the_trace(tmp_path, tokenizer, 
         batch_provenance(config, batch=1, tokenizer=tokenizer), batches[1], loaders.datasets[0].transform, lines
     )
     assert any("the micro-batches traced are the loader's" in record.getMessage() for record in logs.records)
+
+
+# -- mixtures ----------------------------------------------------------------------------------------------------
+
+
+def _mixture_config(tmp_path, tokenizer, *, strategy="weighted", loader="DynamicBatchDataLoader", weights=(3, 2)):
+    """An Online mapping source and an Indexed one, as examples/mixture.yaml mixes them."""
+    path, lines = _jsonl(tmp_path)
+    prefix = _indexed_prefix(tmp_path, "corpus_text_document", tokenizer.eod, seed=0)
+    max_seq_len = 4096 if loader == "FixedBatchDataLoader" else 64  # the fixed loader takes one window per record
+    online = _online_config(path, tmp_path, loader=loader, max_seq_len=max_seq_len)["dataset"]
+    indexed = _indexed_config(prefix, tmp_path)["dataset"]
+    config = _online_config(path, tmp_path, loader=loader)
+    config["dataset"] = {
+        "_target_": "hyper_parallel.data.mixture.build_mixture.build_mixture_dataset",
+        "strategy": strategy,
+        "on_exhausted": "reweight",
+        "sources": [
+            {"name": "passages", "weight": weights[0], "dataset": online},
+            {"name": "corpus", "weight": weights[1], "dataset": indexed},
+        ],
+    }
+    return config, lines, prefix, str(path)
+
+
+def _check_mixture(sequences, batch, loaders, lines, prefix, path) -> None:
+    """Every sequence's tokens, read from the ``.bin`` or by tokenizing its JSON line again, are the delivered ones
+    at its span, and the spans start where ``cu_seq_lens`` starts the batch's sequences."""
+    transform = loaders.datasets[0].sources[0].dataset.transform
+    row = batch.input_ids[0]
+    for sequence in sequences:
+        start, end = sequence.tokens
+        if sequence.source == "corpus":
+            assert sequence.path == prefix
+            expected = IndexedDataReader(prefix).get(sequence.record, offset=start, length=end - start).tolist()
+        else:
+            assert (sequence.source, sequence.path) == ("passages", path)
+            windows = transform(lines[sequence.record])
+            expected = np.concatenate([window["input_ids"] for window in windows])[start:end].tolist()
+        assert row[sequence.span[0] : sequence.span[1]].tolist() == expected
+    assert [sequence.span[0] for sequence in sequences] == batch.cu_seq_lens[: len(sequences)].tolist()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "loader", "dp_size"),
+    [
+        ("weighted", "DynamicBatchDataLoader", 1),
+        ("interleave", "DynamicBatchDataLoader", 2),
+        ("weighted", "FixedBatchDataLoader", 2),
+        ("interleave", "FixedBatchDataLoader", 1),
+    ],
+)
+def test_a_mixture_names_each_sequences_source_and_its_record(tmp_path, tokenizer, strategy, loader, dp_size):
+    config, lines, prefix, path = _mixture_config(tmp_path, tokenizer, strategy=strategy, loader=loader)
+    ranks = {"micro_batch_size": 2, "dp_rank": dp_size - 1, "dp_size": dp_size}
+    loaders, batches = _delivered(config, tokenizer, **ranks)
+    assert len(batches) > 4
+    traced = [batch_provenance(config, batch=n, tokenizer=tokenizer, **ranks) for n in range(len(batches))]
+    for sequences, batch in zip(traced, batches, strict=True):
+        _check_mixture(sequences, batch, loaders, lines, prefix, path)
+    corpus_rows = {}
+    for sequence in (s for sequences in traced for s in sequences if s.source == "corpus"):
+        corpus_rows.setdefault((sequence.batch, sequence.span[0] // 32), []).append(sequence)
+    assert {sequence.source for sequences in traced for sequence in sequences} == {"passages", "corpus"}
+    assert max(map(len, corpus_rows.values())) > 1  # an Indexed row is cut into its documents
+
+
+def test_an_indexed_mixture_with_the_fixed_loader(tmp_path, tokenizer):
+    first = _indexed_prefix(tmp_path, "first_text_document", tokenizer.eod, seed=1)
+    second = _indexed_prefix(tmp_path, "second_text_document", tokenizer.eod, seed=2)
+    config = _indexed_config(first, tmp_path)
+    sources = [
+        {"name": name, "weight": weight, "dataset": _indexed_config(prefix, tmp_path)["dataset"]}
+        for name, weight, prefix in (("first", 1, first), ("second", 2, second))
+    ]
+    config["dataset"] = {
+        "_target_": "hyper_parallel.data.mixture.build_mixture.build_mixture_dataset",
+        "strategy": "interleave",
+        "sources": sources,
+    }
+    _, batches = _delivered(config, tokenizer, micro_batch_size=2)
+    names = set()
+    for number in (0, 1, len(batches) - 1):
+        sequences = batch_provenance(config, batch=number, micro_batch_size=2, tokenizer=tokenizer)
+        _check_indexed(sequences, batches[number])
+        assert {(s.source, s.path) for s in sequences} <= {("first", first), ("second", second)}
+        names |= {sequence.source for sequence in sequences}
+    assert names == {"first", "second"}
+    loaders = build_dataloaders(config, tokenizer=tokenizer, micro_batch_size=2)
+    iterator = iter(loaders.train)
+    next(iterator), next(iterator)
+    state = loaders.train.state_dict()
+    after = list(iterator)
+    for number in (0, len(after) - 1):
+        sequences = batch_provenance(config, batch=number, state=state, micro_batch_size=2, tokenizer=tokenizer)
+        _check_indexed(sequences, after[number])
+
+
+@pytest.mark.parametrize("loader", ["DynamicBatchDataLoader", "FixedBatchDataLoader"])
+def test_a_resumed_mixture_and_one_resumed_after_a_change_follow_the_plan(tmp_path, tokenizer, loader):
+    config, lines, prefix, path = _mixture_config(tmp_path, tokenizer, loader=loader)
+    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    iterator = iter(loaders.train)
+    for _ in range(3):
+        next(iterator)
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(loaders.state_dict()))
+    after = list(iterator)
+    for number in (0, 1, len(after) - 1):
+        sequences = batch_provenance(config, batch=number, state=saved, tokenizer=tokenizer)
+        _check_mixture(sequences, after[number], loaders, lines, prefix, path)
+
+    changed = json.loads(json.dumps(config))
+    changed["dataset"]["mixture_change"] = "allow"
+    changed["dataset"]["sources"][1]["weight"] = 8  # from the resume point on, mostly the corpus
+    loaders = build_dataloaders(changed, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    loaders.load_state_dict(json.loads(saved.read_text()))
+    iterator = iter(loaders.train)
+    continued = [next(iterator) for _ in range(2)]
+    sequences = batch_provenance(changed, batch=1, state=saved, tokenizer=tokenizer)
+    _check_mixture(sequences, continued[1], loaders, lines, prefix, path)
+    again = tmp_path / "changed_state.json"
+    again.write_text(json.dumps(loaders.state_dict()))
+    assert len(json.loads(again.read_text())["splits"]["train"]["mixture"]["plan"]["segments"]) == 2
+    after = list(iterator)
+    assert after
+    for number in (0, len(after) - 1):
+        sequences = batch_provenance(changed, batch=number, state=again, tokenizer=tokenizer)
+        _check_mixture(sequences, after[number], loaders, lines, prefix, path)
+
+
+def test_command_names_a_mixture_source_before_its_file(tmp_path, tokenizer, tokenizer_path, capsys):
+    config, *_ = _mixture_config(tmp_path, tokenizer)
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(json.dumps(config))
+    expected = batch_provenance(str(pipeline), batch=0, tokenizer=tokenizer)
+    assert hp_data(["provenance", str(pipeline), "--batch", "0", "--tokenizer", str(tokenizer_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(expected)
+    for line, sequence in zip(lines, expected, strict=True):
+        assert line.startswith(f"batch 0 span [{sequence.span[0]}, {sequence.span[1]}): {sequence.source} ")
+        assert f" {sequence.path} record {sequence.record} " in line
+
+
+def test_a_mixture_keeps_its_online_source_s_lengths_in_the_source_s_cache(tmp_path, tokenizer):
+    config, *_ = _mixture_config(tmp_path, tokenizer)
+    _, batches = _delivered(config, tokenizer)
+    last = batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer)
+    (cache,) = (tmp_path / "arrow").rglob("provenance_lengths-*.npz")  # beside the Online source's Arrow cache
+    written = cache.stat().st_mtime_ns
+    assert batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer) == last
+    assert cache.stat().st_mtime_ns == written  # every Online length came from the cache: nothing new to write

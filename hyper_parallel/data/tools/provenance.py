@@ -18,9 +18,12 @@ Indexed answers are computed from the sampler's position and the dataset's index
 ``sample_index``, ``document_index``; a blend's ``dataset_index`` and ``dataset_sample_index``): nothing before the
 micro-batch is read. Online answers replay the loader's choices over the records' window lengths, tokenizing each
 record once; a mapping source keeps those lengths in a cache beside its Arrow cache, so a second query tokenizes
-nothing it has seen. The loaders are built exactly as a trainer builds them (``batching.dataloader
-.build_dataloaders``), in this process. Not responsible for: delivering batches (the loaders) or the packing
-scheduler's own delivery (``scheduled_provenance`` plans a step as every rank does, from the traced lengths).
+nothing it has seen. A mixture's sample numbers are located in its sources by its plan (``MixtureDataset.locate``),
+each sequence named by its source: an Indexed row packed among Online records is one window of its row length
+(known without reading it), cut into its documents as the collator cuts it. The loaders are built exactly as a
+trainer builds them (``batching.dataloader.build_dataloaders``), in this process. Not responsible for:
+delivering batches (the loaders) or the packing scheduler's own delivery (``scheduled_provenance`` plans a step
+as every rank does, from the traced lengths).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset, GPTFromMRDataset
 from hyper_parallel.data.instantiate import load_config
+from hyper_parallel.data.mixture.build_mixture import MixtureDataset
 from hyper_parallel.data.parallel.scheduling.plan import build_schedule
-from hyper_parallel.data.resume_checks import stable_hash
+from hyper_parallel.data.resume_checks import dataset_identity, stable_hash, transform_identity
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
 
@@ -65,7 +69,8 @@ class SequenceProvenance:
     Attributes:
         batch: the micro-batch's number, counted from the loader's position (0-based); for a scheduled rank
             (``scheduled_provenance``), the scheduled micro-batch within the step.
-        source: the source the sequence was drawn from: the ``.bin`` prefix or the data file.
+        source: the source the sequence was drawn from: the ``.bin`` prefix or the data file; a mixture's source
+            name.
         path: the ``.bin`` prefix or the data file that holds the tokens.
         record: the document of the ``.bin`` (Indexed), the row of a mapping source or the position in this DP
             rank's stream (Online); None for a stream sample restored from a state (the state keeps its tokens).
@@ -364,15 +369,35 @@ def _indexed_pieces(dataset, index: int) -> list[tuple[str, int, int, int]]:
     return pieces
 
 
+def _sample_pieces(dataset, index: int) -> list[tuple[str, str, int, int, int]]:
+    """``(source, path, document, start, end)`` of each piece of Indexed sample ``index``; a mixture's sample is
+    its source's record, named by the source."""
+    if isinstance(dataset, MixtureDataset):
+        (source,), (record,) = dataset.locate([index])
+        inner = dataset.sources[int(source)]
+        return [(inner.name, *piece[1:]) for piece in _sample_pieces(inner.dataset, int(record))]
+    return [(prefix, prefix, document, start, end) for prefix, document, start, end in _indexed_pieces(dataset, index)]
+
+
 def _indexed_sequences(dataset, indices: Sequence[int], row_length: int) -> list:
     sequences = []
     for row, index in enumerate(indices):
         offset = row * row_length
-        for prefix, document, start, end in _indexed_pieces(dataset, index):
+        for source, prefix, document, start, end in _sample_pieces(dataset, index):
             span = (offset, offset + end - start)
-            sequences.append(_maker(prefix, prefix, document, (start, end), span))
+            sequences.append(_maker(source, prefix, document, (start, end), span))
             offset = span[1]
     return sequences
+
+
+def _seq_length(dataset) -> int:
+    """The row length of an Indexed dataset, a blend of them, or a mixture of them."""
+    while isinstance(dataset, LazyDatasetProxy | BlendedDataset | MixtureDataset):
+        if isinstance(dataset, LazyDatasetProxy):
+            dataset = dataset.dataset
+        else:
+            dataset = dataset.sources[0].dataset if isinstance(dataset, MixtureDataset) else dataset.datasets[0]
+    return dataset.config.seq_length
 
 
 def _maker(source, path, record, tokens, span):
@@ -382,17 +407,18 @@ def _maker(source, path, record, tokens, span):
 # -- Online records ----------------------------------------------------------------------------------------------
 
 
-class _WindowLengths:
-    """The window lengths each Online record gives, from the transform, kept in a cache for a mapping source.
+class _RecordLengths:
+    """The window lengths each record of one Online dataset gives, from its transform, kept in a cache for a mapping
+    source.
 
     The cache is one ``.npz`` beside the source's Arrow cache, named by the data and transform identities (so
     other files or other transform settings never read it), written to a temporary name and renamed.
     """
 
-    def __init__(self, loader) -> None:
-        self._records = loader._source.dataset  # the worker-side dataset: a key in, the record's samples out
+    def __init__(self, records, cache: Path | None) -> None:
+        self._records = records  # a key in, the record's samples out
         self._lengths: dict[int, list[int]] = {}
-        self._cache = _cache_path(loader) if isinstance(loader._source, MappingKeys) else None
+        self._cache = cache
         self._new = False
         if self._cache is not None and self._cache.is_file():
             self._lengths = _read_length_cache(self._cache)
@@ -421,6 +447,53 @@ class _WindowLengths:
         self._new = False
 
 
+class _MixtureLengths:
+    """The window lengths of a mixture's sample numbers: an Indexed sample is one window of its row length (known
+    without reading it), an Online sample its source record's windows (``_RecordLengths``, cached per source)."""
+
+    def __init__(self, mixture: MixtureDataset) -> None:
+        self._mixture = mixture
+        self._sources = [
+            _RecordLengths(source.dataset, _cache_path(source.dataset, _source_identities(source.dataset)))
+            if _is_online(source.dataset)
+            else [_seq_length(source.dataset)]
+            for source in mixture.sources
+        ]
+
+    def of(self, keys: list) -> list[list[int]]:
+        sources, records = self._mixture.locate(keys)
+        lengths: list = [None] * len(keys)
+        for source in np.unique(sources).tolist():
+            chosen = np.flatnonzero(sources == source).tolist()
+            of_source = self._sources[source]
+            found = of_source.of(records[chosen].tolist()) if isinstance(of_source, _RecordLengths) else None
+            for slot, position in enumerate(chosen):
+                lengths[position] = of_source if found is None else found[slot]
+        return lengths
+
+    def save(self) -> None:
+        for of_source in self._sources:
+            if isinstance(of_source, _RecordLengths):
+                of_source.save()
+
+
+def _is_online(dataset) -> bool:
+    reading = getattr(dataset, "record_reading", None)
+    return callable(reading) and reading() is not None
+
+
+def _source_identities(dataset) -> list:
+    return [dataset_identity(dataset), transform_identity(dataset.record_reading().transform)]
+
+
+def _window_lengths(loader) -> _RecordLengths | _MixtureLengths:
+    if isinstance(loader.dataset, MixtureDataset):
+        return _MixtureLengths(loader.dataset)
+    mapping = isinstance(loader._source, MappingKeys)
+    cache = _cache_path(loader.dataset, [*loader._source.identities]) if mapping else None
+    return _RecordLengths(loader._source.dataset, cache)  # the worker-side dataset
+
+
 def _read_length_cache(path: Path) -> dict[int, list[int]]:
     """The cached window lengths by record; an unreadable or older cache is ignored (and rewritten once)."""
     try:
@@ -440,27 +513,46 @@ def _npz_bytes(**arrays) -> bytes:
     return buffer.getvalue()
 
 
-def _cache_path(loader) -> Path | None:
+def _cache_path(dataset, identities: list) -> Path | None:
     """The length cache of a mapping source, beside its Arrow cache; None for a source held in memory."""
-    cache_files = getattr(getattr(loader.dataset, "source", None), "hf_dataset", None)
+    cache_files = getattr(getattr(dataset, "source", None), "hf_dataset", None)
     cache_files = getattr(cache_files, "cache_files", None)
     if not cache_files:
         return None
-    identity = stable_hash([*loader._source.identities])
-    return Path(cache_files[0]["filename"]).parent / f"provenance_lengths-{identity}.npz"
+    return Path(cache_files[0]["filename"]).parent / f"provenance_lengths-{stable_hash(identities)}.npz"
 
 
-def _online_path(loader) -> str:
-    return str(loader.dataset.description)
+def _window_pieces(dataset):
+    """What a packed window ``(record, token start, length)`` of the loader's dataset holds: a list of
+    ``(source, path, record, tokens, length)``, one per sequence the collator makes of it."""
+    if not isinstance(dataset, MixtureDataset):
+        path = str(dataset.description)
+        return lambda record, start, length: [
+            (path, path, record, None if record is None else (start, start + length), length)
+        ]
+
+    def pieces(number: int, start: int, length: int) -> list:
+        (source,), (record,) = dataset.locate([number])
+        inner = dataset.sources[int(source)]
+        if _is_online(inner.dataset):
+            path = str(inner.dataset.description)
+            return [(inner.name, path, int(record), (start, start + length), length)]
+        # An Indexed row enters whole and is cut into its documents (``document_lengths``): one sequence each.
+        return [
+            (inner.name, prefix, document, (begin, end), end - begin)
+            for _, prefix, document, begin, end in _sample_pieces(inner.dataset, int(record))
+        ]
+
+    return pieces
 
 
-def _online_sequences(entries: list, path: str, pad_each_sequence_to: int) -> list:
+def _online_sequences(entries: list, pieces, pad_each_sequence_to: int) -> list:
     """The sequences of a packed row: ``entries`` are ``((record, token start), length)``, in packing order."""
     sequences, offset = [], 0
     for (record, start), length in entries:
-        tokens = None if record is None else (start, start + length)
-        sequences.append(_maker(path, path, record, tokens, (offset, offset + length)))
-        offset += length + -length % pad_each_sequence_to
+        for source, path, inner, tokens, size in pieces(record, start, length):
+            sequences.append(_maker(source, path, inner, tokens, (offset, offset + size)))
+            offset += size + -size % pad_each_sequence_to
     return sequences
 
 
@@ -496,7 +588,8 @@ class _FixedTracer:
     def micro_batches(self, first: int, count: int) -> list[list]:
         if self._source.transform is None:
             return self._indexed(first, count)
-        lengths, found, number = _WindowLengths(self.loader), [], 0
+        lengths, found, number = _window_lengths(self.loader), [], 0
+        pieces = _window_pieces(self.loader.dataset)
         for pulled in self.loader._tracked._pulls():
             per_record = lengths.of(pulled.keys)
             entries = []
@@ -510,7 +603,7 @@ class _FixedTracer:
             if not entries:  # every record of the batch was skipped: the loader delivers no batch for it
                 continue
             if number >= first:
-                found.append(_online_sequences(entries, _online_path(self.loader), self._pad))
+                found.append(_online_sequences(entries, pieces, self._pad))
                 if len(found) == count:
                     break
             number += 1
@@ -521,7 +614,7 @@ class _FixedTracer:
         """From the sampler's position, without reading any sample: a mapping source's batches are a pure function
         of the micro-step."""
         tracked, sampler = self.loader._tracked, self._source.sampler
-        row_length = self._row_length()
+        row_length = _seq_length(self.loader.dataset)
         if tracked.replay:  # a restored state with key batches to read first: walk them in order
             batches = (pulled.keys for pulled in tracked._pulls())
             keys = [batch for _, batch in zip(range(first + count), batches, strict=False)][first:]
@@ -530,12 +623,6 @@ class _FixedTracer:
             steps = range(first, min(first + count, len(sampler)))
             keys = [sampler.batch_indices(micro_step + step) for step in steps]
         return [_indexed_sequences(self.loader.dataset, batch, row_length) for batch in keys]
-
-    def _row_length(self) -> int:
-        dataset = self.loader.dataset
-        while isinstance(dataset, LazyDatasetProxy | BlendedDataset):
-            dataset = dataset.dataset if isinstance(dataset, LazyDatasetProxy) else dataset.datasets[0]
-        return dataset.config.seq_length
 
 
 class _DynamicTracer:
@@ -548,10 +635,10 @@ class _DynamicTracer:
     def __init__(self, loader: DynamicBatchDataLoader) -> None:
         self.loader = loader
         self._pad = getattr(loader.collate_fn, "pad_each_sequence_to", 1)
-        self._path = _online_path(loader)
+        self._pieces = _window_pieces(loader.dataset)
 
     @staticmethod
-    def _window(key, lengths: _WindowLengths) -> tuple[int | None, int]:
+    def _window(key, lengths: _RecordLengths | _MixtureLengths) -> tuple[int | None, int]:
         """``(record, token start)`` of a policy entry: one put here, or one a restored state holds (a mapping
         source's ``(record, window)``; a stream's None, whose record the state does not keep)."""
         if isinstance(key, _Window):
@@ -564,13 +651,13 @@ class _DynamicTracer:
     def micro_batches(self, first: int, count: int) -> list[list]:
         loader, policy = self.loader, self.loader.policy
         found, number = [], 0
-        lengths = _WindowLengths(loader)
+        lengths = _window_lengths(loader)
 
         def take() -> bool:
             nonlocal number
             chosen = [(self._window(key, lengths), len(sample["input_ids"])) for key, sample in policy.pop()]
             if number >= first:
-                found.append(_online_sequences(chosen, self._path, self._pad))
+                found.append(_online_sequences(chosen, self._pieces, self._pad))
             number += 1
             return len(found) == count
 
@@ -656,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                 if sequence.tokens is not None:
                     tokens = f"record {sequence.record} tokens [{sequence.tokens[0]}, {sequence.tokens[1]})"
                 span = f"[{sequence.span[0]}, {sequence.span[1]})"
-                print(f"batch {sequence.batch} span {span}: {sequence.path} {tokens}")
+                source = "" if sequence.source == sequence.path else f"{sequence.source} "  # a mixture's source
+                print(f"batch {sequence.batch} span {span}: {source}{sequence.path} {tokens}")
     except (DataConfigError, DataFileError, ResumeStateError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
