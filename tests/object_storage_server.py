@@ -3,11 +3,15 @@ credentials and the endpoint in the environment, so that s3fs (and anything read
 
 from __future__ import annotations
 
+import http.client
+import http.server
+import threading
+
 import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
-__all__ = ["BUCKET", "s3_server"]
+__all__ = ["BUCKET", "FaultyProxy", "s3_server"]
 
 BUCKET = "hp-data-test"
 
@@ -31,3 +35,65 @@ def s3_server():
         finally:
             s3fs.S3FileSystem.clear_instance_cache()
             server.stop()
+
+
+class FaultyProxy:
+    """An HTTP proxy on loopback in front of ``upstream`` that fails chosen ranged GETs: the ``n``-th one (counted
+    from 1) answers 503 when ``n`` is in ``failing``, or every one from ``always_from`` on."""
+
+    def __init__(self, upstream: str, failing: set[int] = frozenset(), always_from: int | None = None) -> None:
+        self.failing, self.always_from = set(failing), always_from
+        self.ranged_gets = 0
+        self._lock = threading.Lock()
+        upstream_host = upstream.removeprefix("http://")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet, like the server's own logger
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                if self.command == "GET" and "Range" in self.headers and proxy._fails():
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                connection = http.client.HTTPConnection(upstream_host)
+                connection.request(self.command, self.path, body=body, headers=dict(self.headers))
+                answer = connection.getresponse()
+                payload = answer.read()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    # A HEAD answer keeps the object's length; other answers carry exactly their payload.
+                    if name.lower() not in ("transfer-encoding", "connection") and (
+                        name.lower() != "content-length" or self.command == "HEAD"
+                    ):
+                        self.send_header(name, value)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                connection.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _fails(self) -> bool:
+        with self._lock:
+            self.ranged_gets += 1
+            n = self.ranged_gets
+        return n in self.failing or (self.always_from is not None and n >= self.always_from)
+
+    def __enter__(self) -> FaultyProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()

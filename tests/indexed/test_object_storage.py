@@ -4,12 +4,14 @@ locally and keyed by the objects' identity, and clear errors for missing and rep
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
 import pytest
+import s3fs
 import torch
-from object_storage_server import BUCKET, s3_server  # noqa: F401 - the fixture
+from object_storage_server import BUCKET, FaultyProxy, s3_server  # noqa: F401 - the fixture
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
@@ -160,3 +162,35 @@ def test_cache_settings_are_checked(pairs):
         IndexedDataConfig(seq_length=8, object_block_bytes=4096, object_cache_bytes=1024)
     with pytest.raises(DataConfigError, match="cache_bytes .* must hold at least one block"):
         ObjectIndexedDataReader(pairs[0][1], block_bytes=4096, cache_bytes=1024)
+
+
+@pytest.fixture
+def through_proxy(s3_server, monkeypatch):  # noqa: F811
+    """Open readers through a ``FaultyProxy`` in front of the server, with the SDK's own retries off."""
+
+    def start(**faults) -> FaultyProxy:
+        proxy = FaultyProxy(os.environ["AWS_ENDPOINT_URL"], **faults)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        s3fs.S3FileSystem.clear_instance_cache()
+        return proxy
+
+    yield start
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_transient_errors_are_retried(pairs, through_proxy):
+    local_prefix, url = pairs[0]
+    with through_proxy(failing={1, 2}) as proxy:
+        # Blocks of a size no other test uses, so none is in the process-wide cache: the .idx is GET 3, block 0 GET 4.
+        reader = ObjectIndexedDataReader(url, block_bytes=320, cache_bytes=4096)
+        np.testing.assert_array_equal(reader[0], IndexedDataReader(local_prefix)[0])
+    assert proxy.ranged_gets == 4
+
+
+def test_persistent_errors_name_the_object_and_the_range(pairs, through_proxy):
+    _, url = pairs[0]
+    with through_proxy(always_from=2):  # the .idx is read by GET 1, the .bin never
+        reader = ObjectIndexedDataReader(url, block_bytes=352, cache_bytes=4096)
+        with pytest.raises(DataFileError, match=rf"reading bytes \[0, 352\) of {url}\.bin failed 4 times"):
+            reader[0]

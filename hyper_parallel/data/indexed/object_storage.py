@@ -132,11 +132,16 @@ class RemoteObject:
         """``size`` bytes from ``offset``, fewer only where the object ends; transient errors are retried with
         backoff ``_ATTEMPTS`` times in all."""
         replaced = _replaced_object_errors()
+        expected = max(0, min(size, self.size - offset))
         for attempt in range(_ATTEMPTS):
             try:
                 handle = self._open_file()
                 handle.seek(offset)
-                return handle.read(size)
+                data = handle.read(size)
+                if len(data) == expected:
+                    return data
+                # Some file systems turn a failed request into fewer bytes: never hand those on as tokens.
+                raise ConnectionError(f"{len(data)} bytes came back where {expected} were asked for")
             except replaced:
                 raise self._changed_error() from None
             except FileNotFoundError:
