@@ -17,9 +17,11 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, read_sequence_counts
 from hyper_parallel.data.indexed.object_storage import ObjectIndexedDataReader, open_reader
+from hyper_parallel.data.indexed.pair_metadata import loss_mask_prefix
 
 from .test_index_cache import building_messages, write_corpus
 from .test_indexed_pretrain_dataset import assert_samples_equal, build_splits
+from .test_loss_mask_pairs import prepare, train_split
 
 SAMPLES = (40, 4, 2)
 
@@ -194,3 +196,13 @@ def test_persistent_errors_name_the_object_and_the_range(pairs, through_proxy):
         reader = ObjectIndexedDataReader(url, block_bytes=352, cache_bytes=4096)
         with pytest.raises(DataFileError, match=rf"reading bytes \[0, 352\) of {url}\.bin failed 4 times"):
             reader[0]
+
+
+def test_the_loss_mask_pair_beside_a_url_prefix_is_read(s3_server, tmp_path, tokenizer_path):  # noqa: F811
+    _, local_prefix = prepare(tmp_path, tokenizer_path)
+    url = upload(s3_server, local_prefix, "sft/pair")
+    upload(s3_server, loss_mask_prefix(local_prefix), loss_mask_prefix("sft/pair"))
+    expected = train_split(local_prefix, tokenizer_path, 24)
+    actual = train_split(url, tokenizer_path, 24)
+    assert actual.loss_mask_pair is not None
+    assert_samples_equal([actual[i] for i in range(len(actual))], [expected[i] for i in range(len(expected))])
