@@ -201,6 +201,15 @@ class BlockCache:
 _CACHES: dict[tuple[int, int], BlockCache] = {}
 
 
+def _renew_cache_locks() -> None:
+    """In a forked child: a lock the parent held at the fork would stay held forever."""
+    for cache in _CACHES.values():
+        cache._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_cache_locks)
+
+
 def block_cache(block_bytes: int, cache_bytes: int) -> BlockCache:
     """The process-wide cache of these settings: all prefixes of a blend share one bound."""
     return _CACHES.setdefault((block_bytes, cache_bytes), BlockCache(block_bytes, cache_bytes))
