@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import socket
 import threading
 
 import pytest
@@ -39,10 +40,13 @@ def s3_server():
 
 class FaultyProxy:
     """An HTTP proxy on loopback in front of ``upstream`` that fails chosen ranged GETs: the ``n``-th one (counted
-    from 1) answers 503 when ``n`` is in ``failing``, or every one from ``always_from`` on."""
+    from 1) when ``n`` is in ``failing``, or every one from ``always_from`` on, by a 503 answer or, with ``drop``,
+    by closing the connection without one."""
 
-    def __init__(self, upstream: str, failing: set[int] = frozenset(), always_from: int | None = None) -> None:
-        self.failing, self.always_from = set(failing), always_from
+    def __init__(
+        self, upstream: str, failing: set[int] = frozenset(), always_from: int | None = None, drop: bool = False
+    ) -> None:
+        self.failing, self.always_from, self.drop = set(failing), always_from, drop
         self.ranged_gets = 0
         self._lock = threading.Lock()
         upstream_host = upstream.removeprefix("http://")
@@ -57,6 +61,10 @@ class FaultyProxy:
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
                 if self.command == "GET" and "Range" in self.headers and proxy._fails():
+                    if proxy.drop:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                     self.send_response(503)
                     self.send_header("Content-Length", "0")
                     self.end_headers()

@@ -4,6 +4,7 @@ locally and keyed by the objects' identity, and clear errors for missing and rep
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -181,11 +182,12 @@ def through_proxy(s3_server, monkeypatch):  # noqa: F811
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_transient_errors_are_retried(pairs, through_proxy):
+@pytest.mark.parametrize("drop", [False, True], ids=["503", "dropped"])
+def test_transient_errors_are_retried(pairs, through_proxy, drop):
     local_prefix, url = pairs[0]
-    with through_proxy(failing={1, 2}) as proxy:
+    with through_proxy(failing={1, 2}, drop=drop) as proxy:
         # Blocks of a size no other test uses, so none is in the process-wide cache: the .idx is GET 3, block 0 GET 4.
-        reader = ObjectIndexedDataReader(url, block_bytes=320, cache_bytes=4096)
+        reader = ObjectIndexedDataReader(url, block_bytes=320 + 32 * drop, cache_bytes=4096)
         np.testing.assert_array_equal(reader[0], IndexedDataReader(local_prefix)[0])
     assert proxy.ranged_gets == 4
 
@@ -193,8 +195,8 @@ def test_transient_errors_are_retried(pairs, through_proxy):
 def test_persistent_errors_name_the_object_and_the_range(pairs, through_proxy):
     _, url = pairs[0]
     with through_proxy(always_from=2):  # the .idx is read by GET 1, the .bin never
-        reader = ObjectIndexedDataReader(url, block_bytes=352, cache_bytes=4096)
-        with pytest.raises(DataFileError, match=rf"reading bytes \[0, 352\) of {url}\.bin failed 4 times"):
+        reader = ObjectIndexedDataReader(url, block_bytes=416, cache_bytes=4096)
+        with pytest.raises(DataFileError, match=rf"reading bytes \[0, 416\) of {url}\.bin failed 4 times"):
             reader[0]
 
 
@@ -206,3 +208,18 @@ def test_the_loss_mask_pair_beside_a_url_prefix_is_read(s3_server, tmp_path, tok
     actual = train_split(url, tokenizer_path, 24)
     assert actual.loss_mask_pair is not None
     assert_samples_equal([actual[i] for i in range(len(actual))], [expected[i] for i in range(len(expected))])
+
+
+def test_the_metadata_beside_a_url_prefix_bounds_the_token_ids(s3_server, pairs):  # noqa: F811
+    local_prefix, _ = pairs[0]
+    url = upload(s3_server, local_prefix, "described/pair")
+    reader = IndexedDataReader(local_prefix)
+    largest = int(max(reader[i].max() for i in range(len(reader))))
+    metadata = {"tokenizer_fingerprint": "f", "vocab_size": largest, "eod_id": 0, "token_dtype": "uint16"}
+    s3_server.pipe(f"{BUCKET}/described/pair.meta.json", json.dumps(metadata).encode())
+    remote = ObjectIndexedDataReader(url)
+    assert remote.pair_metadata().vocab_size == largest
+    remote.check_token_ids(None)
+    with pytest.raises(DataFileError, match=rf"the token id {largest} .* outside \[0, {largest}\)"):
+        for i in range(len(remote)):
+            remote[i]

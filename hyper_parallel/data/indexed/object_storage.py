@@ -33,6 +33,7 @@ __all__ = [
     "object_sequence_counts",
     "open_reader",
     "pair_exists",
+    "read_small_object",
 ]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
@@ -319,6 +320,15 @@ def pair_exists(prefix: str) -> bool:
         return os.path.exists(f"{prefix}.idx") or os.path.exists(f"{prefix}.bin")
     fs, path = _url_to_fs(prefix)
     return fs.exists(path + ".idx") or fs.exists(path + ".bin")
+
+
+def read_small_object(url: str) -> bytes | None:
+    """The whole object at ``url`` (a ``.meta.json`` beside a prefix), or None when there is none."""
+    fs, path = _url_to_fs(url)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
 
 
 def object_sequence_counts(prefix: str) -> tuple[int, int]:
