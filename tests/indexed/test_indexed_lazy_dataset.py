@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import hyper_parallel.data.indexed.indexed_dataset as indexed_dataset
+import hyper_parallel.data.indexed.object_storage as object_storage
 from hyper_parallel.data.indexed.indexed_blended_dataset import BlendedDataset
 from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset
@@ -30,7 +30,7 @@ class Opened:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.readers: list[str] = []
         self.datasets = 0
-        reader_class, dataset_init = indexed_dataset.IndexedDataReader, GPTDataset.__init__
+        reader_class, dataset_init = object_storage.IndexedDataReader, GPTDataset.__init__
 
         def open_reader(prefix, *args, **kwargs):
             self.readers.append(str(prefix))
@@ -40,7 +40,7 @@ class Opened:
             self.datasets += 1
             dataset_init(dataset, *args, **kwargs)
 
-        monkeypatch.setattr(indexed_dataset, "IndexedDataReader", open_reader)
+        monkeypatch.setattr(object_storage, "IndexedDataReader", open_reader)
         monkeypatch.setattr(GPTDataset, "__init__", build_dataset)
 
 

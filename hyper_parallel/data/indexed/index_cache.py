@@ -43,6 +43,7 @@ from xxhash import xxh3_64_intdigest
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.file_writes import NO_FOLLOW, atomic_file, link_refusal
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S, build_once, description_differences
 
 __all__ = ["CacheOptions", "ExpectedArray", "IndexCache", "LazyArrays", "array_property", "writable_directory"]
@@ -87,8 +88,9 @@ class CacheOptions:
 
     def directory_for(self, prefix: str | None) -> str | None:
         """Where the entries of a dataset over ``prefix`` go: ``directory``, else beside the prefix, as
-        megatron-core puts them; None (in memory) for mock data, which has no prefix."""
-        if self.directory is not None or prefix is None:
+        megatron-core puts them; None (in memory) for mock data, which has no prefix, and for a prefix in object
+        storage, whose caches stay local."""
+        if self.directory is not None or prefix is None or is_object_url(prefix):
             return self.directory
         return f"{prefix}/cache/GPTDataset_indices"
 

@@ -102,6 +102,9 @@ class IndexedDataConfig:
             ``hp-data prepare --chat-template``: 1 where a token is a supervised target) and trains only where it
             is 1 (``loss_mask`` 0 and ``labels`` ``IGNORE_INDEX`` elsewhere): ``"auto"`` where that pair exists,
             ``"required"`` refusing a prefix without one, ``"off"`` never.
+        object_block_bytes: for prefixes in object storage (``s3://bucket/prefix``): bytes per ranged request
+            and block of the process-wide ``.bin`` cache.
+        object_cache_bytes: the bound of that cache, least recently used blocks dropped first.
     """
 
     seq_length: int
@@ -132,6 +135,8 @@ class IndexedDataConfig:
     cache_verification: str = "sampled"
     cache_lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     read_loss_mask: str = "auto"
+    object_block_bytes: int = 4 << 20
+    object_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -172,6 +177,10 @@ class IndexedDataConfig:
                 f"as megatron-core), got {seed}; choose a smaller seed"
             )
         object.__setattr__(self, "random_seed", seed)
+        block_bytes = require_int("object_block_bytes", self.object_block_bytes, 1)
+        object.__setattr__(self, "object_block_bytes", block_bytes)
+        cache_bytes = require_int("object_cache_bytes", self.object_cache_bytes, block_bytes)
+        object.__setattr__(self, "object_cache_bytes", cache_bytes)
         surplus = self.mid_level_dataset_surplus
         is_number = isinstance(surplus, int | float) and not isinstance(surplus, bool)
         if not is_number or not math.isfinite(surplus) or surplus < 0:

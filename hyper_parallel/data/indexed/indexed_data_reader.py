@@ -43,7 +43,7 @@ from hyper_parallel.data.indexed import _indexed_helpers
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader, check_token_dtype
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata, metadata_path, read_pair_metadata
 
-__all__ = ["IndexedDataReader", "data_file_paths", "pair_prefix", "read_sequence_counts"]
+__all__ = ["IndexedDataReader", "data_file_paths", "is_object_url", "pair_prefix", "read_sequence_counts"]
 
 # An index that fits in one page is read into memory (a map would take a whole page anyway); a larger one is
 # memory-mapped, so that processes share its pages.
@@ -60,6 +60,12 @@ _SCAN_CHUNK = 1 << 21
 _ID_CHUNK_SHIFT = 15
 
 _REBUILD = "Rebuild the pair with `python -m hyper_parallel.data.tools.offline_preparation`."
+
+
+def is_object_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a URL of an fsspec file system other than the local one (``s3://bucket/prefix``)."""
+    scheme, separator, _ = os.fspath(path).partition("://")
+    return bool(separator) and scheme.isidentifier() and scheme != "file"
 
 
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -141,6 +147,10 @@ def read_sequence_counts(prefix: str) -> tuple[int, int]:
         DataFileError: the index is missing, not a regular file, unreadable, has a malformed header, or is
             shorter than its counts need.
     """
+    if is_object_url(prefix):
+        from hyper_parallel.data.indexed.object_storage import object_sequence_counts  # imports this module
+
+        return object_sequence_counts(os.fspath(prefix))
     idx_path = os.fspath(prefix) + ".idx"
     fd, idx_status = _open_regular(idx_path, prefix)
     try:
@@ -264,6 +274,13 @@ class IndexedDataReader:
             raise DataFileError(f"indexed dataset '{self.path_prefix}': cannot read {idx_path}: {error}") from None
         finally:
             os.close(fd)
+        self._parse_index(index, idx_size, bin_size)
+        self._identity = (idx_size, idx_status.st_mtime_ns, bin_size, bin_status.st_mtime_ns)
+
+    def _parse_index(self, index, idx_size: int, bin_size: int) -> None:
+        """Check the header of ``index`` (the ``.idx`` bytes, ``idx_size`` of them) and its last sequence against
+        ``bin_size``, and view its arrays: the opening steps shared by every backend."""
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         header = IdxHeader.parse(index[:HEADER_SIZE], idx_path)
         header.check_file_size(idx_size, idx_path, self.multimodal)
         self._header = header
@@ -285,7 +302,6 @@ class IndexedDataReader:
                     f"(last of {count} sequences). The .bin is truncated or belongs to another .idx; rebuild the pair."
                 )
         self._bin_size = bin_size
-        self._identity = (idx_size, idx_status.st_mtime_ns, bin_size, bin_status.st_mtime_ns)
         self._fd: int | None = None
         self._bin_view: memoryview | None = None
         self._tokens: np.ndarray | None = None  # the whole mapped .bin as one token array, made on the first read
@@ -531,9 +547,7 @@ class IndexedDataReader:
         fd, status = _open_regular(self.path_prefix + ".bin", self.path_prefix)
         self._bin_size = status.st_size
         try:
-            self._check_index()
-            if self._checks_token_ids:
-                self._set_id_bound()
+            self._check_before_reads()
             if self.mmap:
                 # An empty file cannot be mapped; an empty dataset has nothing to read anyway.
                 self._bin_view = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self._bin_size else b"")
@@ -545,6 +559,12 @@ class IndexedDataReader:
                 os.close(fd)
         self._bin_opened = True
         self._arm_plain_items()
+
+    def _check_before_reads(self) -> None:
+        """What the first read checks, whatever the backend: the whole index, then the id bound if asked for."""
+        self._check_index()
+        if self._checks_token_ids:
+            self._set_id_bound()
 
     def _arm_plain_items(self) -> None:
         """Give ``reader[i]`` its fast path where a read is a slice of the map and nothing more (no id check, no
@@ -598,13 +618,17 @@ class IndexedDataReader:
             self._open_bin()
             return self._raw(byte_offset, count)
         wanted = count * self._itemsize
-        raw = _pread_full(self._fd, wanted, byte_offset)
+        raw = self._read_bytes(byte_offset, wanted)
         if len(raw) < wanted:
             raise DataFileError(
                 f"{self.path_prefix}.bin ended at byte {byte_offset + len(raw)} while reading {count} tokens "
                 f"at byte {byte_offset}; the file was truncated after it was opened"
             )
         return np.frombuffer(raw, dtype=self._dtype)
+
+    def _read_bytes(self, byte_offset: int, size: int) -> bytes:
+        """``size`` bytes of the opened ``.bin`` from ``byte_offset``, fewer only where it ends."""
+        return _pread_full(self._fd, size, byte_offset)
 
     def _sequence_id(self, i) -> int:
         n = self._count

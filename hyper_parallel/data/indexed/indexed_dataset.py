@@ -18,6 +18,7 @@ from hyper_parallel.data.indexed.indexed_pretrain_dataset import (
     MockGPTDataset,
     MockGPTLowLevelDataset,
 )
+from hyper_parallel.data.indexed.object_storage import open_reader
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
 __all__ = ["dataset_class", "open_low_level"]
@@ -43,14 +44,17 @@ def _check_not_packed(reader: IndexedDataReader, prefix: str, config: IndexedDat
 
 
 def open_low_level(prefix: str | None, config: IndexedDataConfig, tokenizer):
-    """The low-level data of ``prefix``: an ``IndexedDataReader``, or the mock documents for ``mock_data``."""
+    """The low-level data of ``prefix``: an ``IndexedDataReader`` (over object storage for a URL), or the mock
+    documents for ``mock_data``."""
     if config.mock_data:
         tokens = read_tokenizer(tokenizer)
         vocab_size, eod = tokens.vocab_size, tokens.eod
         if vocab_size is None or eod is None:
             raise DataConfigError("mock_data needs a tokenizer with vocab_size and an EOD/EOS id")
         return MockGPTLowLevelDataset(int(vocab_size), int(eod))
-    reader = IndexedDataReader(prefix, mmap=config.mmap_bin_files)
+    reader = open_reader(
+        prefix, config.mmap_bin_files, block_bytes=config.object_block_bytes, cache_bytes=config.object_cache_bytes
+    )
     if not config.is_dataset_from_mr and not config.skip_data_check:
         _check_not_packed(reader, prefix, config)
     return reader

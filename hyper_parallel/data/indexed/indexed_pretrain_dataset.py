@@ -23,7 +23,6 @@ Owns: assembling samples and their index caches. Not responsible for: splits and
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -38,6 +37,7 @@ from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.indexed_helpers import build_gpt_indices, num_epochs, sample_count
 from hyper_parallel.data.indexed.ltor_fields import ltor_fields
+from hyper_parallel.data.indexed.object_storage import open_reader, pair_exists
 from hyper_parallel.data.indexed.pair_metadata import loss_mask_prefix
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
@@ -94,14 +94,16 @@ def open_loss_mask(tokens: IndexedDataReader, config: IndexedDataConfig) -> Inde
     if config.read_loss_mask == "off":
         return None
     prefix = loss_mask_prefix(tokens.path_prefix)
-    if not (os.path.exists(f"{prefix}.idx") or os.path.exists(f"{prefix}.bin")):
+    if not pair_exists(prefix):
         if config.read_loss_mask == "required":
             raise DataFileError(
                 f"{tokens.path_prefix} has no loss-mask pair {prefix}.{{bin,idx}}, but read_loss_mask is "
                 f"'required'; {_PREPARE_AGAIN}, or set read_loss_mask: auto to train on every token of such prefixes"
             )
         return None
-    mask = IndexedDataReader(prefix, mmap=config.mmap_bin_files)
+    mask = open_reader(
+        prefix, config.mmap_bin_files, block_bytes=config.object_block_bytes, cache_bytes=config.object_cache_bytes
+    )
     if mask.dtype.kind not in "ui":
         raise DataFileError(
             f"{prefix}: a loss mask holds integers 0/1, but its .idx says {mask.dtype}; {_PREPARE_AGAIN}"

@@ -99,6 +99,10 @@ class PairMetadata:
 
 def _read_bytes(path: str | Path) -> bytes | None:
     """The file's bytes, None if it does not exist. Plain ``os`` calls: blends of many sources read one each."""
+    if "://" in os.fspath(path):  # beside a prefix in object storage; that module imports this one
+        from hyper_parallel.data.indexed.object_storage import read_small_object
+
+        return read_small_object(os.fspath(path))
     try:
         descriptor = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
