@@ -44,6 +44,7 @@ logger = get_logger(__name__)
 _STATE_VERSION = 2  # 2 adds the current block ("block", "block_records"); a version 1 state still loads
 _LOADABLE_VERSIONS = (1, 2)
 _BLOCK_RECORDS = 128  # records converted from Arrow at once; a saved cursor holds at most this many of them
+_SLOT_DRAWS = 128  # shuffle-buffer slots drawn at once (the same slots as one draw per record)
 # Cursor fields that must equal this stream's settings, and why.
 _SETTINGS = (
     ("dp_world_size", "each DP rank reads its own share of a stream, so the shares would differ"),
@@ -97,6 +98,9 @@ class OnlineIterableDataset:
         self._block: deque = deque()  # records of the current block not yet shuffled in or given out
         self._block_records = _BLOCK_RECORDS  # a source state counts blocks of this size
         self._rng = np.random.default_rng([self.seed, epoch, self.dp_rank])
+        self._drawn_from: dict | None = None  # the generator's state before the slots drawn ahead, if any
+        self._drawn_bounds = np.empty(0, dtype=np.int64)  # the bounds of the slots drawn ahead
+        self._slots_taken = 0  # of the slots drawn ahead
         self._records = None
         self._handover: dict | None = None  # the old split's shares this epoch is read from, after a DP change
 
@@ -110,23 +114,44 @@ class OnlineIterableDataset:
 
     def _generate(self):
         """This epoch's records from the current cursor; keeps the cursor consistent at every ``yield``."""
-        buffer, size, rng = self._buffer, self.shuffle_buffer_size, self._rng
+        buffer, size = self._buffer, self.shuffle_buffer_size
         if not self._source_exhausted:
             records = self._source_records(self._rank_share()) if self._handover is None else self._handover_records()
+            slots: list[int] = []
             for record in records:
                 if size == 0:
                     yield record
                 elif len(buffer) < size:
                     buffer.append(record)
                 else:
-                    slot = int(rng.integers(size))
+                    if self._slots_taken == len(slots):
+                        slots = self._draw_slots(np.full(_SLOT_DRAWS, size))
+                    slot = slots[self._slots_taken]
+                    self._slots_taken += 1
                     released, buffer[slot] = buffer[slot], record
                     yield released
             self._source_exhausted = True
-        while buffer:
-            slot = int(rng.integers(len(buffer)))
+        for slot in self._draw_slots(np.arange(len(buffer), 0, -1)):  # the whole drain at once
+            self._slots_taken += 1
             buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
             yield buffer.pop()
+
+    def _draw_slots(self, bounds: np.ndarray) -> list[int]:
+        """Shuffle slots below ``bounds``, drawn at once after the slots taken so far; the generator's state after
+        each slot taken is recovered by drawing the taken ones again (``_rng_state``)."""
+        self._rng.bit_generator.state = self._rng_state()
+        self._drawn_from, self._drawn_bounds, self._slots_taken = self._rng.bit_generator.state, bounds, 0
+        return self._rng.integers(bounds).tolist()
+
+    def _rng_state(self) -> dict:
+        """The shuffle generator's state after the slots taken: a block of draws leaves a generator where as many
+        single draws would, so the taken slots drawn again from the state before them give it."""
+        if self._drawn_from is None or self._slots_taken == len(self._drawn_bounds):
+            return self._rng.bit_generator.state
+        replay = np.random.default_rng()
+        replay.bit_generator.state = self._drawn_from
+        replay.integers(self._drawn_bounds[: self._slots_taken])
+        return replay.bit_generator.state
 
     def _source_records(self, shard):
         """The rest of the current block, then the shard's records block by block; the cursor (the source state
@@ -272,7 +297,7 @@ class OnlineIterableDataset:
             "block": list(self._block),
             "block_records": self._block_records,
             "buffer": list(self._buffer),
-            "rng": self._rng.bit_generator.state,
+            "rng": self._rng_state(),
             **({"handover": copy.deepcopy(self._handover)} if self._handover is not None else {}),
         }
 
