@@ -213,6 +213,22 @@ def test_the_shuffle_and_its_saved_generator_are_those_of_one_draw_per_record(tm
     assert saved == states[read - 1 :: read][: len(saved)]
 
 
+def test_a_formatted_stream_gives_its_formatted_records_and_resumes_exactly(tmp_path):
+    # Plain rows are read as Arrow tables; a stream with an output format is read through datasets' formatter.
+    import numpy as np
+
+    path = write_format(tmp_path, "json")
+    dataset, description = open_hf_dataset(path, streaming=True, cache_dir=tmp_path / "cache")
+    formatted = OnlineIterableDataset(dataset.with_format("numpy"), description, shuffle_buffer_size=0)
+    head = formatted.read(5)
+    assert all(isinstance(record["id"], np.integer) for _, record in head)
+    restored = OnlineIterableDataset(dataset.with_format("numpy"), description, shuffle_buffer_size=0)
+    restored.load_state_dict(formatted.state_dict())
+    assert ids(record for _, record in head) + read_all(restored) == list(range(23))
+    plain = OnlineIterableDataset(dataset, description, shuffle_buffer_size=0)
+    assert [type(record["id"]) for _, record in plain.read(5)] == [int] * 5
+
+
 def test_a_version_1_stream_state_still_resumes_exactly(tmp_path):
     # A version 1 cursor, as the record-by-record reader saved it: the Hugging Face state after `stop` records.
     from datasets.distributed import split_dataset_by_node
