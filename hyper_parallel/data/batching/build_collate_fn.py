@@ -27,6 +27,7 @@ Worked example, alignment 4, samples of lengths 3 and 2: the row holds 5 tokens 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -289,17 +290,22 @@ def _documents(
     return cut_inputs, cut_labels
 
 
+_INPUT_IDS, _LABELS = operator.methodcaller("get", "input_ids"), operator.methodcaller("get", "labels")
+_NDIM, _DTYPE = operator.attrgetter("ndim"), operator.attrgetter("dtype")
+
+
 def _transform_fields(samples: Sequence[Mapping[str, Any]]) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
     """The fields of samples as the transforms make them (dicts of non-empty 1-D integer arrays of equal lengths),
     checked for the whole batch at once; None when any sample is otherwise (``_checked_fields`` says which)."""
-    if not all(type(sample) is dict for sample in samples):
+    # Checked with C-level maps over the whole batch: this runs for every micro-batch.
+    if set(map(type, samples)) != {dict}:
         return None
-    inputs = [sample.get("input_ids") for sample in samples]
-    labels = [sample.get("labels") for sample in samples]
+    inputs = list(map(_INPUT_IDS, samples))
+    labels = list(map(_LABELS, samples))
     arrays = inputs + labels
-    if not all(type(array) is np.ndarray and array.ndim == 1 for array in arrays):
+    if set(map(type, arrays)) != {np.ndarray} or set(map(_NDIM, arrays)) != {1}:
         return None
-    if not {array.dtype.kind for array in arrays} <= {"i", "u"}:
+    if not {dtype.kind for dtype in set(map(_DTYPE, arrays))} <= {"i", "u"}:
         return None
     lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
     if not lengths.all() or not np.array_equal(lengths[: len(inputs)], lengths[len(inputs) :]):

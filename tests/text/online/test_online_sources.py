@@ -180,6 +180,55 @@ def test_a_stream_restored_across_read_blocks_continues_exactly(buffer_size, dp_
         assert head + read_all(restored) == shares[-1], stop
 
 
+def test_the_shuffle_and_its_saved_generator_are_those_of_one_draw_per_record(tmp_path):
+    # The buffer shuffle spelled out with one draw per record: a new record replaces a random buffered one and
+    # releases it, then the rest drain in random order. Every saved cursor holds that generator's state, so a
+    # state saved by any release continues the same order.
+    import numpy as np
+
+    records = [{"id": index, "text": f"record number {index}"} for index in range(600)]
+    path = write_format(tmp_path, "json", records)
+    size, seed, read = 40, 5, 7
+    rng, buffer, expected, states = np.random.default_rng([seed, 0, 0]), [], [], []  # states after each record
+    for index in range(600):
+        if len(buffer) < size:
+            buffer.append(index)
+            continue
+        slot = int(rng.integers(size))
+        expected.append(buffer[slot])
+        buffer[slot] = index
+        states.append(rng.bit_generator.state)
+    while buffer:
+        slot = int(rng.integers(len(buffer)))
+        buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+        expected.append(buffer.pop())
+        states.append(rng.bit_generator.state)
+    source = stream(path, config={"shuffle_buffer_size": size}, seed=seed)
+    found, saved = [], []
+    while batch := source.read(read):
+        found += [record["id"] for _, record in batch]
+        if len(batch) == read:
+            saved.append(source.state_dict()["rng"])
+    assert found == expected
+    assert saved == states[read - 1 :: read][: len(saved)]
+
+
+def test_a_formatted_stream_gives_its_formatted_records_and_resumes_exactly(tmp_path):
+    # Plain rows are read as Arrow tables; a stream with an output format is read through datasets' formatter.
+    import numpy as np
+
+    path = write_format(tmp_path, "json")
+    dataset, description = open_hf_dataset(path, streaming=True, cache_dir=tmp_path / "cache")
+    formatted = OnlineIterableDataset(dataset.with_format("numpy"), description, shuffle_buffer_size=0)
+    head = formatted.read(5)
+    assert all(isinstance(record["id"], np.integer) for _, record in head)
+    restored = OnlineIterableDataset(dataset.with_format("numpy"), description, shuffle_buffer_size=0)
+    restored.load_state_dict(formatted.state_dict())
+    assert ids(record for _, record in head) + read_all(restored) == list(range(23))
+    plain = OnlineIterableDataset(dataset, description, shuffle_buffer_size=0)
+    assert [type(record["id"]) for _, record in plain.read(5)] == [int] * 5
+
+
 def test_a_version_1_stream_state_still_resumes_exactly(tmp_path):
     # A version 1 cursor, as the record-by-record reader saved it: the Hugging Face state after `stop` records.
     from datasets.distributed import split_dataset_by_node

@@ -44,6 +44,7 @@ logger = get_logger(__name__)
 _STATE_VERSION = 2  # 2 adds the current block ("block", "block_records"); a version 1 state still loads
 _LOADABLE_VERSIONS = (1, 2)
 _BLOCK_RECORDS = 128  # records converted from Arrow at once; a saved cursor holds at most this many of them
+_SLOT_DRAWS = 128  # shuffle-buffer slots drawn at once (the same slots as one draw per record)
 # Cursor fields that must equal this stream's settings, and why.
 _SETTINGS = (
     ("dp_world_size", "each DP rank reads its own share of a stream, so the shares would differ"),
@@ -84,6 +85,7 @@ class OnlineIterableDataset:
         self.seed = seed
         self.files = list(files)
         self._identity: dict | None = None
+        self._plain_arrow = _reads_as_plain_arrow(hf_dataset)
         self._start_epoch(0)
 
     # Cursor --------------------------------------------------------------------------------------------------
@@ -97,36 +99,72 @@ class OnlineIterableDataset:
         self._block: deque = deque()  # records of the current block not yet shuffled in or given out
         self._block_records = _BLOCK_RECORDS  # a source state counts blocks of this size
         self._rng = np.random.default_rng([self.seed, epoch, self.dp_rank])
+        self._drawn_from: dict | None = None  # the generator's state before the slots drawn ahead, if any
+        self._drawn_bounds = np.empty(0, dtype=np.int64)  # the bounds of the slots drawn ahead
+        self._slots_taken = 0  # of the slots drawn ahead
         self._records = None
         self._handover: dict | None = None  # the old split's shares this epoch is read from, after a DP change
 
-    def _rank_share(self, restore: bool = True):
+    def _share(self, rank: int, world_size: int):
+        """Share ``rank`` of ``world_size`` of the stream; plain Arrow rows are read as Arrow tables (the same records
+        and cursor, in one conversion per block)."""
         from datasets.distributed import split_dataset_by_node
 
-        shard = split_dataset_by_node(self.hf_dataset, rank=self.dp_rank, world_size=self.dp_world_size)
+        shard = split_dataset_by_node(self.hf_dataset, rank=rank, world_size=world_size)
+        return shard.with_format("arrow") if self._plain_arrow else shard
+
+    def _blocks(self, shard):
+        """The shard's records, a block of ``_block_records`` at a time, each as a list of record dicts."""
+        if self._plain_arrow:
+            return (table.to_pylist() for table in shard.iter(batch_size=self._block_records))
+        return (_column_records(columns) for columns in shard.iter(batch_size=self._block_records))
+
+    def _rank_share(self, restore: bool = True):
+        shard = self._share(self.dp_rank, self.dp_world_size)
         if restore and self._source_state is not None:
             shard.load_state_dict(self._source_state)
         return shard
 
     def _generate(self):
         """This epoch's records from the current cursor; keeps the cursor consistent at every ``yield``."""
-        buffer, size, rng = self._buffer, self.shuffle_buffer_size, self._rng
+        buffer, size = self._buffer, self.shuffle_buffer_size
         if not self._source_exhausted:
             records = self._source_records(self._rank_share()) if self._handover is None else self._handover_records()
+            slots: list[int] = []
             for record in records:
                 if size == 0:
                     yield record
                 elif len(buffer) < size:
                     buffer.append(record)
                 else:
-                    slot = int(rng.integers(size))
+                    if self._slots_taken == len(slots):
+                        slots = self._draw_slots(np.full(_SLOT_DRAWS, size))
+                    slot = slots[self._slots_taken]
+                    self._slots_taken += 1
                     released, buffer[slot] = buffer[slot], record
                     yield released
             self._source_exhausted = True
-        while buffer:
-            slot = int(rng.integers(len(buffer)))
+        for slot in self._draw_slots(np.arange(len(buffer), 0, -1)):  # the whole drain at once
+            self._slots_taken += 1
             buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
             yield buffer.pop()
+
+    def _draw_slots(self, bounds: np.ndarray) -> list[int]:
+        """Shuffle slots below ``bounds``, drawn at once after the slots taken so far; the generator's state after
+        each slot taken is recovered by drawing the taken ones again (``_rng_state``)."""
+        self._rng.bit_generator.state = self._rng_state()
+        self._drawn_from, self._drawn_bounds, self._slots_taken = self._rng.bit_generator.state, bounds, 0
+        return self._rng.integers(bounds).tolist()
+
+    def _rng_state(self) -> dict:
+        """The shuffle generator's state after the slots taken: a block of draws leaves a generator where as many
+        single draws would, so the taken slots drawn again from the state before them give it."""
+        if self._drawn_from is None or self._slots_taken == len(self._drawn_bounds):
+            return self._rng.bit_generator.state
+        replay = np.random.default_rng()
+        replay.bit_generator.state = self._drawn_from
+        replay.integers(self._drawn_bounds[: self._slots_taken])
+        return replay.bit_generator.state
 
     def _source_records(self, shard):
         """The rest of the current block, then the shard's records block by block; the cursor (the source state
@@ -134,10 +172,10 @@ class OnlineIterableDataset:
         block = self._block
         while block:
             yield block.popleft()
-        blocks = shard.iter(batch_size=self._block_records)
-        while (columns := self._next_block(blocks)) is not None:
+        blocks = self._blocks(shard)
+        while (records := self._next_block(blocks)) is not None:
             self._source_state = shard.state_dict()  # after this block, whose untaken records the cursor holds
-            block.extend(_column_records(columns))
+            block.extend(records)
             while block:
                 yield block.popleft()
 
@@ -145,28 +183,26 @@ class OnlineIterableDataset:
         """This rank's records of the old split's shares, from the current share on (see the module description);
         the cursor (the share, its Hugging Face state after the block, the block's records not yet dealt, the count
         dealt) stays exact at every ``yield``."""
-        from datasets.distributed import split_dataset_by_node
-
         handover, block = self._handover, self._block
         shares, old_size = handover["shares"], handover["base_world_size"]
         while handover["share"] < old_size:
             share = handover["share"]
             if not shares[share]["done"]:
-                shard = split_dataset_by_node(self.hf_dataset, rank=share, world_size=old_size)
+                shard = self._share(share, old_size)
                 start = self._source_state if self._source_state is not None else shares[share]["source_state"]
                 if start is not None:
                     shard.load_state_dict(start)
-                blocks = shard.iter(batch_size=self._block_records)
+                blocks = self._blocks(shard)
                 while True:
                     while block:
                         record = block.popleft()
                         if self._dealt_here(share):
                             yield record
-                    columns = self._next_block(blocks)
-                    if columns is None:
+                    records = self._next_block(blocks)
+                    if records is None:
                         break
                     self._source_state = shard.state_dict()
-                    block.extend(_column_records(columns))
+                    block.extend(records)
             handover.update(share=share + 1, dealt=[0] * len(handover["dealt"]))
             self._source_state = None
 
@@ -186,7 +222,7 @@ class OnlineIterableDataset:
         return (index + share) % self.dp_world_size == self.dp_rank
 
     def _next_block(self, blocks):
-        """The next block of a shard's block iterator, as columns; None at its end (a read error names the
+        """The next block of a shard's block iterator, as records; None at its end (a read error names the
         source)."""
         try:
             return next(blocks)
@@ -272,7 +308,7 @@ class OnlineIterableDataset:
             "block": list(self._block),
             "block_records": self._block_records,
             "buffer": list(self._buffer),
-            "rng": self._rng.bit_generator.state,
+            "rng": self._rng_state(),
             **({"handover": copy.deepcopy(self._handover)} if self._handover is not None else {}),
         }
 
@@ -320,8 +356,6 @@ class OnlineIterableDataset:
 
     def _check_handover(self, handover, where: str) -> None:
         """Check a handover: the old split's size, one share entry per old rank, the share being read."""
-        from datasets.distributed import split_dataset_by_node
-
         check_state_type(handover, Mapping, where)
         old_size = state_field(handover, "base_world_size", int, where)
         shares = state_field(handover, "shares", list, where)
@@ -350,7 +384,7 @@ class OnlineIterableDataset:
             check_state_type(share, Mapping, name)
             state_field(share, "done", bool, name)
             if state_field(share, "source_state", (Mapping, None), name) is not None:
-                template = split_dataset_by_node(self.hf_dataset, rank=index, world_size=old_size).state_dict()
+                template = self._share(index, old_size).state_dict()
                 _check_like(share["source_state"], template, f"{name}['source_state']")
 
     def _shard_template(self, handover: Mapping | None) -> dict:
@@ -358,10 +392,7 @@ class OnlineIterableDataset:
         handover the old share being read."""
         if handover is None or handover["share"] >= handover["base_world_size"]:
             return self._rank_share(restore=False).state_dict()
-        from datasets.distributed import split_dataset_by_node
-
-        shard = split_dataset_by_node(self.hf_dataset, rank=handover["share"], world_size=handover["base_world_size"])
-        return shard.state_dict()
+        return self._share(handover["share"], handover["base_world_size"]).state_dict()
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from the cursor ``state`` (checked first: a refused state changes nothing)."""
@@ -403,6 +434,17 @@ def _check_block(state: Mapping, where: str) -> None:
         )
     for index, record in enumerate(block):
         check_state_type(record, Mapping, f"{where}['block'][{index}]")
+
+
+def _reads_as_plain_arrow(hf_dataset) -> bool:
+    """Whether the records of ``hf_dataset`` are its Arrow tables' rows as they are: no output format, and no
+    feature (image, audio...) that ``datasets`` decodes when read."""
+    from datasets.features.features import require_decoding
+
+    features = getattr(hf_dataset, "features", None)
+    return getattr(hf_dataset, "_formatting", None) is None and not any(
+        require_decoding(feature) for feature in (features or {}).values()
+    )
 
 
 def _column_records(columns: Mapping[str, list]) -> list[dict]:
