@@ -36,13 +36,16 @@ def sequences(batch) -> list[list[int]]:
     return [ids[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def save_after_some_batches(rank: int, world_size: int, state_file: str, **source) -> list:
-    """Each old rank reads a few batches, the states are gathered, and rank 0 saves them merged."""
-    loader = rank_loader(rank, world_size, **source)
+def save_after_some_batches(
+    rank: int, world_size: int, state_file: str, make_loader=None, batches: int = 3, **source
+) -> list:
+    """Each old rank reads ``batches`` plus its rank of batches (``make_loader``'s, default ``rank_loader``), the
+    states are gathered, and rank 0 saves them merged."""
+    loader = (make_loader or rank_loader)(rank, world_size, **source)
     delivered = []
     for taken, batch in enumerate(loader, start=1):
         delivered += sequences(batch)
-        if taken == 3 + rank:
+        if taken == batches + rank:
             break
     states = [None] * world_size
     torch.distributed.all_gather_object(states, loader.state_dict())
@@ -93,20 +96,6 @@ def mixture_loader(rank: int, world_size: int, data_paths: list, cache: str):
     )
 
 
-def mixture_save(rank: int, world_size: int, state_file: str, **source) -> list:
-    loader = mixture_loader(rank, world_size, **source)
-    delivered = []
-    for taken, batch in enumerate(loader, start=1):
-        delivered += sequences(batch)
-        if taken == 2 + rank:
-            break
-    states = [None] * world_size
-    torch.distributed.all_gather_object(states, loader.state_dict())
-    if rank == 0:
-        torch.save(merge_rank_states(states), state_file)
-    return delivered
-
-
 def mixture_resume(rank: int, world_size: int, state_file: str, **source) -> dict:
     loader = mixture_loader(rank, world_size, **source)
     loader.load_state_dict(torch.load(state_file, weights_only=True))
@@ -124,7 +113,13 @@ def test_two_gloo_ranks_hand_a_mixture_s_epoch_to_three(tmp_path):
         paths.append(str(path))
     source = {"data_paths": paths, "cache": str(tmp_path / "hf_cache")}
     state_file = str(tmp_path / "mixture.pt")
-    before = launch(functools.partial(mixture_save, state_file=state_file, **source), tmp_path, 2)
+    before = launch(
+        functools.partial(
+            save_after_some_batches, state_file=state_file, make_loader=mixture_loader, batches=2, **source
+        ),
+        tmp_path,
+        2,
+    )
     after = launch(functools.partial(mixture_resume, state_file=state_file, **source), tmp_path, 3)
     assert [r.get("error") for r in before + after] == [None] * 5
     delivered = Counter(tuple(s) for report in before for s in report["value"])
