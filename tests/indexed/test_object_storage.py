@@ -82,6 +82,23 @@ def test_a_read_fetches_only_the_blocks_it_touches_and_the_cache_stays_bounded(p
     assert remote._cache.held_bytes < local.sequence_pointers[-1]  # far less than the whole .bin
 
 
+def test_the_cache_counts_hits_and_misses_of_its_lookups(pairs):
+    local_prefix, url = pairs[1]
+    local = IndexedDataReader(local_prefix)
+    block = 64
+    remote = ObjectIndexedDataReader(url, block_bytes=block, cache_bytes=1 << 20)  # holds the whole .bin
+    cache = remote._cache
+    hits, misses = cache.hits, cache.misses
+    i = 7
+    start = int(local.sequence_pointers[i])
+    end = start + int(local.sequence_lengths[i]) * local.dtype.itemsize
+    blocks = (end - 1) // block - start // block + 1
+    remote[i]
+    assert (cache.hits - hits, cache.misses - misses) == (0, blocks)
+    remote[i]
+    assert (cache.hits - hits, cache.misses - misses) == (blocks, blocks)
+
+
 def test_a_reader_sent_to_another_process_reopens_the_objects(pairs):
     local_prefix, url = pairs[0]
     remote = pickle.loads(pickle.dumps(ObjectIndexedDataReader(url, block_bytes=512, cache_bytes=4096)))

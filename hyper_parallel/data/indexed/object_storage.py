@@ -169,18 +169,23 @@ class RemoteObject:
 
 
 class BlockCache:
-    """At most ``capacity_bytes`` of fixed-size blocks, the least recently used dropped first."""
+    """At most ``capacity_bytes`` of fixed-size blocks, the least recently used dropped first; ``hits`` and
+    ``misses`` count the lookups that found or did not find their block."""
 
     def __init__(self, block_bytes: int, capacity_bytes: int) -> None:
         self.block_bytes, self.capacity_bytes = block_bytes, capacity_bytes
         self._blocks: OrderedDict[tuple, bytes] = OrderedDict()
         self._held = 0
+        self.hits = self.misses = 0
         self._lock = threading.Lock()  # a DataLoader with pin_memory or a prefetch thread may share a reader
 
     def get(self, key: tuple) -> bytes | None:
         with self._lock:
             block = self._blocks.get(key)
-            if block is not None:
+            if block is None:
+                self.misses += 1
+            else:
+                self.hits += 1
                 self._blocks.move_to_end(key)
             return block
 
@@ -197,6 +202,12 @@ class BlockCache:
     @property
     def held_bytes(self) -> int:
         return self._held
+
+    @property
+    def hit_rate(self) -> float:
+        """The fraction of lookups so far that found their block (0 before any)."""
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
 
 
 _CACHES: dict[tuple[int, int], BlockCache] = {}
