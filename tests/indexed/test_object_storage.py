@@ -82,7 +82,7 @@ def test_a_read_fetches_only_the_blocks_it_touches_and_the_cache_stays_bounded(p
     assert remote._cache.held_bytes < local.sequence_pointers[-1]  # far less than the whole .bin
 
 
-def test_the_cache_counts_hits_and_misses_of_its_lookups(pairs):
+def test_the_cache_counts_hits_and_misses_and_a_cleared_cache_fetches_again(pairs):
     local_prefix, url = pairs[1]
     local = IndexedDataReader(local_prefix)
     block = 64
@@ -97,6 +97,10 @@ def test_the_cache_counts_hits_and_misses_of_its_lookups(pairs):
     assert (cache.hits - hits, cache.misses - misses) == (0, blocks)
     remote[i]
     assert (cache.hits - hits, cache.misses - misses) == (blocks, blocks)
+    cache.clear()
+    assert cache.held_bytes == 0
+    remote[i]
+    assert (cache.hits - hits, cache.misses - misses) == (blocks, 2 * blocks)
 
 
 def test_a_reader_sent_to_another_process_reopens_the_objects(pairs):

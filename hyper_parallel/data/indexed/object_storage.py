@@ -199,6 +199,12 @@ class BlockCache:
                 _, dropped = self._blocks.popitem(last=False)
                 self._held -= len(dropped)
 
+    def clear(self) -> None:
+        """Drop every block (the counters keep counting)."""
+        with self._lock:
+            self._blocks.clear()
+            self._held = 0
+
     @property
     def held_bytes(self) -> int:
         return self._held
