@@ -26,6 +26,7 @@ from benchmarks import (
     bench_indexed_io,
     bench_memory,
     bench_mixture,
+    bench_object_storage,
     bench_offline,
     bench_online,
     bench_parallel,
@@ -46,6 +47,7 @@ GROUPS: dict[str, ModuleType] = {
         bench_provenance,
         bench_mixture,
         bench_memory,
+        bench_object_storage,
     )
 }
 
