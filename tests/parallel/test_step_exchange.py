@@ -20,7 +20,7 @@ from hyper_parallel.data.batching.scheduled_packing import FetchedStep, exchange
 from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.parallel.collective_watch import TIMEOUT_VARIABLE
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
-from hyper_parallel.data.parallel.step_exchange import all_gather_varying, gather_step_headers
+from hyper_parallel.data.parallel.step_exchange import all_gather_parts, gather_step_headers
 from parallel.launch import launch
 
 WORLD_SIZE = 3
@@ -39,7 +39,7 @@ def gather_both(rank: int, world_size: int) -> dict:
     del world_size
     header = torch.tensor([rank, 100 + rank, -rank], dtype=torch.int64)
     headers = gather_step_headers(header, group=None, size=WORLD_SIZE)
-    exchanged = all_gather_varying(_part(rank), WIDTHS, group=None)
+    exchanged = torch.cat(all_gather_parts(_part(rank), WIDTHS, group=None), dim=1)
     return {"headers": headers.tolist(), "exchanged": exchanged.tolist()}
 
 
@@ -58,7 +58,7 @@ def test_a_group_of_one_rank_gathers_without_a_process_group():
     header = torch.tensor([4, 5], dtype=torch.int64)
     assert gather_step_headers(header, group=None, size=1).tolist() == [[4, 5]]
     part = torch.tensor([[1, 2, 3]])
-    assert all_gather_varying(part, [3], group=None).tolist() == [[1, 2, 3]]
+    assert torch.cat(all_gather_parts(part, [3], group=None), dim=1).tolist() == [[1, 2, 3]]
 
 
 def _one_sequence(rank: int) -> FetchedStep:

@@ -2,9 +2,8 @@
 
 Owns: all-gathering a step's fixed-size header over the DP x CP domain (``gather_step_headers``), watched so that a
 rank that never reaches the step is named by the others after the collective timeout (``HP_DATA_COLLECTIVE_TIMEOUT``,
-see ``collective_watch``), and all-gathering tensors of varying width over DP (``all_gather_parts``,
-``all_gather_varying``: the lengths and the tokens of every DP rank's sequences), each on the device the group's
-backend gathers on.
+see ``collective_watch``), and all-gathering tensors of varying width over DP (``all_gather_parts``: the lengths
+and the tokens of every DP rank's sequences), each on the device the group's backend gathers on.
 Not responsible for: what the header's columns mean, or deciding from them (``batching.scheduled_packing``),
 comparing the ranks' settings (``rank_agreement``), or planning (``parallel.scheduling``).
 
@@ -19,7 +18,7 @@ import torch
 from hyper_parallel.data.parallel.build_barrier import gather_device
 from hyper_parallel.data.parallel.collective_watch import watched
 
-__all__ = ["SEQUENCE_EXCHANGE", "STEP_HEADER", "all_gather_parts", "all_gather_varying", "gather_step_headers"]
+__all__ = ["SEQUENCE_EXCHANGE", "STEP_HEADER", "all_gather_parts", "gather_step_headers"]
 
 STEP_HEADER = "the packing scheduler's step header"
 SEQUENCE_EXCHANGE = "the packing scheduler's sequence exchange"
@@ -58,19 +57,12 @@ def all_gather_parts(tensor: torch.Tensor, widths: list[int], *, group) -> list[
         tensor: this rank's ``[F, W]`` part (``W`` its own entry of ``widths``).
         widths: every rank's ``W``, in group-rank order (gathered beforehand, e.g. in the step header).
         group: the group; its size is ``len(widths)``.
+
+    Example:
+        widths ``[2, 0, 1]``, parts ``[[1, 2]]``, ``[[]]``, ``[[3]]``: every rank gets ``[[1, 2]]``, ``[[]]``,
+        ``[[3]]``.
     """
     padded = tensor.new_zeros((tensor.shape[0], max(widths)))
     padded[:, : tensor.shape[1]] = tensor
     gathered = _all_gather(SEQUENCE_EXCHANGE, padded, group, len(widths))
     return [part[:, :width] for part, width in zip(gathered, widths, strict=True)]
-
-
-def all_gather_varying(tensor: torch.Tensor, widths: list[int], *, group) -> torch.Tensor:
-    """Every rank's ``[F, widths[r]]`` tensor, concatenated along the last dimension in group-rank order.
-
-    Args: as ``all_gather_parts``.
-
-    Example:
-        widths ``[2, 0, 1]``, parts ``[[1, 2]]``, ``[[]]``, ``[[3]]``: every rank gets ``[[1, 2, 3]]``.
-    """
-    return torch.cat(all_gather_parts(tensor, widths, group=group), dim=1)
