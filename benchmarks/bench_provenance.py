@@ -118,6 +118,19 @@ def _compare(context: BenchContext, config: dict, tokenizer, batch: int, micro_b
     return measure(cases, context.repeats, before=before, after=after)
 
 
+def _row(label: str, timings, goal: float, note: str) -> Row:
+    """Our best time against the reference's, in milliseconds (lower is better)."""
+    return Row.compare(
+        label,
+        timings["ours"].best * 1e3,
+        timings["reference"].best * 1e3,
+        "ms",
+        goal=goal,
+        note=note,
+        higher_is_better=False,
+    )
+
+
 def run(context: BenchContext) -> list[Row]:
     logging.getLogger("hyper_parallel.data").setLevel(logging.WARNING)
     tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
@@ -126,15 +139,12 @@ def run(context: BenchContext) -> list[Row]:
     batch = INDEXED_BATCH_QUICK if context.quick else INDEXED_BATCH
     timings = _compare(context, indexed, tokenizer, batch, MICRO_BATCH)
     rows = [
-        Row.compare(
+        _row(
             f"Indexed provenance of micro-batch {batch:,}",
-            timings["ours"].best * 1e3,
-            timings["reference"].best * 1e3,
-            "ms",
-            goal=INDEXED_GOAL,
-            note="ours: build the loader and trace from the index arrays; reference: build it and iterate to the "
+            timings,
+            INDEXED_GOAL,
+            "ours: build the loader and trace from the index arrays; reference: build it and iterate to the "
             "micro-batch",
-            higher_is_better=False,
         )
     ]
     log("provenance: Online, cold and warm length cache")
@@ -151,15 +161,12 @@ def run(context: BenchContext) -> list[Row]:
     warm = _compare(context, online, tokenizer, batch, 1)
     for label, timing, goal in (("cold", cold, ONLINE_COLD_GOAL), ("warm", warm, ONLINE_WARM_GOAL)):
         rows.append(
-            Row.compare(
+            _row(
                 f"Online provenance of micro-batch {batch:,}, {label} length cache",
-                timing["ours"].best * 1e3,
-                timing["reference"].best * 1e3,
-                "ms",
-                goal=goal,
-                note="ours: replay the windows and the packing over the records' lengths; reference: build the "
-                "dynamic loader and iterate to the micro-batch",
-                higher_is_better=False,
+                timing,
+                goal,
+                "ours: replay the windows and the packing over the records' lengths; reference: build the dynamic "
+                "loader and iterate to the micro-batch",
             )
         )
     return rows

@@ -201,17 +201,22 @@ def test_online_fixed_loader(tmp_path, tokenizer):
         _check_online(sequences, batches[number], transform, lines)
 
 
-def test_resumed_dynamic_loader_counts_from_the_saved_position(tmp_path, tokenizer):
-    path, lines = _jsonl(tmp_path)
-    config = _online_config(path, tmp_path)
+def _resumed(config, tokenizer, tmp_path, consumed: int):
+    """The loaders, their state saved as JSON after ``consumed`` micro-batches, and the micro-batches after it."""
     loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
     iterator = iter(loaders.train)
-    for _ in range(3):
+    for _ in range(consumed):
         next(iterator)
     state = tmp_path / "state.json"
     state.write_text(json.dumps(loaders.state_dict()))
+    return loaders, state, list(iterator)
+
+
+def test_resumed_dynamic_loader_counts_from_the_saved_position(tmp_path, tokenizer):
+    path, lines = _jsonl(tmp_path)
+    config = _online_config(path, tmp_path)
+    loaders, state, after = _resumed(config, tokenizer, tmp_path, 3)
     assert json.loads(state.read_text())["splits"]["train"]["buffered_samples"] > 0
-    after = list(iterator)
     transform = loaders.datasets[0].transform
     for number in (0, 1, len(after) - 1):
         sequences = batch_provenance(config, batch=number, state=state, tokenizer=tokenizer)
@@ -221,13 +226,7 @@ def test_resumed_dynamic_loader_counts_from_the_saved_position(tmp_path, tokeniz
 def test_resumed_stream_names_the_records_it_reads_again(tmp_path, tokenizer):
     path, lines = _jsonl(tmp_path)
     config = _online_config(path, tmp_path, dataset_type="iterable")
-    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
-    iterator = iter(loaders.train)
-    for _ in range(2):
-        next(iterator)
-    state = tmp_path / "state.json"
-    state.write_text(json.dumps(loaders.state_dict()))
-    after = list(iterator)
+    loaders, state, after = _resumed(config, tokenizer, tmp_path, 2)
     transform = loaders.datasets[0].transform
     numbers = (0, 1, len(after) - 1)
     traced = [batch_provenance(config, batch=number, state=state, tokenizer=tokenizer) for number in numbers]
@@ -401,13 +400,7 @@ def test_an_indexed_mixture_with_the_fixed_loader(tmp_path, tokenizer):
 @pytest.mark.parametrize("loader", ["DynamicBatchDataLoader", "FixedBatchDataLoader"])
 def test_a_resumed_mixture_and_one_resumed_after_a_change_follow_the_plan(tmp_path, tokenizer, loader):
     config, lines, prefix, path = _mixture_config(tmp_path, tokenizer, loader=loader)
-    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
-    iterator = iter(loaders.train)
-    for _ in range(3):
-        next(iterator)
-    saved = tmp_path / "state.json"
-    saved.write_text(json.dumps(loaders.state_dict()))
-    after = list(iterator)
+    loaders, saved, after = _resumed(config, tokenizer, tmp_path, 3)
     for number in (0, 1, len(after) - 1):
         sequences = batch_provenance(config, batch=number, state=saved, tokenizer=tokenizer)
         _check_mixture(sequences, after[number], loaders, lines, prefix, path)
