@@ -444,12 +444,7 @@ def iter_record_chunks(
         chunk_bytes: line formats also close a chunk once it holds this many bytes, so that chunks of long
             documents stay small.
     """
-    finished_bytes = 0  # so that bytes_read counts from the start of the first file
-    for path in files:
-        for chunk in _file_chunks(Path(path), fmt, chunk_size, columns, chunk_bytes):
-            chunk.bytes_read += finished_bytes
-            yield chunk
-        finished_bytes += Path(path).stat().st_size
+    return iter_range_chunks((FileRange(Path(path)) for path in files), fmt, chunk_size, columns, chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -557,7 +552,7 @@ def iter_range_chunks(
     chunk_bytes: int = 1 << 20,
 ) -> Iterator[RecordChunk]:
     """``iter_record_chunks`` over parts of files (from ``split_record_ranges``); ``bytes_read`` counts from the
-    start of the first range."""
+    start of the first range, a whole file counting its full size."""
     finished_bytes = 0
     for part in ranges:
         if part.end is None:
@@ -572,7 +567,7 @@ def iter_range_chunks(
             read = chunk.bytes_read
             chunk.bytes_read += finished_bytes
             yield chunk
-        finished_bytes += read
+        finished_bytes += part.path.stat().st_size if part.end is None else read
 
 
 def count_records(files: Iterable[Path], fmt: str, columns: Sequence[str] | None = None) -> int:
