@@ -188,7 +188,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.model_samples = any(transform is not None for transform in self._transforms)
         self.eod_token_id = self._common_eod()
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
-        self._adopt(MixturePlan.single(order, self.weights, self._known(), self._settings()))
+        self._known = self._source_entries()
+        self.adopt(MixturePlan.single(order, self.weights, self._known, self._settings()))
         self._identity = self._built_identity()  # of the mixture as configured, whatever plan it later adopts
 
     def _common_eod(self) -> int | None:
@@ -253,7 +254,7 @@ class MixtureDataset(torch.utils.data.Dataset):
                     "name": source.name,
                     "weight": source.weight,
                     "budget": int(budget),
-                    "data": self._known()[source.name]["data"],
+                    "data": self._known[source.name]["data"],
                 }
                 for source, budget in zip(self.sources, self._budgets, strict=True)
             ],
@@ -262,7 +263,8 @@ class MixtureDataset(torch.utils.data.Dataset):
 
     # The plan, and a state's plan -----------------------------------------------------------------------------
 
-    def _known(self) -> dict[str, dict]:
+    def _source_entries(self) -> dict[str, dict]:
+        """Each source's budget and data fingerprint, as a plan knows them (computed once, at construction)."""
         return {
             source.name: {
                 "budget": int(budget),
@@ -279,7 +281,9 @@ class MixtureDataset(torch.utils.data.Dataset):
             "seed": self.seed,
         }
 
-    def _adopt(self, plan: MixturePlan) -> None:
+    def adopt(self, plan: MixturePlan) -> None:
+        """Read the samples of ``plan`` (as built, or from ``resumed_plan``) from here on; its length is this
+        dataset's."""
         self.plan = plan
         # The sources mixed now, then those a state still counts (mixed before): the ids sources_of gives.
         self.known_names = self.names + [name for name in plan.known if name not in self.names]
@@ -300,7 +304,7 @@ class MixtureDataset(torch.utils.data.Dataset):
         if saved == self.plan.state_dict():  # the common case: this very plan, its orders not planned again
             return None
         plan = MixturePlan.from_state(saved, self._settings())
-        changes, refusals = plan.differences(self.weights, self._known())
+        changes, refusals = plan.differences(self.weights, self._known)
         if refusals:
             raise ResumeStateError(
                 f"the state was saved over a mixture whose sources were other data: {'; '.join(refusals)}; a "
@@ -315,15 +319,11 @@ class MixtureDataset(torch.utils.data.Dataset):
                 "resume with the mixture it was saved with, or start without the state"
             )
         if changes:
-            plan = plan.continued(resume_at(), self.weights, self._known(), self.num_samples)
+            plan = plan.continued(resume_at(), self.weights, self._known, self.num_samples)
             logger.info("%r continues a state saved over another mixture: %s", self, "; ".join(changes))
         elif len(plan.segments) == 1:
             return None
         return plan
-
-    def adopt(self, plan: MixturePlan) -> None:
-        """Read the samples of ``plan`` (from ``resumed_plan``) from here on; its length is this dataset's."""
-        self._adopt(plan)
 
     def readable(self, indices) -> np.ndarray:
         """Whether each sample number is of a source mixed now (bool), not of one no longer mixed."""

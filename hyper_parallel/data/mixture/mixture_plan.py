@@ -47,7 +47,7 @@ class MixtureSegment:
 
     @property
     def drawn(self) -> list[str]:
-        return [name for name, left in self.budgets.items() if left is None or left > 0]
+        return _drawn(self.budgets)
 
     @property
     def stop(self) -> int:
@@ -70,8 +70,13 @@ class MixtureSegment:
         }
 
 
+def _drawn(budgets: Mapping[str, int | None]) -> list[str]:
+    """The sources with samples left to give (a budget of None never runs out)."""
+    return [name for name, left in budgets.items() if left is None or left > 0]
+
+
 def _segment(start, weights, budgets, offsets, settings: Mapping, num_samples: int | None) -> MixtureSegment:
-    drawn = [name for name, left in budgets.items() if left is None or left > 0]
+    drawn = _drawn(budgets)
     if not drawn:
         raise DataConfigError(
             f"from sample {start:,} on, no source of the mixture has samples left to give (every one has given its "
