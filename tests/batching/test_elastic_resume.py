@@ -65,32 +65,42 @@ def rest_of_epoch(loaders) -> Counter:
     return found
 
 
-def resized(paths, loader: str, old, new_size: int, **options):
-    """New loaders of ``new_size`` ranks restored from the merged states of ``old``'s ranks."""
+def restored(old, new):
+    """``new``'s loaders, each restored from the merged states of ``old``'s ranks."""
     merged = merge_rank_states([roundtrip(rank.state_dict()) for rank in old])
     merged = roundtrip(merged)  # a merged state is saved and loaded like any other
-    new = make_loaders(paths, loader, new_size, **options)
     for rank in new:
         rank.load_state_dict(merged)
     return new
+
+
+def resized(paths, loader: str, old, new_size: int, **options):
+    """New loaders of ``new_size`` ranks restored from the merged states of ``old``'s ranks."""
+    return restored(old, make_loaders(paths, loader, new_size, **options))
+
+
+def check_dp_change_mid_epoch(build, paths, loader: str, old_size: int, new_size: int, counts) -> None:
+    """Loaders from ``build`` stopped after ``counts`` batches and resized deliver the rest of the epoch, then the
+    next one exactly as fresh loaders of the new size do."""
+    old = build(paths, loader, old_size)
+    before = take_sequences(old, counts)
+    new = restored(old, build(paths, loader, new_size))
+    after = rest_of_epoch(new)
+    assert before + after == epoch_sequences(paths, loader)
+    assert before and after
+
+    fresh = build(paths, loader, new_size)
+    for rank in fresh:
+        rank.set_epoch(1)
+    assert [[plain(b) for b in rank] for rank in new] == [[plain(b) for b in rank] for rank in fresh]
 
 
 @pytest.mark.parametrize("new_size", [1, 3, 4])
 @pytest.mark.parametrize("loader", ["dynamic", "fixed"])
 def test_a_dp_change_mid_epoch_delivers_every_record_once(loader, new_size, plaintext_path, tokenizer, hf_cache_dir):
     paths = (plaintext_path, tokenizer, hf_cache_dir)
-    old = make_loaders(paths, loader, 2)
-    before = take_sequences(old, [3, 5])  # ranks stopped at different points, mid-step, with samples buffered
-    new = resized(paths, loader, old, new_size)
-    after = rest_of_epoch(new)
-    assert before + after == epoch_sequences(paths, loader)
-    assert before and after
-
-    # The epoch over, the restored loaders read the next one exactly as fresh loaders of the new size do.
-    fresh = make_loaders(paths, loader, new_size)
-    for rank in fresh:
-        rank.set_epoch(1)
-    assert [[plain(b) for b in rank] for rank in new] == [[plain(b) for b in rank] for rank in fresh]
+    # The ranks stopped at different points, mid-step, with samples buffered.
+    check_dp_change_mid_epoch(make_loaders, paths, loader, 2, new_size, [3, 5])
 
 
 def test_changes_back_and_forth_within_an_epoch_deliver_every_record_once(plaintext_path, tokenizer, hf_cache_dir):
@@ -220,11 +230,7 @@ def stream_loaders(paths, loader: str, dp_world_size: int, *, workers: int = 0, 
 
 
 def stream_resized(paths, loader: str, old, new_size: int, **options):
-    merged = roundtrip(merge_rank_states([roundtrip(rank.state_dict()) for rank in old]))
-    new = stream_loaders(paths, loader, new_size, **options)
-    for rank in new:
-        rank.load_state_dict(merged)
-    return new
+    return restored(old, stream_loaders(paths, loader, new_size, **options))
 
 
 @pytest.mark.parametrize(("old_size", "new_size"), [(2, 1), (2, 3), (2, 4), (3, 2)])
@@ -233,17 +239,8 @@ def test_a_stream_dp_change_mid_epoch_delivers_every_record_once(
     loader, old_size, new_size, plaintext_path, tokenizer, hf_cache_dir
 ):
     paths = (plaintext_path, tokenizer, hf_cache_dir)
-    old = stream_loaders(paths, loader, old_size)
-    before = take_sequences(old, [3, 5, 1][:old_size])  # with records in the shuffle buffers and packing buffers
-    new = stream_resized(paths, loader, old, new_size)
-    after = rest_of_epoch(new)
-    assert before + after == epoch_sequences(paths, loader)
-    assert before and after
-
-    fresh = stream_loaders(paths, loader, new_size)
-    for rank in fresh:
-        rank.set_epoch(1)
-    assert [[plain(b) for b in rank] for rank in new] == [[plain(b) for b in rank] for rank in fresh]
+    # With records in the shuffle buffers and packing buffers.
+    check_dp_change_mid_epoch(stream_loaders, paths, loader, old_size, new_size, [3, 5, 1][:old_size])
 
 
 def test_a_stream_change_with_workers_gives_the_batches_of_one_without(plaintext_path, tokenizer, hf_cache_dir):

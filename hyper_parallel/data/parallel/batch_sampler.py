@@ -622,8 +622,7 @@ class DatasetBatchSampler:
         Raises:
             ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
         """
-        epoch, consumed = self.check_state(state)
-        remaining = self.saved_remaining(state)
+        epoch, consumed, remaining = self._checked_position(state)
         self._set_position(epoch, consumed, remaining if epoch == state["epoch"] else None)
 
     def saved_remaining(self, state: Mapping[str, Any]) -> np.ndarray | None:
@@ -653,6 +652,10 @@ class DatasetBatchSampler:
         Raises:
             ResumeStateError: the state is malformed, of an unknown version, or cannot be resumed exactly here.
         """
+        return self._checked_position(state)[:2]
+
+    def _checked_position(self, state: Mapping[str, Any]) -> tuple[int, int, np.ndarray | None]:
+        """``check_state``'s position, and the positions of its ``remaining`` bitmap (decoded once)."""
         if not isinstance(state, Mapping):
             raise ResumeStateError(f"a batch sampler state must be a dict, got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
@@ -718,4 +721,4 @@ class DatasetBatchSampler:
                 f"global_batch_size {self.global_batch_size}), and the rest of that step is split differently "
                 "between ranks; resume with the saved layout, or from a checkpoint taken at a step boundary"
             )
-        return self._normalized(epoch, consumed, length)
+        return (*self._normalized(epoch, consumed, length), remaining)
