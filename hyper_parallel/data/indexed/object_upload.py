@@ -35,6 +35,7 @@ __all__ = [
     "ObjectUpload",
     "check_destination",
     "check_part_bytes",
+    "new_upload_token",
     "staging_directory",
 ]
 
@@ -55,6 +56,11 @@ def check_part_bytes(part_bytes: int) -> None:
             f"upload part size must be an integer of at least {MIN_PART_BYTES} bytes (5 MiB, the smallest part S3 "
             f"accepts), got {part_bytes!r}; pass --upload-part-bytes {DEFAULT_PART_BYTES} or more"
         )
+
+
+def new_upload_token() -> str:
+    """A fresh suffix of temporary keys, so that two runs never share one."""
+    return secrets.token_hex(8)
 
 
 @contextlib.contextmanager
@@ -157,7 +163,7 @@ class ObjectUpload:
     def __init__(self, part_bytes: int = DEFAULT_PART_BYTES, token: str | None = None) -> None:
         check_part_bytes(part_bytes)
         self.part_bytes = part_bytes
-        self.token = token or secrets.token_hex(8)
+        self.token = token or new_upload_token()
         self._temporaries: list[str] = []
         self._exit_after = int(os.environ.get(EXIT_HOOK_VARIABLE) or 0)
         self._steps = 0

@@ -54,6 +54,7 @@ __all__ = [
     "plan_outputs",
     "publication_order",
     "staged_url",
+    "staging_prefix",
 ]
 
 logger = get_logger("hyper_parallel.data.tools.offline_outputs")
@@ -154,6 +155,11 @@ def publication_order(config: OfflinePreparationConfig, partitions: int) -> list
             order.append(manifest_path(final))
         order += pair_in_publication_order(final)
     return order
+
+
+def staging_prefix(config: OfflinePreparationConfig, staging: Path) -> str:
+    """The local prefix in the directory ``staging`` that the outputs of a URL ``output_prefix`` are built under."""
+    return str(staging / config.output_prefix.rsplit("/", 1)[-1])
 
 
 def staged_url(path: str | os.PathLike, staging_prefix: str, url_prefix: str) -> str:

@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -72,6 +71,7 @@ from hyper_parallel.data.tools.offline_outputs import (
     plan_outputs,
     publication_order,
     staged_url,
+    staging_prefix,
 )
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
@@ -310,11 +310,6 @@ def run_offline_preparation(
     if summary.documents == 0 and before_publish is None:  # otherwise the caller knows what the run is part of
         logger.warning("no documents were written: every record was empty, malformed or shorter than one record")
     return summary
-
-
-def staging_prefix(config: OfflinePreparationConfig, staging: Path) -> str:
-    """The local prefix in ``staging`` that the outputs of a URL ``output_prefix`` are built under."""
-    return str(staging / config.output_prefix.rsplit("/", 1)[-1])
 
 
 def _run_to_object_storage(
