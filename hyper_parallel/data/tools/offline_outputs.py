@@ -15,7 +15,8 @@ merged, indices and metadata written); only then are they renamed, per pair the 
 after the partition pairs it lists, the merged pair of each key last.
 
 Owns: output names, the checks above, writing partitions through a bounded number of open files, merging,
-packing carry-over per partition, and the publication order.
+packing carry-over per partition, and the publication order (also the order a URL prefix's uploads are copied
+into place in, and the URL of each file built in a staging directory).
 Not responsible for: the pair format and temporary names (``indexed.io``), the metadata contents
 (``indexed.pair_metadata``), tokenizing (``offline_preparation``).
 """

@@ -14,6 +14,9 @@ drops its own tail.
 With ``--distributed`` under torchrun, the ranks split the input and rank 0 merges their partitions into the same
 bytes as one process writes (see docs/offline.md, "Across processes").
 
+An fsspec URL as ``--output-prefix`` (``s3://bucket/dir/name``) builds the outputs in a local staging directory,
+then uploads and publishes them through ``indexed.object_upload`` (see docs/object_storage.md).
+
 Existing outputs are replaced only with ``--overwrite``. Ctrl-C (SIGINT) or SIGTERM stops the workers, removes
 the temporary files and exits with 130 or 143; a second signal exits at once, and the next run of the same
 prefix removes what was left. Workers also stop by themselves when the main process dies.
