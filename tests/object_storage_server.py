@@ -19,10 +19,16 @@ BUCKET = "hp-data-test"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """An S3 file system over a fresh server holding the empty bucket ``BUCKET``; stopped after the module."""
+    """An S3 file system over a fresh server holding the empty bucket ``BUCKET`` (and no other); stopped after the
+    module."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets per process, not per server: start from none whichever module ran before here.
+    reset = http.client.HTTPConnection(host, port)
+    reset.request("POST", "/moto-api/reset")
+    assert reset.getresponse().status == 200
+    reset.close()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AWS_ACCESS_KEY_ID", "testing")
         env.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -400,18 +400,33 @@ def _arrow_batches(path: Path):
     return reader.schema, iter(reader)
 
 
-def _arrow_chunks(path: Path, chunk_size: int, columns: Sequence[str] | None) -> Iterator[RecordChunk]:
+def _arrow_row_count(path: Path) -> int:
+    """The rows of an Arrow file, from its batches' headers (mapped, not read)."""
+    return sum(batch.num_rows for batch in _arrow_batches(path)[1])
+
+
+def _arrow_chunks(
+    path: Path, chunk_size: int, columns: Sequence[str] | None, rows: range | None = None
+) -> Iterator[RecordChunk]:
+    """The rows of an Arrow file, or its ``rows`` only (numbered as in the whole file)."""
     schema, batches = _arrow_batches(path)
     selected = _table_columns(path, schema.names, columns)
     size = path.stat().st_size
+    total = None if rows is None else max(_arrow_row_count(path), 1)
+    first_wanted, stop = (0, None) if rows is None else (rows.start, rows.stop)
     row = 0
     for batch in batches:
+        first = row
+        row += batch.num_rows
+        if stop is not None and first >= stop:
+            break
+        begin, end = max(first, first_wanted), row if stop is None else min(row, stop)
         if selected is not None:
             batch = batch.select(selected)
-        for start in range(0, batch.num_rows, chunk_size):
-            items = batch.slice(start, chunk_size).to_pylist()
-            yield RecordChunk(str(path), "records", items, list(range(row, row + len(items))), "row", size)
-            row += len(items)
+        for start in range(begin, end, chunk_size):
+            items = batch.slice(start - first, min(chunk_size, end - start)).to_pylist()
+            read = size if total is None else size * (start + len(items) - first_wanted) // total
+            yield RecordChunk(str(path), "records", items, list(range(start, start + len(items))), "row", read)
 
 
 def _file_chunks(
@@ -450,7 +465,8 @@ def iter_record_chunks(
 @dataclass(frozen=True)
 class FileRange:
     """A part of one input file that holds whole records: bytes ``[start, end)`` of a JSON-lines or text file (the
-    lines that start there), row groups ``[start, end)`` of a Parquet file, or the whole file (``end`` None)."""
+    lines that start there), row groups ``[start, end)`` of a Parquet file, rows ``[start, end)`` of an Arrow file,
+    or the whole file (``end`` None)."""
 
     path: Path
     start: int = 0
@@ -468,8 +484,9 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
     """Split ``files`` into ``parts`` consecutive lists of ranges of about equal size, records never cut.
 
     Reading part 0, then part 1, ... gives every record once, in the order of ``iter_record_chunks``. Line files
-    are cut at any byte (a line belongs to the range it starts in), Parquet files between row groups, other files
-    (compressed, CSV, Arrow, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
+    are cut at any byte (a line belongs to the range it starts in), Arrow files between rows (a cut at a fraction
+    of the file's bytes falls at that fraction of its rows), Parquet files between row groups, other files
+    (compressed, CSV, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
     """
     units: list[tuple[Path, int, int, bool]] = []  # (file, row group or -1, weight, cuttable)
     for path in map(Path, files):
@@ -477,17 +494,21 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
             metadata = _open_parquet(path).metadata
             units += [(path, g, metadata.row_group(g).total_byte_size, False) for g in range(metadata.num_row_groups)]
         else:
-            units.append((path, -1, path.stat().st_size, _line_file_is_cuttable(path, fmt)))
+            cuttable = fmt == "arrow" or _line_file_is_cuttable(path, fmt)
+            units.append((path, -1, path.stat().st_size, cuttable))
     total = sum(weight for _, _, weight, _ in units)
     bounds = [total * part // parts for part in range(parts + 1)]
     ranges: list[list[FileRange]] = [[] for _ in range(parts)]
     offset = 0
     for path, group, weight, cuttable in units:
         if cuttable:
+            rows = _arrow_row_count(path) if fmt == "arrow" else None
             for part in range(parts):
-                start, end = max(offset, bounds[part]), min(offset + weight, bounds[part + 1])
+                start, end = max(offset, bounds[part]) - offset, min(offset + weight, bounds[part + 1]) - offset
+                if rows is not None:  # the same fraction of the rows: neighbouring parts meet at one row
+                    start, end = rows * start // weight, rows * end // weight
                 if start < end:
-                    ranges[part].append(FileRange(path, start - offset, end - offset))
+                    ranges[part].append(FileRange(path, start, end))
         else:
             part = min(max(bisect.bisect_right(bounds, offset) - 1, 0), parts - 1)
             previous = ranges[part][-1] if ranges[part] else None
@@ -559,6 +580,8 @@ def iter_range_chunks(
             chunks = _file_chunks(part.path, fmt, chunk_size, columns, chunk_bytes)
         elif fmt == "parquet":
             chunks = _parquet_chunks(part.path, chunk_size, columns, range(part.start, part.end))
+        elif fmt == "arrow":
+            chunks = _arrow_chunks(part.path, chunk_size, columns, range(part.start, part.end))
         else:
             kind: RecordKind = "json_lines" if fmt == "json" else "text_lines"
             chunks = _line_range_chunks(part.path, kind, part.start, part.end, chunk_size, chunk_bytes)

@@ -14,6 +14,9 @@ drops its own tail.
 With ``--distributed`` under torchrun, the ranks split the input and rank 0 merges their partitions into the same
 bytes as one process writes (see docs/offline.md, "Across processes").
 
+An fsspec URL as ``--output-prefix`` (``s3://bucket/dir/name``) builds the outputs in a local staging directory,
+then uploads and publishes them through ``indexed.object_upload`` (see docs/object_storage.md).
+
 Existing outputs are replaced only with ``--overwrite``. Ctrl-C (SIGINT) or SIGTERM stops the workers, removes
 the temporary files and exits with 130 or 143; a second signal exits at once, and the next run of the same
 prefix removes what was left. Workers also stop by themselves when the main process dies.
@@ -34,13 +37,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata
 from hyper_parallel.data.text.build_data_transform import TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
@@ -63,7 +67,15 @@ from hyper_parallel.data.tools.offline_encoding import (
     encode_chunk_in_worker,
     init_worker,
 )
-from hyper_parallel.data.tools.offline_outputs import OutputPlan, Outputs, output_name, plan_outputs
+from hyper_parallel.data.tools.offline_outputs import (
+    OutputPlan,
+    Outputs,
+    output_name,
+    plan_outputs,
+    publication_order,
+    staged_url,
+    staging_prefix,
+)
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
 __all__ = [
@@ -226,6 +238,8 @@ def run_offline_preparation(
     Returns:
         What was written and how fast.
     """
+    if is_object_url(config.output_prefix):
+        return _run_to_object_storage(config, source, progress)
     started = time.perf_counter()
     plan = plan or plan_outputs(config)
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
@@ -298,6 +312,27 @@ def run_offline_preparation(
     summary.seconds = time.perf_counter() - started
     if summary.documents == 0 and before_publish is None:  # otherwise the caller knows what the run is part of
         logger.warning("no documents were written: every record was empty, malformed or shorter than one record")
+    return summary
+
+
+def _run_to_object_storage(
+    config: OfflinePreparationConfig, source: RecordSource | None, progress
+) -> PreparationSummary:
+    """Check the destination, build the outputs in a local staging directory, then upload and publish them."""
+    from hyper_parallel.data.indexed.object_upload import ObjectUpload, check_destination, staging_directory
+
+    with staging_directory() as staging:
+        local = replace(config, output_prefix=staging_prefix(config, staging))
+        files = publication_order(local, config.partitions)
+        urls = [staged_url(path, local.output_prefix, config.output_prefix) for path in files]
+        check_destination(config.output_prefix, urls, config.overwrite)
+        summary = run_offline_preparation(local, source, progress=progress)
+        with ObjectUpload(config.upload_part_bytes) as upload:
+            upload.upload(list(zip(files, urls, strict=True)))
+            upload.publish(urls)
+    summary.outputs = {
+        name: staged_url(prefix, local.output_prefix, config.output_prefix) for name, prefix in summary.outputs.items()
+    }
     return summary
 
 
