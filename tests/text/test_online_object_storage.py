@@ -1,0 +1,150 @@
+"""Specification of data files at fsspec URLs, against a real S3 endpoint (moto's server on loopback): listing in
+URL order, records and Online samples equal to those of the same files on a local disk, the Arrow cache kept
+locally and named by the objects' identity, an offline preparation from a bucket, and clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from object_storage_server import BUCKET, s3_server  # noqa: F401 - the fixture
+
+from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.object_storage import ObjectFile
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+from hyper_parallel.data.text.records import iter_record_chunks, resolve_data_files
+from hyper_parallel.data.tools.offline_preparation import main as prepare_main
+
+RECORDS = [{"id": index, "text": f"record number {index} " + "word " * (index % 7)} for index in range(30)]
+TRANSFORM = {"data_type": "plaintext", "max_seq_len": 16}
+
+
+def jsonl(records) -> bytes:
+    return "".join(json.dumps(record) + "\n" for record in records).encode()
+
+
+def write_files(directory) -> None:
+    """The same records as a JSONL, a gzipped JSONL, a CSV, a Parquet and an Arrow file under ``directory``."""
+    directory.mkdir(parents=True)
+    (directory / "b.jsonl").write_bytes(jsonl(RECORDS[:12]))
+    (directory / "a.jsonl").write_bytes(b"\n" + jsonl(RECORDS[12:]))  # a blank line: numbers still count it
+    (directory / "c.jsonl.gz").write_bytes(gzip.compress(jsonl(RECORDS)))
+    (directory / "d.csv").write_text("id,text\n" + "".join(f'{r["id"]},"{r["text"]}"\n' for r in RECORDS))
+    table = pa.Table.from_pylist(RECORDS)
+    pq.write_table(table, directory / "e.parquet", row_group_size=8)
+    with pa.OSFile(str(directory / "f.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@pytest.fixture(scope="module")
+def data(s3_server, tmp_path_factory):  # noqa: F811
+    """``(local directory, its URL)``: the files of ``write_files`` on disk and in the bucket."""
+    local = tmp_path_factory.mktemp("data") / "files"
+    write_files(local)
+    s3_server.put(str(local), f"{BUCKET}/files", recursive=True)
+    return local, f"s3://{BUCKET}/files"
+
+
+def samples(dataset) -> list[list[int]]:
+    """The token ids of every sample: a mapping dataset gives a list of samples per record, a stream samples."""
+    if hasattr(dataset, "__len__"):
+        items = [sample for index in range(len(dataset)) for sample in dataset[index]]
+    else:
+        items = list(dataset)
+    return [np.asarray(sample["input_ids"]).tolist() for sample in items]
+
+
+def test_globs_and_directories_list_objects_in_url_order(data):
+    local, url = data
+    files, fmt = resolve_data_files(f"{url}/*.jsonl")
+    assert fmt == "json" and [str(f) for f in files] == [f"{url}/a.jsonl", f"{url}/b.jsonl"]
+    assert all(isinstance(f, ObjectFile) and f.size == (local / f.name).stat().st_size for f in files)
+    assert all(f.identity for f in files)
+    listed, _ = resolve_data_files([f"{url}/f.arrow"])
+    assert listed[0].url == f"{url}/f.arrow"
+    with pytest.raises(DataFileError, match="mixes formats"):
+        resolve_data_files(url)
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "c.jsonl.gz", "d.csv", "e.parquet", "f.arrow"])
+def test_records_equal_those_of_the_local_file(data, name):
+    local, url = data
+    (local_file,), fmt = resolve_data_files(local / name)
+    (remote_file,), _ = resolve_data_files(f"{url}/{name}")
+    local_chunks = list(iter_record_chunks([local_file], fmt, chunk_size=7, columns=["id", "text"]))
+    remote_chunks = list(iter_record_chunks([remote_file], fmt, chunk_size=7, columns=["id", "text"]))
+    assert [c.items for c in remote_chunks] == [c.items for c in local_chunks]
+    assert [c.locations for c in remote_chunks] == [c.locations for c in local_chunks]
+    assert remote_chunks[0].where(0) == f"{url}/{name}:{local_chunks[0].where(0).rsplit(':', 1)[1]}"
+
+
+@pytest.mark.parametrize("spec", ["{}/*.jsonl", "{}/c.jsonl.gz", "{}/e.parquet"])
+def test_mapping_samples_equal_the_local_ones(data, spec, tokenizer, tmp_path):
+    local, url = data
+    config = {"cache_dir": str(tmp_path / "cache")}
+    remote = build_online_text_dataset(spec.format(url), TRANSFORM, config, tokenizer=tokenizer)
+    expected = build_online_text_dataset(spec.format(local), TRANSFORM, config, tokenizer=tokenizer)
+    assert len(remote) == len(RECORDS) and samples(remote) == samples(expected)
+    assert all(
+        f.startswith(str(tmp_path / "cache")) for f in (e["filename"] for e in remote.source.hf_dataset.cache_files)
+    )
+
+
+@pytest.mark.parametrize("spec", ["{}/*.jsonl", "{}/e.parquet"])
+def test_iterable_samples_equal_the_local_ones(data, spec, tokenizer):
+    local, url = data
+    config = {"dataset_type": "iterable", "shuffle_buffer_size": 8}
+    remote = build_online_text_dataset(spec.format(url), TRANSFORM, config, tokenizer=tokenizer, seed=5)
+    expected = build_online_text_dataset(spec.format(local), TRANSFORM, config, tokenizer=tokenizer, seed=5)
+    assert samples(remote) == samples(expected) and len(samples(expected)) == len(RECORDS)
+
+
+def test_a_compressed_object_is_not_streamed(data, tokenizer):
+    _, url = data
+    with pytest.raises(DataConfigError, match=r"c\.jsonl\.gz: compressed objects cannot be streamed"):
+        build_online_text_dataset(f"{url}/c.jsonl.gz", TRANSFORM, {"dataset_type": "iterable"}, tokenizer=tokenizer)
+
+
+def test_missing_objects_name_the_url(data, tokenizer):
+    _, url = data
+    with pytest.raises(DataFileError, match=rf"no such object or directory: {url}/absent\.jsonl"):
+        build_online_text_dataset(f"{url}/absent.jsonl", TRANSFORM, tokenizer=tokenizer)
+    with pytest.raises(DataFileError, match=rf"the pattern '{url}/\*\.txt' matches no objects"):
+        resolve_data_files(f"{url}/*.txt")
+
+
+def test_an_object_uploaded_again_builds_a_new_cache(s3_server, tokenizer, tmp_path):  # noqa: F811
+    url = f"s3://{BUCKET}/replaced/data.jsonl"
+    config = {"cache_dir": str(tmp_path / "cache")}
+    s3_server.pipe(url, jsonl(RECORDS[:5]))
+    first = build_online_text_dataset(url, TRANSFORM, config, tokenizer=tokenizer)
+    s3_server.pipe(url, jsonl(RECORDS[5:15]))  # a new version; the first one's cache is still there
+    second = build_online_text_dataset(url, TRANSFORM, config, tokenizer=tokenizer)
+    assert len(first) == 5 and len(second) == 10
+    assert tokenizer.decode(second[0][0]["input_ids"]) == RECORDS[5]["text"]
+    assert len(list((tmp_path / "cache" / "hp_data_objects").iterdir())) == 2  # one copy per version
+    assert first.source.data_identity()["fingerprint"] != second.source.data_identity()["fingerprint"]
+
+
+def test_an_object_replaced_after_the_listing_is_refused(s3_server):  # noqa: F811
+    url = f"s3://{BUCKET}/moving/data.jsonl"
+    s3_server.pipe(url, jsonl(RECORDS))
+    files, fmt = resolve_data_files(url)
+    s3_server.pipe(url, jsonl(RECORDS[:3]))
+    with pytest.raises(DataFileError, match=rf"{url} changed after it was listed"):
+        list(iter_record_chunks(files, fmt))
+
+
+def test_prepare_from_a_bucket_writes_the_local_input_output(data, tokenizer_path, tmp_path):
+    local, url = data
+    outputs = {}
+    for name, source in (("local", local / "c.jsonl.gz"), ("remote", f"{url}/c.jsonl.gz")):
+        prefix = tmp_path / name / "out"
+        argv = ["--dataset-name-or-path", str(source), "--output-prefix", str(prefix), "--workers", "1"]
+        assert prepare_main([*argv, "--tokenizer-name-or-path", str(tokenizer_path)]) == 0
+        outputs[name] = [(prefix.parent / f"out_text_document{ext}").read_bytes() for ext in (".idx", ".bin")]
+    assert outputs["remote"] == outputs["local"] and len(outputs["local"][1]) > 0
