@@ -148,3 +148,11 @@ def test_prepare_from_a_bucket_writes_the_local_input_output(data, tokenizer_pat
         assert prepare_main([*argv, "--tokenizer-name-or-path", str(tokenizer_path)]) == 0
         outputs[name] = [(prefix.parent / f"out_text_document{ext}").read_bytes() for ext in (".idx", ".bin")]
     assert outputs["remote"] == outputs["local"] and len(outputs["local"][1]) > 0
+
+
+def test_a_malformed_record_in_an_object_is_named_by_url_and_line(s3_server, tokenizer_path, tmp_path, capsys):  # noqa: F811
+    url = f"s3://{BUCKET}/bad/data.jsonl"
+    s3_server.pipe(url, jsonl(RECORDS[:1]) + b'{"text": "unterminated\n' + jsonl(RECORDS[1:3]))
+    argv = ["--dataset-name-or-path", url, "--output-prefix", str(tmp_path / "out"), "--workers", "1"]
+    assert prepare_main([*argv, "--tokenizer-name-or-path", str(tokenizer_path)]) == 2
+    assert f"{url}:line 2" in capsys.readouterr().err
