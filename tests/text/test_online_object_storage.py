@@ -70,6 +70,17 @@ def test_globs_and_directories_list_objects_in_url_order(data):
         resolve_data_files(url)
 
 
+def test_a_recursive_glob_lists_objects_in_the_order_of_local_paths(s3_server, tmp_path):  # noqa: F811
+    for key in ("d-x/b.jsonl", "d/a.jsonl", "d/c/e.jsonl"):
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(jsonl(RECORDS[:1]))
+        s3_server.pipe(f"{BUCKET}/nested/{key}", jsonl(RECORDS[:1]))
+    local, _ = resolve_data_files(str(tmp_path / "**" / "*.jsonl"))
+    remote, _ = resolve_data_files(f"s3://{BUCKET}/nested/**/*.jsonl")
+    assert [str(f.relative_to(tmp_path)) for f in local] == ["d/a.jsonl", "d/c/e.jsonl", "d-x/b.jsonl"]
+    assert [f.url.removeprefix(f"s3://{BUCKET}/nested/") for f in remote] == ["d/a.jsonl", "d/c/e.jsonl", "d-x/b.jsonl"]
+
+
 @pytest.mark.parametrize("name", ["a.jsonl", "c.jsonl.gz", "d.csv", "e.parquet", "f.arrow"])
 def test_records_equal_those_of_the_local_file(data, name):
     local, url = data

@@ -189,7 +189,7 @@ class ObjectStat(NamedTuple):
     st_size: int
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class ObjectFile:
     """A data file in object storage (a JSONL, Parquet... object) as a listing found it: where local files are
     ``Path`` objects, the record readers take these, through ``name``, ``stat()`` and ``open()``.
@@ -258,7 +258,7 @@ class _ObjectStream(io.RawIOBase):
 
 
 def list_objects(url: str) -> tuple[list[ObjectFile], bool]:
-    """The objects that ``url`` names, sorted by URL: a glob's matches, the objects directly in a directory, or the
+    """The objects that ``url`` names, sorted by path: a glob's matches, the objects directly in a directory, or the
     object itself (none when nothing is there); and whether ``url`` is a directory. Read afresh each time, never
     from the file system's cache of an earlier listing, so that identities are current."""
     fs, path = _url_to_fs(url)
@@ -284,7 +284,8 @@ def list_objects(url: str) -> tuple[list[ObjectFile], bool]:
         for info in infos
         if info.get("type") == "file"
     ]
-    return sorted(files), directory
+    # By path components, as local paths sort: "d/a" before "d-x/b", where the plain strings sort the other way.
+    return sorted(files, key=lambda file: file.url.split("/")), directory
 
 
 class BlockCache:
