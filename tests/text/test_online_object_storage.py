@@ -114,6 +114,34 @@ def test_iterable_samples_equal_the_local_ones(data, spec, tokenizer):
     assert samples(remote) == samples(expected) and len(samples(expected)) == len(RECORDS)
 
 
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_each_dp_rank_streams_the_share_of_the_local_files(data, tokenizer, dp_rank):
+    local, url = data
+    shares = [
+        build_online_text_dataset(
+            f"{root}/*.jsonl",
+            TRANSFORM,
+            {"dataset_type": "iterable"},
+            tokenizer=tokenizer,
+            dp_rank=dp_rank,
+            dp_world_size=2,
+        )  # fmt: skip
+        for root in (url, local)
+    ]
+    assert samples(shares[0]) == samples(shares[1]) and 0 < len(samples(shares[1])) < len(RECORDS)
+
+
+def test_a_link_where_objects_are_copied_is_refused(data, tokenizer, tmp_path):
+    _, url = data
+    copies = tmp_path / "cache" / "hp_data_objects"
+    copies.mkdir(parents=True)
+    (copies / "planted").symlink_to(tmp_path)
+    with pytest.raises(DataFileError, match="planted is a symbolic link"):
+        build_online_text_dataset(
+            f"{url}/b.jsonl", TRANSFORM, {"cache_dir": str(tmp_path / "cache")}, tokenizer=tokenizer
+        )
+
+
 def test_a_compressed_object_is_not_streamed(data, tokenizer):
     _, url = data
     with pytest.raises(DataConfigError, match=r"c\.jsonl\.gz: compressed objects cannot be streamed"):
@@ -139,6 +167,8 @@ def test_an_object_uploaded_again_builds_a_new_cache(s3_server, tokenizer, tmp_p
     assert tokenizer.decode(second[0][0]["input_ids"]) == RECORDS[5]["text"]
     assert len(list((tmp_path / "cache" / "hp_data_objects").iterdir())) == 2  # one copy per version
     assert first.source.data_identity()["fingerprint"] != second.source.data_identity()["fingerprint"]
+    assert second.source.data_identity()["entries"] == {url: f"{len(jsonl(RECORDS[5:15]))} bytes, identity "
+                                                         f"{s3_server.info(url)['ETag']}"}  # fmt: skip
 
 
 def test_an_object_replaced_after_the_listing_is_refused(s3_server):  # noqa: F811
