@@ -51,8 +51,6 @@ _FIRST_BACKOFF_S = 0.1
 # Keys of fsspec's info() that identify one version of an object, most specific first.
 _IDENTITY_KEYS = ("VersionId", "ETag", "etag", "generation", "md5Hash", "LastModified", "mtime", "created")
 
-_GLOB_CHARS = set("*?[")
-
 _REUPLOAD = "Upload the pair again (both files), or pass the prefix of an existing pair without .idx/.bin."
 
 
@@ -100,7 +98,7 @@ class RemoteObject:
         # Errors name the Indexed prefix the object belongs to, or else the data file alone.
         self._about = f"indexed dataset '{prefix}': " if prefix is not None else ""
         self._since = "its index was read" if prefix is not None else "it was listed"
-        self._fix = _REUPLOAD if prefix is not None else "Restart the job once the upload is complete."
+        self._fix = _REUPLOAD if prefix is not None else "Upload the file again, or leave it out of the data path."
         self._fs, self._path = _url_to_fs(url)
         self._file = None
         self._pid = os.getpid()
@@ -137,14 +135,14 @@ class RemoteObject:
         return self._file
 
     def _changed_error(self) -> DataFileError:
-        consequence = (
-            "its tokens would no longer match the index"
-            if self.prefix is not None
-            else "its records would mix versions"
-        )
+        if self.prefix is not None:
+            consequence, kind = "its tokens would no longer match the index", "pair"
+        else:
+            consequence, kind = "records of two versions would be mixed", "file"
         return DataFileError(
             f"{self._about}{self.url} changed after {self._since} (identity {self.identity} then another), so "
-            f"{consequence}. Never overwrite a file that a job reads. {self._fix}"
+            f"{consequence}. Restart the job once the upload is complete; never overwrite a {kind} that a job reads. "
+            f"{self._fix}"
         )
 
     def read(self, offset: int, size: int) -> bytes:
@@ -257,7 +255,7 @@ class _ObjectStream(io.RawIOBase):
         return len(data)
 
 
-def list_objects(url: str) -> tuple[list[ObjectFile], bool]:
+def list_objects(url: str, is_glob: bool) -> tuple[list[ObjectFile], bool]:
     """The objects that ``url`` names, sorted by path: a glob's matches, the objects directly in a directory, or the
     object itself (none when nothing is there); and whether ``url`` is a directory. Read afresh each time, never
     from the file system's cache of an earlier listing, so that identities are current."""
@@ -265,7 +263,7 @@ def list_objects(url: str) -> tuple[list[ObjectFile], bool]:
     fs.invalidate_cache()
     directory = False
     try:
-        if _GLOB_CHARS & set(path):
+        if is_glob:
             infos = list(fs.glob(path, detail=True).values())
         else:
             try:

@@ -6,8 +6,8 @@ came from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quo
 the line; recognising a ``save_to_disk`` directory and choosing its split. JSON and text lines stay undecoded
 bytes here: decoding and parsing happen where the records are consumed (often a worker process).
 A file may be an fsspec URL (``s3://bucket/dir/*.jsonl``, a directory URL): its files are then listed through
-fsspec, sorted by URL, and each is an ``ObjectFile`` (URL, size, identity) that the readers stream by ranged
-requests of exactly the version listed, where a local file is a ``Path``.
+fsspec, sorted by path as local files are, and each is an ``ObjectFile`` (URL, size, identity) that the readers
+stream by ranged requests of exactly the version listed, where a local file is a ``Path``.
 Not responsible for: opening files with Hugging Face ``datasets`` (``text.online.online_utils``), tokenization,
 transforms or sampling.
 """
@@ -187,8 +187,9 @@ def _saved_dataset_error(where: str | Path) -> DataFileError:
 
 
 def _objects_named(spec: str) -> list[ObjectFile]:
-    """The objects of one URL file, glob or directory, sorted by URL."""
-    objects, is_directory = list_objects(spec)
+    """The objects of one URL file, glob or directory, sorted by path."""
+    is_glob = bool(_GLOB_CHARS & set(spec))
+    objects, is_directory = list_objects(spec, is_glob)
     if is_directory:
         names = {file.name for file in objects}
         if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:
@@ -197,7 +198,7 @@ def _objects_named(spec: str) -> list[ObjectFile]:
         if not objects:
             raise DataFileError(f"the directory {spec} holds no data files; supported: {_supported()}")
     elif not objects:
-        if _GLOB_CHARS & set(spec):
+        if is_glob:
             raise DataFileError(f"the pattern '{spec}' matches no objects; check the bucket, the key and the glob")
         raise DataFileError(f"no such object or directory: {spec}; check the bucket and the key")
     return objects
