@@ -75,7 +75,7 @@ def test_sequences_per_dataset_reads_the_url_headers(pairs, capsys, tmp_path):
     assert list(counts[1]) == remote and list(counts[1].values()) == list(counts[0].values())
 
 
-def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, caplog, tokenizer, tmp_path):
+def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, logs, tokenizer, tmp_path):
     local, remote = pairs
     cache = tmp_path / "cache"
     blend = ["30", remote[0], "70", remote[1]]
@@ -86,9 +86,9 @@ def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, cap
 
     sizes = [80, 24, 8]
     config = IndexedDataConfig(**SETTINGS, data_cache_path=str(cache))
-    caplog.set_level(logging.INFO, logger="hyper_parallel.data")
+    logs.clear()  # what training logs, not the command
     trained = build_indexed_text_dataset(blend, config, sizes, tokenizer)
-    assert building_messages(caplog) == []  # every index came from the prepared cache
+    assert building_messages(logs) == []  # every index came from the prepared cache
     expected = build_indexed_text_dataset(["30", local[0], "70", local[1]], IndexedDataConfig(**SETTINGS), sizes,
                                           tokenizer)  # fmt: skip
     for split, reference in zip(trained, expected, strict=True):

@@ -180,6 +180,7 @@ def test_an_object_replaced_after_the_listing_is_refused(s3_server):  # noqa: F8
         list(iter_record_chunks(files, fmt))
 
 
+@pytest.mark.usefixtures("restore_package_logger")
 def test_prepare_from_a_bucket_writes_the_local_input_output(data, tokenizer_path, tmp_path):
     local, url = data
     outputs = {}
@@ -191,7 +192,8 @@ def test_prepare_from_a_bucket_writes_the_local_input_output(data, tokenizer_pat
     assert outputs["remote"] == outputs["local"] and len(outputs["local"][1]) > 0
 
 
-def test_a_malformed_record_in_an_object_is_named_by_url_and_line(s3_server, tokenizer_path, tmp_path, capsys):  # noqa: F811
+@pytest.mark.usefixtures("restore_package_logger")
+def test_a_malformed_object_record_is_named_by_url_and_line(s3_server, tokenizer_path, tmp_path, capsys):  # noqa: F811
     url = f"s3://{BUCKET}/bad/data.jsonl"
     s3_server.pipe(url, jsonl(RECORDS[:1]) + b'{"text": "unterminated\n' + jsonl(RECORDS[1:3]))
     argv = ["--dataset-name-or-path", url, "--output-prefix", str(tmp_path / "out"), "--workers", "1"]
