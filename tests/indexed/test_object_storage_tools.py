@@ -68,9 +68,8 @@ def test_sequences_per_dataset_reads_the_url_headers(pairs, capsys, tmp_path):
     counts = []
     for name, prefixes in (("local", local), ("remote", remote)):
         out = tmp_path / f"{name}.json"
-        code, _, _ = run(build_sequences_per_dataset, capsys, "--data-path", "30", prefixes[0], "70", prefixes[1],
-                         "--per-dataset-sequences-path", out)  # fmt: skip
-        assert code == 0
+        argv = ["--data-path", "30", prefixes[0], "70", prefixes[1], "--per-dataset-sequences-path", out]
+        assert run(build_sequences_per_dataset, capsys, *argv)[0] == 0
         counts.append(json.loads(out.read_text()))
     assert list(counts[1]) == remote and list(counts[1].values()) == list(counts[0].values())
 
@@ -89,14 +88,15 @@ def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, log
     logs.clear()  # what training logs, not the command
     trained = build_indexed_text_dataset(blend, config, sizes, tokenizer)
     assert building_messages(logs) == []  # every index came from the prepared cache
-    expected = build_indexed_text_dataset(["30", local[0], "70", local[1]], IndexedDataConfig(**SETTINGS), sizes,
-                                          tokenizer)  # fmt: skip
+    expected = build_indexed_text_dataset(
+        ["30", local[0], "70", local[1]], IndexedDataConfig(**SETTINGS), sizes, tokenizer
+    )
     for split, reference in zip(trained, expected, strict=True):
         assert_samples_equal(split, reference)
 
 
 def test_prepare_cache_names_a_missing_url_prefix(pairs, capsys, tmp_path):
-    code, _, err = run(prepare_cache, capsys, "--data-path", pairs[1][0] + "_absent", "--split", "1,0,0",
-                       "--seq-length", "32", "--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH,
-                       "--data-cache-path", tmp_path, *SCHEDULE)  # fmt: skip
-    assert code == 2 and f"{pairs[1][0]}_absent" in err and "does not exist" in err
+    missing = pairs[1][0] + "_absent"
+    argv = ["--data-path", missing, "--split", "1,0,0", "--seq-length", "32", "--data-cache-path", tmp_path]
+    code, _, err = run(prepare_cache, capsys, *argv, "--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH, *SCHEDULE)
+    assert code == 2 and f"{missing}.bin does not exist" in err

@@ -58,7 +58,7 @@ def samples(dataset) -> list[list[int]]:
     return [np.asarray(sample["input_ids"]).tolist() for sample in items]
 
 
-def test_globs_and_directories_list_objects_in_url_order(data):
+def test_globs_and_directories_list_objects_in_path_order(data):
     local, url = data
     files, fmt = resolve_data_files(f"{url}/*.jsonl")
     assert fmt == "json" and [str(f) for f in files] == [f"{url}/a.jsonl", f"{url}/b.jsonl"]
@@ -125,7 +125,7 @@ def test_each_dp_rank_streams_the_share_of_the_local_files(data, tokenizer, dp_r
             tokenizer=tokenizer,
             dp_rank=dp_rank,
             dp_world_size=2,
-        )  # fmt: skip
+        )
         for root in (url, local)
     ]
     assert samples(shares[0]) == samples(shares[1]) and 0 < len(samples(shares[1])) < len(RECORDS)
@@ -167,8 +167,9 @@ def test_an_object_uploaded_again_builds_a_new_cache(s3_server, tokenizer, tmp_p
     assert tokenizer.decode(second[0][0]["input_ids"]) == RECORDS[5]["text"]
     assert len(list((tmp_path / "cache" / "hp_data_objects").iterdir())) == 2  # one copy per version
     assert first.source.data_identity()["fingerprint"] != second.source.data_identity()["fingerprint"]
-    assert second.source.data_identity()["entries"] == {url: f"{len(jsonl(RECORDS[5:15]))} bytes, identity "
-                                                         f"{s3_server.info(url)['ETag']}"}  # fmt: skip
+    assert second.source.data_identity()["entries"] == {
+        url: f"{len(jsonl(RECORDS[5:15]))} bytes, identity {s3_server.info(url)['ETag']}"
+    }
 
 
 def test_an_object_replaced_after_the_listing_is_refused(s3_server):  # noqa: F811
