@@ -70,6 +70,17 @@ def test_globs_and_directories_list_objects_in_path_order(data):
         resolve_data_files(url)
 
 
+def test_a_directory_url_lists_its_data_files_and_refuses_a_saved_dataset(s3_server):  # noqa: F811
+    for key in ("plain/b.jsonl", "plain/a.jsonl", "plain/.hidden.jsonl", "plain/README.md", "plain/sub/c.jsonl"):
+        s3_server.pipe(f"{BUCKET}/{key}", jsonl(RECORDS[:1]))
+    files, _ = resolve_data_files(f"s3://{BUCKET}/plain/")
+    assert [f.url for f in files] == [f"s3://{BUCKET}/plain/a.jsonl", f"s3://{BUCKET}/plain/b.jsonl"]
+    for key in ("saved/state.json", "saved/dataset_info.json", "saved/data-00000-of-00001.arrow"):
+        s3_server.pipe(f"{BUCKET}/{key}", b"{}")
+    with pytest.raises(DataFileError, match=rf"s3://{BUCKET}/saved is a Hugging Face dataset saved with save_to_disk"):
+        resolve_data_files(f"s3://{BUCKET}/saved")
+
+
 def test_a_recursive_glob_lists_objects_in_the_order_of_local_paths(s3_server, tmp_path):  # noqa: F811
     for key in ("d-x/b.jsonl", "d/a.jsonl", "d/c/e.jsonl"):
         (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
