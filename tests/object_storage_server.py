@@ -7,6 +7,7 @@ import http.client
 import http.server
 import socket
 import threading
+import urllib.request
 
 import pytest
 import s3fs
@@ -24,11 +25,8 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    # moto keeps its buckets per process, not per server: start from none whichever module ran before here.
-    reset = http.client.HTTPConnection(host, port)
-    reset.request("POST", "/moto-api/reset")
-    assert reset.getresponse().status == 200
-    reset.close()
+    # moto keeps its buckets per process, not per server: empty them, or a second module would find the first's.
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AWS_ACCESS_KEY_ID", "testing")
         env.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = preparation_parser(
         "prepare",
         __doc__,
-        "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
+        "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files, local "
+        "or at an fsspec URL such as 's3://bucket/dir/*.jsonl'",
     )
     add_preparation_arguments(parser)
     parser.add_argument(
