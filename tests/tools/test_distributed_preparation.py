@@ -184,6 +184,23 @@ def test_ranks_publish_to_a_bucket_through_the_object_store_alone(s3_server, cor
     assert "documents written" in result.stdout and f"{url}_text_document" in result.stdout
 
 
+def test_ranks_read_input_files_in_a_bucket_and_write_the_bytes_of_one_process(
+    s3_server,  # noqa: F811
+    corpus,
+    reference,
+    tmp_path,
+):
+    """Ranks cut objects at byte ranges as they cut local files: ranged reads of the object, lines never split."""
+    for path in sorted(corpus.iterdir()):
+        s3_server.put(str(path), f"{BUCKET}/inputs/{path.name}")
+    prefix = tmp_path / "corpus"
+    result = torchrun(2, prepare_argv(f"s3://{BUCKET}/inputs/*.jsonl", prefix))
+    assert result.returncode == 0, result.stderr
+    for extension in PAIR_FILES:
+        written = Path(f"{prefix}_text_document.{extension}").read_bytes()
+        assert written == Path(f"{reference}.{extension}").read_bytes()
+
+
 def test_kept_partitions_of_every_key_are_the_ranks_parts_listed_by_their_manifest(corpus, tmp_path):
     prefix = tmp_path / "corpus"
     result = torchrun(2, prepare_argv(corpus, prefix, "--json-keys", "text", "title", "--keep-partition-files"))

@@ -510,7 +510,7 @@ def iter_record_chunks(
         chunk_bytes: line formats also close a chunk once it holds this many bytes, so that chunks of long
             documents stay small.
     """
-    ranges = (FileRange(path if isinstance(path, ObjectFile) else Path(path)) for path in files)
+    ranges = (FileRange(_data_file(path)) for path in files)
     return iter_range_chunks(ranges, fmt, chunk_size, columns, chunk_bytes)
 
 
@@ -532,7 +532,11 @@ def _line_file_is_cuttable(path: Path, fmt: str) -> bool:
     return not (fmt == "json" and path.name.lower().endswith(".json") and _starts_with_array(path))
 
 
-def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[list[FileRange]]:
+def _data_file(path: DataFile | str | os.PathLike) -> DataFile:
+    return path if isinstance(path, ObjectFile) else Path(path)
+
+
+def split_record_ranges(files: Sequence[DataFile], fmt: str, parts: int) -> list[list[FileRange]]:
     """Split ``files`` into ``parts`` consecutive lists of ranges of about equal size, records never cut.
 
     Reading part 0, then part 1, ... gives every record once, in the order of ``iter_record_chunks``. Line files
@@ -541,7 +545,7 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
     (compressed, CSV, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
     """
     units: list[tuple[Path, int, int, bool]] = []  # (file, row group or -1, weight, cuttable)
-    for path in map(Path, files):
+    for path in map(_data_file, files):
         if fmt == "parquet":
             metadata = _open_parquet(path).metadata
             units += [(path, g, metadata.row_group(g).total_byte_size, False) for g in range(metadata.num_row_groups)]
@@ -574,9 +578,9 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
     return ranges
 
 
-def _newlines_before(path: Path, position: int) -> int:
+def _newlines_before(path: DataFile, position: int) -> int:
     count = 0
-    with open(path, "rb") as file:
+    with path.open("rb") as file:
         while position > 0:
             block = file.read(min(position, 16 << 20))
             if not block:
@@ -587,10 +591,10 @@ def _newlines_before(path: Path, position: int) -> int:
 
 
 def _line_range_chunks(
-    path: Path, kind: RecordKind, start: int, end: int, chunk_size: int, chunk_bytes: int
+    path: DataFile, kind: RecordKind, start: int, end: int, chunk_size: int, chunk_bytes: int
 ) -> Iterator[RecordChunk]:
     """The non-blank lines that start in bytes ``[start, end)``, numbered as in the whole file."""
-    with open(path, "rb", buffering=1 << 20) as file:
+    with path.open("rb", 1 << 20) as file:
         position = 0
         if start > 0:
             file.seek(start - 1)
