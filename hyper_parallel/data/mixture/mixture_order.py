@@ -1,9 +1,10 @@
 """The order of a mixture: which source, and which of its samples, each sample number of the mixture takes.
 
-Owns: ``SourceDraws``, the source each sample number draws in a phase (also read in order by a mixture with a
-streaming source, ``mixture_stream``), and ``MixtureOrder``, a pure function of the weights, each source's budget, the strategy, what happens when a
-source runs out, and the seed, planning sample numbers ``[a, b)`` (``plan``) or any sample numbers (``plan_at``)
-in vectorised numpy, without replaying the numbers before them; and the mixture's length. Not responsible for:
+Owns: ``SourceDraws``, the source each sample number draws in a phase of the sources drawn (also read in order
+by a mixture with a streaming source, ``mixture_stream``), and ``MixtureOrder``, a pure function of the weights,
+each source's budget, the strategy, what happens when a source runs out, and the seed, planning sample numbers
+``[a, b)`` (``plan``) or any sample numbers (``plan_at``) in vectorised numpy, without replaying the numbers
+before them; and the mixture's length. Not responsible for:
 which record a source's ``c``-th sample is (``build_mixture``: its epochs and their shuffles), reading sources, or
 batching.
 

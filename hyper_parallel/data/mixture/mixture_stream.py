@@ -92,8 +92,8 @@ class StreamMixture(MixedSources):
         placements = {(stream.dp_rank, stream.dp_world_size) for stream in self._streams if stream is not None}
         if len(placements) > 1:
             raise DataConfigError(
-                f"the streaming sources of the mixture were built for different DP ranks or sizes {sorted(placements)}; "
-                "build every source with the pipeline's dp_rank and dp_world_size"
+                "the streaming sources of the mixture were built for different DP ranks or sizes "
+                f"{sorted(placements)}; build every source with the pipeline's dp_rank and dp_world_size"
             )
         self.dp_rank, self.dp_world_size = placements.pop()
         self.stream = MixtureStream(self)
