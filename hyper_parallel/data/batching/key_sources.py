@@ -18,8 +18,8 @@ What each source keeps in a state::
                                                        transformed again on load, and must give that window
     iterable   (position, record)  the stream cursor   {"input_ids": [...], "labels": [...]}: a stream is
                                                        not read twice, so the tokens themselves
-    mixture    (n, payload)        the mixture stream  the tokens, with "sample", "source" and "window"
-    stream                         cursor
+    mixture    (n, payload)        the mixture stream  the tokens (an Indexed row's "document_lengths" too),
+    stream                         cursor              with "sample", "source" and "window"
 """
 
 from __future__ import annotations
@@ -360,10 +360,11 @@ class MixtureStreamKeys(StreamKeys):
 
     def encode_samples(self, entries: Sequence[tuple]) -> list[dict]:
         encoded = super().encode_samples(entries)
-        return [
-            {**sample, "sample": int(number), "source": name, "window": int(window)}
-            for sample, (((number, name), window), _) in zip(encoded, entries, strict=True)
-        ]
+        for sample, (((number, name), window), model_sample) in zip(encoded, entries, strict=True):
+            sample.update(sample=int(number), source=name, window=int(window))
+            if "document_lengths" in model_sample:  # an Indexed row's documents, each a sequence of its own
+                sample["document_lengths"] = np.asarray(model_sample["document_lengths"]).tolist()
+        return encoded
 
     def decode_samples(self, saved: list, where: str) -> list[tuple]:
         entries = []
@@ -371,7 +372,13 @@ class MixtureStreamKeys(StreamKeys):
             name = f"{where}[{position}]"
             check_state_type(sample, Mapping, name)
             key = (state_field(sample, "sample", int, name), state_field(sample, "source", str, name))
-            entries.append(((key, state_field(sample, "window", int, name)), _saved_sample(sample, name)))
+            decoded = _saved_sample(sample, name)
+            if "document_lengths" in sample:
+                lengths = np.asarray(state_field(sample, "document_lengths", list, name), dtype=np.int64)
+                if lengths.ndim != 1 or (lengths <= 0).any() or lengths.sum() != len(decoded["input_ids"]):
+                    raise ResumeStateError(f"{name}['document_lengths'] does not cover its input_ids; {_DAMAGED}")
+                decoded["document_lengths"] = lengths
+            entries.append(((key, state_field(sample, "window", int, name)), decoded))
         return entries
 
 
