@@ -127,15 +127,16 @@ def test_stop_ends_the_epoch_where_a_source_ends_and_the_next_epoch_continues_ev
     for epoch in range(5):
         epochs.append([payload for _, payload in dataset.stream.read(1000)])
         assert dataset.stream.read(10) == [] and dataset.stream.epoch == epoch + 1
-    for payloads in epochs:  # the mapping source ends each epoch, at the first sample after its 30
-        mapped = [payload["index"] for payload in payloads if payload["source"] == "mapping"]
-        assert len(mapped) == len(set(mapped)) == 30
+    # Either source's end ends an epoch; the first is the mapping source's, after its 30 samples.
+    assert sum(payload["source"] == "mapping" for payload in epochs[0]) == 30
+    mapped = [payload["index"] for payloads in epochs for payload in payloads if payload["source"] == "mapping"]
+    assert all(len(set(mapped[start : start + 30])) == 30 for start in range(0, len(mapped) - 29, 30))
     streamed = [
         payload["record"]["text"] for payloads in epochs for payload in payloads if payload["source"] == "stream"
     ]
-    assert 40 < len(streamed) < 80
+    assert len(streamed) > 40
     assert len(set(streamed[:40])) == 40  # the stream went on with its own pass across the epochs
-    assert sorted(streamed[40:]) != sorted(streamed[: len(streamed) - 40])  # then began its next pass
+    assert streamed[40:] != streamed[: len(streamed) - 40]  # then began its next pass, in a new order
 
 
 def test_restart_begins_a_stream_s_next_pass_in_a_new_order(built):
