@@ -10,6 +10,7 @@ import pytest
 from batching.resume_check import plain, roundtrip, take
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader
+from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.batching.elastic import merge_rank_states
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
@@ -245,8 +246,9 @@ def test_states_over_a_stream_mixture_are_not_merged_for_another_dp_size(built):
         merge_rank_states(states)
 
 
-def test_provenance_of_a_stream_mixture_is_refused_with_the_reason(built, online_paths, tmp_path):
-    config = {
+def pipeline_config(online_paths, cache) -> dict:
+    """A pipeline whose dataset node mixes a streaming and a mapping source, each with its own transform."""
+    return {
         "dataset": {
             "_target_": "hyper_parallel.data.mixture.build_mixture.build_mixture_dataset",
             "sources": [
@@ -257,7 +259,7 @@ def test_provenance_of_a_stream_mixture_is_refused_with_the_reason(built, online
                         "_target_": "hyper_parallel.data.text.build_dataset.build_online_text_dataset",
                         "data_path": str(path),
                         "data_transform": TRANSFORM,
-                        "data_config": {"dataset_type": kind, "cache_dir": str(tmp_path)},
+                        "data_config": {"dataset_type": kind, "cache_dir": str(cache)},
                     },
                 }
                 for name, path, kind in (
@@ -268,5 +270,25 @@ def test_provenance_of_a_stream_mixture_is_refused_with_the_reason(built, online
         },
         "dataloader": {"_target_": "hyper_parallel.data.batching.FixedBatchDataLoader"},
     }
+
+
+def test_the_pipeline_builds_a_stream_mixture_under_the_packing_scheduler(built, online_paths, tmp_path):
+    config = pipeline_config(online_paths, tmp_path)
+    config["dataset"]["on_exhausted"] = "reweight"
+    config["dataloader"] = {"_target_": "hyper_parallel.data.batching.DynamicBatchDataLoader"}
+    config["packing_scheduler"] = {
+        "_target_": "hyper_parallel.data.parallel.data_schedule_utils.PackingSchedulerConfig",
+        "max_seqlen_per_dp_cp_rank": 256,
+        "scheduler": "dynamic_cp",
+    }
+    loaders = build_dataloaders(config, tokenizer=built["tokenizer"], micro_batch_size=2, seed=3)
+    assert loaders.packing_scheduler is not None
+    delivered = Counter(sequence for batch in loaders.train for sequence in sequences(batch))
+    expected = source_tokens(built)
+    assert delivered == expected["stream"] + expected["mapping"]
+
+
+def test_provenance_of_a_stream_mixture_is_refused_with_the_reason(built, online_paths, tmp_path):
+    config = pipeline_config(online_paths, tmp_path)
     with pytest.raises(DataConfigError, match="mixture with a streaming source.*provenance cannot name"):
         batch_provenance(config, batch=0, tokenizer=built["tokenizer"], micro_batch_size=2, global_batch_size=2)
