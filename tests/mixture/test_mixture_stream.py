@@ -4,6 +4,7 @@ what is refused (a changed mixture, epochs of a stream, provenance, merging for 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -179,6 +180,57 @@ def test_a_restored_loader_continues_with_exactly_the_uninterrupted_batches_and_
     tail = [plain(batch) for batch in restored]
     assert head + tail == reference
     assert restored.state_dict()["mixture"]["sources"] == whole.state_dict()["mixture"]["sources"]
+
+
+def read_epochs(cursor, epochs: int, size: int) -> list[list]:
+    """The keys of the next ``epochs`` epochs of a mixture stream, read ``size`` at a time (JSON-safe lists)."""
+    read = []
+    while epochs:
+        keys = cursor.read(size)
+        read.append(json.loads(json.dumps(keys)))
+        epochs -= not keys
+    return read
+
+
+def check_cursor_resume(built, weights: dict, settings: dict, size: int) -> list[dict]:
+    """Save the cursor after every read of ``size`` samples, restore it into a new mixture, and compare what it
+    reads to the uninterrupted run's keys; returns the saved cursors."""
+    whole = read_epochs(mixture(built, weights, **settings).stream, 3, size)
+    cursors = []
+    for stop in range(1, len(whole)):
+        stopped = mixture(built, weights, **settings).stream
+        for _ in range(stop):
+            stopped.read(size)
+        cursors.append(json.loads(json.dumps(stopped.state_dict())))
+        restored = mixture(built, weights, **settings).stream
+        restored.load_state_dict(cursors[-1])
+        rest = read_epochs(restored, 3 - sum(not keys for keys in whole[:stop]), size)
+        assert whole[:stop] + rest == whole, f"resume after read {stop} differs"
+    return cursors
+
+
+@pytest.mark.parametrize("on_exhausted", ["stop", "reweight", "restart"])
+@pytest.mark.parametrize("strategy", ["weighted", "interleave"])
+def test_a_cursor_saved_after_any_read_continues_with_exactly_the_uninterrupted_samples(built, on_exhausted, strategy):
+    settings = {"on_exhausted": on_exhausted, "strategy": strategy, "mapping": {"max_samples": 25}}
+    if on_exhausted == "restart":
+        settings["num_samples"] = 120
+    cursors = check_cursor_resume(built, {"stream": 2, "mapping": 1, "indexed": 1}, settings, 7)
+    if on_exhausted == "stop":  # an epoch ended by another source leaves the stream's records read ahead waiting
+        assert any(cursor["sources"]["stream"]["pending"] for cursor in cursors)
+
+
+def test_a_cursor_saved_after_a_stream_ended_behind_records_read_ahead_continues_exactly(built):
+    """The mapping source's end cuts a read in which the stream's share ended: its last records wait, and its end
+    comes after them."""
+    cursors = check_cursor_resume(built, {"stream": 3, "mapping": 1}, {"mapping": {"max_samples": 6}}, 32)
+    assert any(cursor["sources"]["stream"]["ended"] and cursor["sources"]["stream"]["pending"] for cursor in cursors)
+
+
+def test_interleave_takes_the_sources_in_the_weights_round_robin(built):
+    dataset = mixture(built, {"stream": 2, "mapping": 1}, strategy="interleave", on_exhausted="reweight")
+    names = [payload["source"] for _, payload in dataset.stream.read(30)]
+    assert names == ["stream", "mapping", "stream"] * 10
 
 
 def test_a_state_saved_mid_epoch_continues_across_the_next_epoch(built):
