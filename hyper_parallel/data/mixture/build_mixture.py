@@ -175,6 +175,10 @@ class MixedSources:
         shuffle: read each source's epochs in a shuffled order (false: in record order, every epoch).
         log_every: a loader over the mixture logs what it has taken from each source every this many batches.
         num_samples: the length asked for (None: where the sources run out).
+
+    Attributes:
+        streams: per source, its stream (``stream_of``), or None for a source read by index.
+        budgets: per source, its ``MixtureSource.budget``.
     """
 
     def __init__(
@@ -187,9 +191,9 @@ class MixedSources:
         self.num_samples = num_samples
         self.names = [source.name for source in self.sources]
         self.known_names = list(self.names)
-        self._streams = [stream_of(source.dataset) for source in self.sources]
-        self._lengths = [0 if stream else len(s.dataset) for s, stream in zip(self.sources, self._streams, strict=True)]
-        self._budgets = [source.budget for source in self.sources]
+        self.streams = [stream_of(source.dataset) for source in self.sources]
+        self._lengths = [0 if stream else len(s.dataset) for s, stream in zip(self.sources, self.streams, strict=True)]
+        self.budgets = [source.budget for source in self.sources]
         self._transforms = [_transform_of(source.dataset) for source in self.sources]
         self.model_samples = any(transform is not None for transform in self._transforms)
         self.eod_token_id = self._common_eod()
@@ -241,17 +245,17 @@ class MixedSources:
                 "budget": None if budget is None else int(budget),
                 "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
             }
-            for source, budget in zip(self.sources, self._budgets, strict=True)
+            for source, budget in zip(self.sources, self.budgets, strict=True)
         }
 
     def mixture_tally(self) -> MixtureTally:
         """What a loader over this mixture keeps: the samples and tokens it delivered from each source."""
         return MixtureTally(self, self.log_every)
 
-    def _records(self, source: int, counts: np.ndarray) -> np.ndarray:
+    def records_of(self, source: int, counts: np.ndarray) -> np.ndarray:
         """The records of the ``counts``-th samples of ``source``: its budget is a cycle of epochs (``restart``
         begins the next cycle with new epochs), each read in its own shuffled order."""
-        length, budget = int(self._lengths[source]), int(self._budgets[source])
+        length, budget = int(self._lengths[source]), int(self.budgets[source])
         cycle, within = np.divmod(counts, budget)
         epochs = cycle * -(-budget // length) + within // length
         offsets = within % length
@@ -357,7 +361,7 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
                     "budget": int(budget),
                     "data": self._known[source.name]["data"],
                 }
-                for source, budget in zip(self.sources, self._budgets, strict=True)
+                for source, budget in zip(self.sources, self.budgets, strict=True)
             ],
         }
         return data_identity(self.description, entries)
@@ -455,7 +459,7 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
                     f"sample {int(np.flatnonzero(chosen)[0])} of the {self.description} is of the source "
                     f"{self.known_names[source]!r}, which is no longer mixed"
                 )
-            records[chosen] = self._records(source, counts[chosen])
+            records[chosen] = self.records_of(source, counts[chosen])
         return sources, records
 
     def where(self, index: int) -> str:
@@ -604,7 +608,7 @@ def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, n
         dataset,
         ", ".join(
             f"{s.name} " + ("streamed" if budget is None else f"budget {budget:,}")
-            for s, budget in zip(checked, dataset._budgets, strict=True)
+            for s, budget in zip(checked, dataset.budgets, strict=True)
         ),
     )
     return dataset

@@ -89,7 +89,7 @@ class StreamMixture(MixedSources):
             )
         self.draws = draws
         self.on_exhausted = on_exhausted
-        placements = {(stream.dp_rank, stream.dp_world_size) for stream in self._streams if stream is not None}
+        placements = {(stream.dp_rank, stream.dp_world_size) for stream in self.streams if stream is not None}
         if len(placements) > 1:
             raise DataConfigError(
                 "the streaming sources of the mixture were built for different DP ranks or sizes "
@@ -113,7 +113,7 @@ class StreamMixture(MixedSources):
         """Read as a stream in the loader's main process; the workers read or transform each sample's record."""
         readers = [
             source.dataset if stream is None else source.dataset.record_reading().records
-            for source, stream in zip(self.sources, self._streams, strict=True)
+            for source, stream in zip(self.sources, self.streams, strict=True)
         ]
         converters = [self.converter(source) for source in range(len(self.sources))]
         return RecordReading(self._mixture_transform(), self.stream, MixtureRecords(self.names, readers, converters))
@@ -126,7 +126,7 @@ class StreamMixture(MixedSources):
         """What a loader state keeps of the mixture: its settings and each source's weight, budget and data."""
         sources = {
             name: {"weight": self.weights[name], **entry, "stream": stream is not None}
-            for (name, entry), stream in zip(self._known.items(), self._streams, strict=True)
+            for (name, entry), stream in zip(self._known.items(), self.streams, strict=True)
         }
         return {**self.settings, "sources": sources}
 
@@ -181,8 +181,8 @@ class MixtureStream:
         self.mixture = mixture
         self.description = mixture.description
         self.dp_rank, self.dp_world_size, self.seed = mixture.dp_rank, mixture.dp_world_size, mixture.seed
-        self._streams = mixture._streams
-        self._budgets = mixture._budgets
+        self._streams = mixture.streams
+        self._budgets = mixture.budgets
         self._pass_sizes = [
             budget if stream is not None else len(range(self.dp_rank, budget, self.dp_world_size))
             for stream, budget in zip(self._streams, self._budgets, strict=True)
@@ -264,7 +264,7 @@ class MixtureStream:
                 counts = self._passes[source] * self._budgets[source] + (
                     (self._taken[source] + np.arange(len(slots))) * self.dp_world_size + self.dp_rank
                 )
-                for slot, index in zip(slots.tolist(), self.mixture._records(source, counts).tolist(), strict=True):
+                for slot, index in zip(slots.tolist(), self.mixture.records_of(source, counts).tolist(), strict=True):
                     keys[slot] = (self.sample + slot, {"source": name_of[source], "index": index})
             self._taken[source] += len(slots)
         self.sample += cut
