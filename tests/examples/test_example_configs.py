@@ -38,7 +38,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
 ONLINE = ("conversation_sft.yaml", "instruction_sft.yaml", "online_mapping_dynamic.yaml")
 INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml", "indexed_sft.yaml")
-MIXTURE = ("mixture.yaml",)
+MIXTURE = ("mixture.yaml", "mixture_stream.yaml")
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
 dataset:
@@ -268,6 +268,18 @@ def test_the_mixture_config_mixes_the_passages_and_emma_s_rows_by_weight_and_rea
     assert tally["sources"]["passages"]["samples"] == len(passage_tokens)
     assert tally["sources"]["emma"]["samples"] == len(mixture.sources[1].dataset)
     assert tally["sources"]["emma"]["tokens"] == 1024 * len(mixture.sources[1].dataset)
+
+
+def test_the_stream_mixture_config_mixes_the_stream_and_emma_s_rows_whatever_the_workers(in_workdir, tmp_path):
+    read = []
+    for workers in (0, 2):
+        config = example("mixture_stream.yaml", tmp_path / "hf")
+        loaders = build_dataloaders(config, tokenizer=BUNDLED_TOKENIZER_PATH, num_workers=workers)
+        batches = [batch.input_ids.tolist() for batch, _ in zip(loaders.train, range(12), strict=False)]
+        read.append((batches, loaders.train.state_dict()["mixture"]["sources"]))
+    assert read[0] == read[1] and len(read[0][0]) == 12
+    tally = read[0][1]
+    assert tally["passages"]["samples"] > 0 and tally["emma"]["samples"] > 0
 
 
 def _holds_piece(documents: list[list[int]], inputs: list[int], eod: int) -> bool:

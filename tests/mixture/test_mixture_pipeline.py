@@ -268,17 +268,6 @@ def test_bad_configs_are_refused_naming_the_key_and_the_fix(sources, change, mes
         build_mixture_dataset(**settings)
 
 
-def test_a_streaming_source_is_refused_with_the_fix(online_paths, tokenizer, tmp_path):
-    stream = build_online_text_dataset(
-        online_paths[0],
-        {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 256},
-        {"dataset_type": "iterable", "cache_dir": str(tmp_path)},
-        tokenizer=tokenizer,
-    )
-    with pytest.raises(DataConfigError, match="streaming .* data_config.dataset_type to mapping"):
-        build_mixture_dataset([node("s", 1, stream)])
-
-
 def test_the_pipeline_builds_a_mixture_node_with_nested_dataset_nodes(
     online_paths, indexed_prefix, tokenizer, tmp_path
 ):

@@ -88,7 +88,7 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
             data, transform, sampler, stream or packing settings or mixture plan than the others; ranks in epochs
-            that do not meet (one mid-epoch, another past its end); data sharding.
+            that do not meet (one mid-epoch, another past its end); data sharding; a mixture with a streaming source.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
@@ -97,6 +97,12 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
         )
     states = [migrate_loader_state(state, "merge_rank_states") for state in states]
     first = _common_envelope(states)
+    if "mixture" in first and first["source"]["kind"] != "mapping":
+        raise ResumeStateError(
+            "the states were saved over a mixture with a streaming source, whose order depends on the DP size (every "
+            "rank reads its own share of each source), so they cannot be merged for another DP size; resume each "
+            "rank's own state with the saved DP size, or start the new DP size without the states"
+        )
     by_rank = _states_by_rank(states, first["dp_world_size"])
     merged = {
         "version": ELASTIC_VERSION,

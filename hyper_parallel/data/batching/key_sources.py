@@ -18,6 +18,8 @@ What each source keeps in a state::
                                                        transformed again on load, and must give that window
     iterable   (position, record)  the stream cursor   {"input_ids": [...], "labels": [...]}: a stream is
                                                        not read twice, so the tokens themselves
+    mixture    (n, payload)        the mixture stream  the tokens (an Indexed row's "document_lengths" too),
+    stream                         cursor              with "sample", "source" and "window"
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 from hyper_parallel.data.parallel.batch_sampler import BatchLayout, DatasetBatchSampler
 from hyper_parallel.data.resume_checks import check_state_type, dataset_identity, state_field, transform_identity
 
-__all__ = ["KeyBatch", "MappingKeys", "StreamKeys", "key_source_for"]
+__all__ = ["KeyBatch", "MappingKeys", "MixtureStreamKeys", "StreamKeys", "key_source_for"]
 
 logger = get_logger(__name__)
 
@@ -348,6 +350,38 @@ class StreamKeys(_KeySource):
         return [(None, _saved_sample(sample, f"{where}[{position}]")) for position, sample in enumerate(saved)]
 
 
+class MixtureStreamKeys(StreamKeys):
+    """The keys of a mixture with a streaming source (``mixture.mixture_stream``): ``(n, payload)`` pairs naming
+    their source, read in this process like a stream's. A buffered sample keeps its sample number and source (with
+    its tokens, as a stream's), so that the mixture's tally counts it where it came from."""
+
+    def sample_key(self, key, window: int) -> tuple[tuple[int, str], int]:
+        return (key[0], key[1]["source"]), window
+
+    def encode_samples(self, entries: Sequence[tuple]) -> list[dict]:
+        encoded = super().encode_samples(entries)
+        for sample, (((number, name), window), model_sample) in zip(encoded, entries, strict=True):
+            sample.update(sample=int(number), source=name, window=int(window))
+            if "document_lengths" in model_sample:  # an Indexed row's documents, each a sequence of its own
+                sample["document_lengths"] = np.asarray(model_sample["document_lengths"]).tolist()
+        return encoded
+
+    def decode_samples(self, saved: list, where: str) -> list[tuple]:
+        entries = []
+        for position, sample in enumerate(saved):
+            name = f"{where}[{position}]"
+            check_state_type(sample, Mapping, name)
+            key = (state_field(sample, "sample", int, name), state_field(sample, "source", str, name))
+            decoded = _saved_sample(sample, name)
+            if "document_lengths" in sample:
+                lengths = np.asarray(state_field(sample, "document_lengths", list, name), dtype=np.int64)
+                if lengths.ndim != 1 or (lengths <= 0).any() or lengths.sum() != len(decoded["input_ids"]):
+                    raise ResumeStateError(f"{name}['document_lengths'] does not cover its input_ids; {_DAMAGED}")
+                decoded["document_lengths"] = lengths
+            entries.append(((key, state_field(sample, "window", int, name)), decoded))
+        return entries
+
+
 def _saved_sample(sample, name: str) -> dict:
     """A buffered stream sample from a state: ``input_ids`` and ``labels``, integer lists of one non-zero length."""
     check_state_type(sample, Mapping, name)
@@ -391,9 +425,8 @@ def key_source_for(dataset, options: LoaderOptions) -> MappingKeys | StreamKeys:
     reading = describe() if callable(describe) else None
     layout = options.layout
     if reading is not None and reading.stream is not None:
-        return StreamKeys(
-            dataset, reading.stream, reading.records, layout, options.sampler.drop_last, reading.transform
-        )
+        keys = MixtureStreamKeys if getattr(reading.stream, "mixed", False) else StreamKeys
+        return keys(dataset, reading.stream, reading.records, layout, options.sampler.drop_last, reading.transform)
     sampler = DatasetBatchSampler.from_options(len(dataset), layout, options.sampler)
     if reading is None:
         return MappingKeys(dataset, _ReadySamplesAsRecords(dataset), sampler, layout, None)

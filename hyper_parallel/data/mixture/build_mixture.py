@@ -1,6 +1,8 @@
 """Mix any dataset nodes by weight: the ``dataset`` node ``build_mixture_dataset`` and the ``MixtureDataset``.
 
-Owns: checking a mixture's sources and settings, turning a sample number of the mixture into a record of one of
+Owns: checking a mixture's sources and settings, what every mixture shares (``MixedSources``: its sources'
+identities and transforms, each source's epochs and their shuffles, the common form of its samples), turning a
+sample number of the mixture into a record of one of
 its sources (``mixture_order`` plans the source and its count; here each source's count becomes a record: a
 source is read in epochs, each in an order drawn from ``(seed, source name, epoch)``), reading records of several
 sources in one call, the common form of the samples of a mix (below), what a loader keeps of a mixture
@@ -14,7 +16,8 @@ gives their samples as they are, stacked by the Indexed collator. A mix with an 
 ModelSamples, packed by the Online collator: an Indexed sample enters as one ModelSample of ``seq_length`` tokens
 (its labels ``IGNORE_INDEX`` where its loss mask is 0) carrying ``document_lengths``, the lengths of its
 EOD-separated documents by the Indexed rule (``sequence_boundaries``), so each stays a sequence of its own in
-``cu_seq_lens``. Streaming (iterable) sources are refused: a stream cannot be read at a planned position.
+``cu_seq_lens``. A mix with a streaming (iterable) source is read in order instead, each stream from its own
+cursor (``mixture_stream.StreamMixture``, which this builder returns for it).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from hyper_parallel.data.batching.sequence_boundaries import eod_sequence_ends
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError, require_choice, require_int
-from hyper_parallel.data.mixture.mixture_order import EXHAUSTION_MODES, STRATEGIES, MixtureOrder
+from hyper_parallel.data.mixture.mixture_order import EXHAUSTION_MODES, STRATEGIES, MixtureOrder, SourceDraws
 from hyper_parallel.data.mixture.mixture_plan import MixturePlan
 from hyper_parallel.data.mixture.mixture_tally import MixtureTally
 from hyper_parallel.data.resume_checks import data_identity, dataset_identity, transform_identity
@@ -53,9 +56,11 @@ class MixtureSource:
     Attributes:
         name: names the source in logs, states and errors; unique within the mixture.
         weight: its share of the mixture (any positive scale; the weights are normalised).
-        dataset: the built dataset node: an Online mapping dataset (``build_online_text_dataset``) or an Indexed
-            dataset or blend (``build_indexed_text_dataset``; of ``(train, valid, test)``, the train split).
+        dataset: the built dataset node: an Online mapping or streaming dataset (``build_online_text_dataset``) or
+            an Indexed dataset or blend (``build_indexed_text_dataset``; of ``(train, valid, test)``, the train
+            split).
         epochs: how many passes over the dataset it gives before it is exhausted (may be fractional); default 1.
+            A stream gives one pass, ended where its share ends (its length is not known before).
         max_samples: how many samples it gives before it is exhausted, instead of ``epochs``.
     """
 
@@ -66,10 +71,13 @@ class MixtureSource:
     max_samples: int | None = None
 
     @property
-    def budget(self) -> int:
-        """The samples it gives before it is exhausted (with ``restart``: before it begins a new epoch)."""
+    def budget(self) -> int | None:
+        """The samples it gives before it is exhausted (with ``restart``: before it begins a new epoch); None for a
+        stream without ``max_samples``: it is exhausted where it ends."""
         if self.max_samples is not None:
             return self.max_samples
+        if stream_of(self.dataset) is not None:
+            return None
         return max(1, round((1.0 if self.epochs is None else self.epochs) * len(self.dataset)))
 
 
@@ -106,6 +114,11 @@ def _checked_source(entry, position: int) -> MixtureSource:
     if max_samples is not None:
         max_samples = require_int(f"{where}.max_samples", max_samples, 1)
     dataset = _train_split(entry["dataset"], where, name)
+    if epochs is not None and stream_of(dataset) is not None:
+        raise DataConfigError(
+            f"{where} ({name!r}) is a streaming (iterable) source and sets epochs {epochs!r}, but a stream's length "
+            "is not known before it ends: leave epochs out (one pass, to the stream's end) or set max_samples"
+        )
     return MixtureSource(name, float(weight), dataset, epochs, max_samples)
 
 
@@ -115,12 +128,8 @@ def _train_split(dataset, where: str, name: str):
         dataset = dataset[0] if dataset else None
         if dataset is None:
             raise DataConfigError(f"{where} ({name!r}): its dataset node built no train split")
-    reading = getattr(dataset, "record_reading", None)
-    if callable(reading) and reading() is not None and reading().stream is not None:
-        raise DataConfigError(
-            f"{where} ({name!r}) is a streaming (iterable) source, which cannot be read at a planned position; "
-            "set its data_config.dataset_type to mapping"
-        )
+    if stream_of(dataset) is not None:
+        return dataset
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise DataConfigError(
             f"{where} ({name!r}): its dataset node built a {type(dataset).__name__}, not a dataset read by index; "
@@ -129,6 +138,13 @@ def _train_split(dataset, where: str, name: str):
     if not len(dataset):
         raise DataConfigError(f"{where} ({name!r}): its dataset is empty")
     return dataset
+
+
+def stream_of(dataset):
+    """The stream of a streaming (iterable) Online dataset, read in the loader's main process; None for others."""
+    reading = getattr(dataset, "record_reading", None)
+    described = reading() if callable(reading) else None
+    return described.stream if isinstance(described, RecordReading) else None
 
 
 def _transform_of(dataset):
@@ -149,48 +165,40 @@ class _MixtureTransform:
         return "MixtureTransform(" + ", ".join(f"{name}={part}" for name, part in self.parts.items()) + ")"
 
 
-class MixtureDataset(torch.utils.data.Dataset):
-    """A dataset whose sample ``n`` is the sample ``MixtureOrder`` plans for ``n``, read from its source.
+class MixedSources:
+    """What every mixture keeps of its sources: their names, weights, identities and transforms, the records of
+    each source's ``c``-th sample (its epochs, each in its own shuffled order) and the common form of the samples.
 
     Args:
         sources: the checked sources, in order.
-        order: their order (``MixtureOrder`` over their weights and budgets).
         seed: keys each source's epoch shuffles.
         shuffle: read each source's epochs in a shuffled order (false: in record order, every epoch).
         log_every: a loader over the mixture logs what it has taken from each source every this many batches.
-        num_samples: the length asked for (None: where the sources run out), kept for a changed mixture's plan.
-        mixture_change: ``allow``: a loader state saved over other weights or sources continues with these
-            (``mixture_plan``); ``refuse``: such a state is refused.
+        num_samples: the length asked for (None: where the sources run out).
+
+    Attributes:
+        streams: per source, its stream (``stream_of``), or None for a source read by index.
+        budgets: per source, its ``MixtureSource.budget``.
     """
 
     def __init__(
-        self,
-        sources: Sequence[MixtureSource],
-        order: MixtureOrder,
-        *,
-        seed: int,
-        shuffle: bool,
-        log_every: int,
-        num_samples: int | None = None,
-        mixture_change: str = "refuse",
+        self, sources: Sequence[MixtureSource], *, seed: int, shuffle: bool, log_every: int, num_samples: int | None
     ) -> None:
         self.sources = list(sources)
-        self.order = order
         self.seed = seed
         self.shuffle = shuffle
         self.log_every = log_every
         self.num_samples = num_samples
-        self.mixture_change = mixture_change
         self.names = [source.name for source in self.sources]
-        self._lengths = np.array([len(source.dataset) for source in self.sources], dtype=np.int64)
-        self._budgets = np.array([source.budget for source in self.sources], dtype=np.int64)
+        self.known_names = list(self.names)
+        self.streams = [stream_of(source.dataset) for source in self.sources]
+        self._lengths = [0 if stream else len(s.dataset) for s, stream in zip(self.sources, self.streams, strict=True)]
+        self.budgets = [source.budget for source in self.sources]
         self._transforms = [_transform_of(source.dataset) for source in self.sources]
         self.model_samples = any(transform is not None for transform in self._transforms)
         self.eod_token_id = self._common_eod()
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
         self._known = self._source_entries()
-        self.adopt(MixturePlan.single(order, self.weights, self._known, self._settings()))
-        self._identity = self._built_identity()  # of the mixture as configured, whatever plan it later adopts
 
     def _common_eod(self) -> int | None:
         ready = [s for s, t in zip(self.sources, self._transforms, strict=True) if t is None]
@@ -208,11 +216,6 @@ class MixtureDataset(torch.utils.data.Dataset):
             )
         return next(iter(eods.values()), None)
 
-    # What loaders ask ----------------------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.plan)
-
     @property
     def weights(self) -> dict[str, float]:
         return {source.name: source.weight for source in self.sources}
@@ -228,15 +231,117 @@ class MixtureDataset(torch.utils.data.Dataset):
         known = [length for length in lengths if length is not None]
         return max(known) if known else None
 
-    def record_reading(self) -> RecordReading | None:
-        """Read by index; records of a mix with an Online source become ModelSamples (None: ready samples)."""
-        if not self.model_samples:
-            return None
+    def _mixture_transform(self) -> _MixtureTransform:
         parts = {
             source.name: ("ready samples" if t is None else transform_identity(t)["transform"])
             for source, t in zip(self.sources, self._transforms, strict=True)
         }
-        return RecordReading(_MixtureTransform(parts, self.max_seq_len))
+        return _MixtureTransform(parts, self.max_seq_len)
+
+    def _source_entries(self) -> dict[str, dict]:
+        """Each source's budget and data fingerprint, as a plan knows them (computed once, at construction)."""
+        return {
+            source.name: {
+                "budget": None if budget is None else int(budget),
+                "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
+            }
+            for source, budget in zip(self.sources, self.budgets, strict=True)
+        }
+
+    def mixture_tally(self) -> MixtureTally:
+        """What a loader over this mixture keeps: the samples and tokens it delivered from each source."""
+        return MixtureTally(self, self.log_every)
+
+    def records_of(self, source: int, counts: np.ndarray) -> np.ndarray:
+        """The records of the ``counts``-th samples of ``source``: its budget is a cycle of epochs (``restart``
+        begins the next cycle with new epochs), each read in its own shuffled order."""
+        length, budget = int(self._lengths[source]), int(self.budgets[source])
+        cycle, within = np.divmod(counts, budget)
+        epochs = cycle * -(-budget // length) + within // length
+        offsets = within % length
+        if not self.shuffle:
+            return offsets
+        records = np.empty(len(counts), dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            chosen = epochs == epoch
+            records[chosen] = self._permutation(source, epoch)[offsets[chosen]]
+        return records
+
+    def _permutation(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        permutation = self._permutations.get(key)
+        if permutation is None:
+            if len(self._permutations) >= 2 * len(self.sources):
+                del self._permutations[next(iter(self._permutations))]
+            name_word = zlib.crc32(self.sources[source].name.encode("utf-8"))
+            words = np.array([self.seed, name_word * _EPOCH_WORD + epoch], dtype=np.uint64)
+            generator = np.random.Generator(np.random.Philox(key=words))
+            permutation = self._permutations[key] = generator.permutation(int(self._lengths[source]))
+        return permutation
+
+    def converter(self, source: int):
+        """What turns a record of ``source`` as its dataset gives it into the mixture's form of it."""
+        if not self.model_samples or self._transforms[source] is not None:
+            return _same  # ready samples, or already the record's list of ModelSamples
+        return IndexedAsModelSample(self.eod_token_id)
+
+
+class IndexedAsModelSample:
+    """An Indexed sample as the record of one ModelSample, its documents kept apart by ``document_lengths``."""
+
+    def __init__(self, eod_token_id: int | None) -> None:
+        self.eod_token_id = eod_token_id
+
+    def __call__(self, sample: Mapping) -> list[dict]:
+        tokens = torch.as_tensor(sample["tokens"]).reshape(1, -1)
+        labels = torch.as_tensor(sample["labels"]).reshape(1, -1)
+        loss_mask = sample.get("loss_mask")
+        if loss_mask is not None:
+            labels = torch.where(torch.as_tensor(loss_mask).reshape(1, -1) > 0, labels, IGNORE_INDEX)
+        model_sample = {"input_ids": tokens[0].numpy().astype(np.int64), "labels": labels[0].numpy().astype(np.int64)}
+        if self.eod_token_id is not None:
+            ends = np.flatnonzero(eod_sequence_ends(tokens, labels, self.eod_token_id)[0]) + 1
+            bounds = np.unique(np.concatenate(([0], ends, [tokens.shape[1]])))
+            model_sample["document_lengths"] = np.diff(bounds)
+        return [model_sample]
+
+
+class MixtureDataset(MixedSources, torch.utils.data.Dataset):
+    """A dataset whose sample ``n`` is the sample ``MixtureOrder`` plans for ``n``, read from its source.
+
+    Args:
+        sources, seed, shuffle, log_every, num_samples: as for ``MixedSources`` (``num_samples`` is kept for a
+            changed mixture's plan).
+        order: their order (``MixtureOrder`` over their weights and budgets).
+        mixture_change: ``allow``: a loader state saved over other weights or sources continues with these
+            (``mixture_plan``); ``refuse``: such a state is refused.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[MixtureSource],
+        order: MixtureOrder,
+        *,
+        seed: int,
+        shuffle: bool,
+        log_every: int,
+        num_samples: int | None = None,
+        mixture_change: str = "refuse",
+    ) -> None:
+        super().__init__(sources, seed=seed, shuffle=shuffle, log_every=log_every, num_samples=num_samples)
+        self.order = order
+        self.mixture_change = mixture_change
+        self.adopt(MixturePlan.single(order, self.weights, self._known, self._settings()))
+        self._identity = self._built_identity()  # of the mixture as configured, whatever plan it later adopts
+
+    # What loaders ask ----------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def record_reading(self) -> RecordReading | None:
+        """Read by index; records of a mix with an Online source become ModelSamples (None: ready samples)."""
+        return RecordReading(self._mixture_transform()) if self.model_samples else None
 
     def data_identity(self) -> dict:
         """The sources' identities and the mixture's settings: a state resumes only over the same mixture (or,
@@ -256,22 +361,16 @@ class MixtureDataset(torch.utils.data.Dataset):
                     "budget": int(budget),
                     "data": self._known[source.name]["data"],
                 }
-                for source, budget in zip(self.sources, self._budgets, strict=True)
+                for source, budget in zip(self.sources, self.budgets, strict=True)
             ],
         }
         return data_identity(self.description, entries)
 
     # The plan, and a state's plan -----------------------------------------------------------------------------
 
-    def _source_entries(self) -> dict[str, dict]:
-        """Each source's budget and data fingerprint, as a plan knows them (computed once, at construction)."""
-        return {
-            source.name: {
-                "budget": int(budget),
-                "data": (dataset_identity(source.dataset) or {}).get("fingerprint", type(source.dataset).__name__),
-            }
-            for source, budget in zip(self.sources, self._budgets, strict=True)
-        }
+    def plan_state(self) -> dict:
+        """The plan as a loader state keeps it."""
+        return self.plan.state_dict()
 
     def _settings(self) -> dict:
         return {
@@ -329,10 +428,6 @@ class MixtureDataset(torch.utils.data.Dataset):
         """Whether each sample number is of a source mixed now (bool), not of one no longer mixed."""
         return self.sources_of(indices) < len(self.sources)
 
-    def mixture_tally(self) -> MixtureTally:
-        """What a loader over this mixture keeps: the samples and tokens it delivered from each source."""
-        return MixtureTally(self, self.log_every)
-
     def sources_of(self, indices) -> np.ndarray:
         """The source id (a position in ``known_names``) of each sample number."""
         return self.planned(indices)[0]
@@ -364,35 +459,8 @@ class MixtureDataset(torch.utils.data.Dataset):
                     f"sample {int(np.flatnonzero(chosen)[0])} of the {self.description} is of the source "
                     f"{self.known_names[source]!r}, which is no longer mixed"
                 )
-            records[chosen] = self._records(source, counts[chosen])
+            records[chosen] = self.records_of(source, counts[chosen])
         return sources, records
-
-    def _records(self, source: int, counts: np.ndarray) -> np.ndarray:
-        """The records of the ``counts``-th samples of ``source``: its budget is a cycle of epochs (``restart``
-        begins the next cycle with new epochs), each read in its own shuffled order."""
-        length, budget = int(self._lengths[source]), int(self._budgets[source])
-        cycle, within = np.divmod(counts, budget)
-        epochs = cycle * -(-budget // length) + within // length
-        offsets = within % length
-        if not self.shuffle:
-            return offsets
-        records = np.empty(len(counts), dtype=np.int64)
-        for epoch in np.unique(epochs).tolist():
-            chosen = epochs == epoch
-            records[chosen] = self._permutation(source, epoch)[offsets[chosen]]
-        return records
-
-    def _permutation(self, source: int, epoch: int) -> np.ndarray:
-        key = (source, epoch)
-        permutation = self._permutations.get(key)
-        if permutation is None:
-            if len(self._permutations) >= 2 * len(self.sources):
-                del self._permutations[next(iter(self._permutations))]
-            name_word = zlib.crc32(self.sources[source].name.encode("utf-8"))
-            words = np.array([self.seed, name_word * _EPOCH_WORD + epoch], dtype=np.uint64)
-            generator = np.random.Generator(np.random.Philox(key=words))
-            permutation = self._permutations[key] = generator.permutation(int(self._lengths[source]))
-        return permutation
 
     def where(self, index: int) -> str:
         (source,), (record,) = self.locate([index])
@@ -413,31 +481,10 @@ class MixtureDataset(torch.utils.data.Dataset):
             wanted = records[chosen].tolist()
             getitems = getattr(dataset, "__getitems__", None)
             fetched = getitems(wanted) if getitems is not None else [dataset[record] for record in wanted]
-            convert = self._converter(source)
+            convert = self.converter(source)
             for slot, item in zip(chosen.tolist(), fetched, strict=True):
                 items[slot] = convert(item)
         return items
-
-    def _converter(self, source: int):
-        if not self.model_samples:
-            return _same
-        if self._transforms[source] is not None:
-            return _same  # already the record's list of ModelSamples
-        return self._as_model_samples
-
-    def _as_model_samples(self, sample: Mapping) -> list[dict]:
-        """An Indexed sample as the record of one ModelSample, its documents kept apart by ``document_lengths``."""
-        tokens = torch.as_tensor(sample["tokens"]).reshape(1, -1)
-        labels = torch.as_tensor(sample["labels"]).reshape(1, -1)
-        loss_mask = sample.get("loss_mask")
-        if loss_mask is not None:
-            labels = torch.where(torch.as_tensor(loss_mask).reshape(1, -1) > 0, labels, IGNORE_INDEX)
-        model_sample = {"input_ids": tokens[0].numpy().astype(np.int64), "labels": labels[0].numpy().astype(np.int64)}
-        if self.eod_token_id is not None:
-            ends = np.flatnonzero(eod_sequence_ends(tokens, labels, self.eod_token_id)[0]) + 1
-            bounds = np.unique(np.concatenate(([0], ends, [tokens.shape[1]])))
-            model_sample["document_lengths"] = np.diff(bounds)
-        return [model_sample]
 
     def __repr__(self) -> str:
         return f"MixtureDataset({self.description}, {self.order.strategy}, {len(self):,} samples)"
@@ -484,7 +531,10 @@ def build_mixture_dataset(
             and these weights from the resume point (docs/mixtures.md).
 
     Returns:
-        A ``MixtureDataset``. Its order is fixed by the config and the seed, whatever the workers or DP size.
+        A ``MixtureDataset``: its order is fixed by the config and the seed, whatever the workers or DP size. With a
+        streaming (iterable) source, a ``mixture_stream.StreamMixture``, read in order: its order is fixed by the
+        config, the seed and the DP size, whatever the workers; ``num_samples`` is then each epoch's length, and a
+        state saved over another mixture is refused even with ``mixture_change: allow``.
     """
     if not isinstance(sources, Sequence) or isinstance(sources, str) or not sources:
         raise DataConfigError(
@@ -510,6 +560,8 @@ def build_mixture_dataset(
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise DataConfigError(f"sources names {duplicates} more than once; give every source its own name")
+    if any(stream_of(source.dataset) is not None for source in checked):
+        return _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples)
     budgets = [source.budget for source in checked]
     order = MixtureOrder(
         [source.weight for source in checked],
@@ -533,5 +585,30 @@ def build_mixture_dataset(
         dataset,
         ", ".join(f"{s.name} {len(s.dataset):,} samples, budget {b:,}" for s, b in zip(checked, budgets, strict=True)),
         "never" if order.exhausted_at is None else f"sample {order.exhausted_at:,}",
+    )
+    return dataset
+
+
+def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples):
+    """The mixture of sources of which at least one is a stream, read in order (``mixture_stream``)."""
+    from hyper_parallel.data.mixture.mixture_stream import StreamMixture  # it builds on MixedSources, defined here
+
+    draws = SourceDraws([source.weight for source in checked], strategy, seed)
+    dataset = StreamMixture(
+        checked,
+        draws,
+        on_exhausted=on_exhausted,
+        seed=seed,
+        shuffle=shuffle,
+        log_every=log_every,
+        num_samples=num_samples,
+    )
+    logger.info(
+        "%r: read in order, each stream from its own cursor; %s",
+        dataset,
+        ", ".join(
+            f"{s.name} " + ("streamed" if budget is None else f"budget {budget:,}")
+            for s, budget in zip(checked, dataset.budgets, strict=True)
+        ),
     )
     return dataset

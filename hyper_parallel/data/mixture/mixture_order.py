@@ -1,8 +1,10 @@
 """The order of a mixture: which source, and which of its samples, each sample number of the mixture takes.
 
-Owns: ``MixtureOrder``, a pure function of the weights, each source's budget, the strategy, what happens when a
-source runs out, and the seed, planning sample numbers ``[a, b)`` (``plan``) or any sample numbers (``plan_at``)
-in vectorised numpy, without replaying the numbers before them; and the mixture's length. Not responsible for:
+Owns: ``SourceDraws``, the source each sample number draws in a phase of the sources drawn (also read in order
+by a mixture with a streaming source, ``mixture_stream``), and ``MixtureOrder``, a pure function of the weights,
+each source's budget, the strategy, what happens when a source runs out, and the seed, planning sample numbers
+``[a, b)`` (``plan``) or any sample numbers (``plan_at``) in vectorised numpy, without replaying the numbers
+before them; and the mixture's length. Not responsible for:
 which record a source's ``c``-th sample is (``build_mixture``: its epochs and their shuffles), reading sources, or
 batching.
 
@@ -32,7 +34,7 @@ import numpy as np
 
 from hyper_parallel.data.errors import DataConfigError
 
-__all__ = ["BLOCK", "EXHAUSTION_MODES", "STRATEGIES", "MixtureOrder"]
+__all__ = ["BLOCK", "EXHAUSTION_MODES", "STRATEGIES", "MixtureOrder", "SourceDraws", "ranks_within"]
 
 BLOCK = 4096  # sample numbers per Philox key; positions are kept per block
 STRATEGIES = ("weighted", "interleave")
@@ -80,6 +82,51 @@ def interleave_period(weights: Sequence[float]) -> np.ndarray:
     return period
 
 
+class SourceDraws:
+    """The source each sample number draws, by the strategy, in a phase of the sources drawn from its start on.
+
+    Args:
+        weights: one positive weight per source (any scale; a phase normalises those of its sources).
+        strategy: ``weighted`` or ``interleave`` (module docstring).
+        seed: keys the weighted draws.
+    """
+
+    def __init__(self, weights: Sequence[float], strategy: str, seed: int) -> None:
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.strategy, self.seed = strategy, seed
+        self._uniforms: tuple[int, np.ndarray] | None = None  # the last block's, read again by reads in order
+
+    def phase(self, start: int, active: np.ndarray) -> _Phase:
+        """The phase drawing the sources ``active`` (ids) from sample number ``start`` on."""
+        active = np.asarray(active, dtype=np.int64)
+        weights = self.weights[active] / self.weights[active].sum()
+        thresholds = np.cumsum(weights)
+        thresholds[-1] = 1.0
+        period = interleave_period(weights) if self.strategy == "interleave" else np.empty(0, dtype=np.int64)
+        return _Phase(start, active, thresholds, active[period] if len(period) else period)
+
+    def sources(self, phase: _Phase, numbers: np.ndarray) -> np.ndarray:
+        """The source ids that sample ``numbers`` (at or after ``phase.start``) draw in ``phase``."""
+        if self.strategy == "interleave":
+            return phase.period[(numbers - phase.start) % len(phase.period)]
+        drawn = np.searchsorted(phase.thresholds, self._uniforms_of(numbers), side="right")
+        return phase.active[np.minimum(drawn, len(phase.active) - 1)]
+
+    def _uniforms_of(self, numbers: np.ndarray) -> np.ndarray:
+        blocks, offsets = np.divmod(numbers, BLOCK)
+        uniforms = np.empty(len(numbers), dtype=np.float64)
+        for block in np.unique(blocks).tolist():
+            chosen = blocks == block
+            uniforms[chosen] = self._block_uniforms(block)[offsets[chosen]]
+        return uniforms
+
+    def _block_uniforms(self, block: int) -> np.ndarray:
+        if self._uniforms is None or self._uniforms[0] != block:
+            key = np.array([self.seed, _BLOCK_KEY | np.uint64(block)], dtype=np.uint64)
+            self._uniforms = (block, np.random.Generator(np.random.Philox(key=key)).random(BLOCK))
+        return self._uniforms[1]
+
+
 class MixtureOrder:
     """Which source, and which of its samples, each sample number of a mixture takes.
 
@@ -106,7 +153,8 @@ class MixtureOrder:
         self.weights = np.asarray(weights, dtype=np.float64)
         self.budgets = [None if on_exhausted == "restart" else budget for budget in budgets]
         self.strategy, self.on_exhausted, self.seed = strategy, on_exhausted, seed
-        self.phases: list[_Phase] = [self._phase(0, np.arange(len(self.weights)))]
+        self.draws = SourceDraws(weights, strategy, seed)
+        self.phases: list[_Phase] = [self.draws.phase(0, np.arange(len(self.weights)))]
         self._prefix: list | np.ndarray = [np.zeros(len(self.weights), dtype=np.int64)]  # counts before each block
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the sources of recently planned blocks
         natural = self._scan(num_samples)
@@ -123,13 +171,6 @@ class MixtureOrder:
         else:
             self.length = num_samples
 
-    def _phase(self, start: int, active: np.ndarray) -> _Phase:
-        weights = self.weights[active] / self.weights[active].sum()
-        thresholds = np.cumsum(weights)
-        thresholds[-1] = 1.0
-        period = interleave_period(weights) if self.strategy == "interleave" else np.empty(0, dtype=np.int64)
-        return _Phase(start, active, thresholds, active[period] if len(period) else period)
-
     # Planning ---------------------------------------------------------------------------------------------------
 
     def _block_plan(self, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -140,7 +181,7 @@ class MixtureOrder:
             if len(self._blocks) >= _CACHED_BLOCKS:
                 del self._blocks[next(iter(self._blocks))]
             sources = self._drawn(block)
-            planned = self._blocks[block] = (sources, _ranks(sources))
+            planned = self._blocks[block] = (sources, ranks_within(sources))
         return planned
 
     def _drawn(self, block: int) -> np.ndarray:
@@ -148,17 +189,9 @@ class MixtureOrder:
         starts = np.array([phase.start for phase in self.phases], dtype=np.int64)
         which = np.searchsorted(starts, numbers, side="right") - 1
         sources = np.empty(BLOCK, dtype=np.int64)
-        uniforms = None
         for index in np.unique(which):
-            phase, chosen = self.phases[index], which == index
-            if self.strategy == "weighted":
-                if uniforms is None:
-                    key = np.array([self.seed, _BLOCK_KEY | np.uint64(block)], dtype=np.uint64)
-                    uniforms = np.random.Generator(np.random.Philox(key=key)).random(BLOCK)
-                drawn = np.searchsorted(phase.thresholds, uniforms[chosen], side="right")
-                sources[chosen] = phase.active[np.minimum(drawn, len(phase.active) - 1)]
-            else:
-                sources[chosen] = phase.period[(numbers[chosen] - phase.start) % len(phase.period)]
+            chosen = which == index
+            sources[chosen] = self.draws.sources(self.phases[index], numbers[chosen])
         return sources
 
     def _positions(self, block: int) -> np.ndarray:
@@ -191,7 +224,7 @@ class MixtureOrder:
                     remaining = self.phases[-1].active[self.phases[-1].active != source]
                     if self.on_exhausted == "stop" or not len(remaining):
                         return end
-                    self.phases.append(self._phase(end, remaining))
+                    self.phases.append(self.draws.phase(end, remaining))
                     self._blocks.clear()  # this block and the next are drawn anew from the new phase
                     continue
             self._prefix.append(after)
@@ -240,7 +273,7 @@ class MixtureOrder:
         return self.length
 
 
-def _ranks(sources: np.ndarray) -> np.ndarray:
+def ranks_within(sources: np.ndarray) -> np.ndarray:
     """Each entry's count of equal entries before it: ``[0, 1, 0, 0]`` gives ``[0, 0, 1, 2]``."""
     order = np.argsort(sources, kind="stable")
     ranked = sources[order]

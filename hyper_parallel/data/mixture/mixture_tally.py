@@ -48,20 +48,20 @@ class MixtureTally:
         self.tokens = np.zeros(len(self.names), dtype=np.int64)
         self.batches = 0
 
-    def count_records(self, keys: Sequence[int], tokens: np.ndarray) -> None:
-        """Count a delivered batch of whole records (a fixed loader's): their sample numbers and tokens."""
+    def count_records(self, keys: Sequence, tokens: np.ndarray) -> None:
+        """Count a delivered batch of whole records (a fixed loader's): their keys (sample numbers, or a mixture
+        stream's keys) and tokens."""
         given = tokens > 0
-        sources = self.mixture.sources_of(np.asarray(keys, dtype=np.int64)[given])
-        self._count(sources, tokens[given])
+        self._count(self.mixture.sources_of(keys)[given], tokens[given])
 
     def count_samples(self, entries: Iterable[tuple]) -> None:
-        """Count a delivered batch of ``((sample number, window), ModelSample)`` entries (a dynamic loader's)."""
+        """Count a delivered batch of ``((sample key, window), ModelSample)`` entries (a dynamic loader's)."""
         keys, windows, lengths = [], [], []
         for (index, window), sample in entries:
             keys.append(index)
             windows.append(window)
             lengths.append(len(sample["input_ids"]))
-        sources = self.mixture.sources_of(np.asarray(keys, dtype=np.int64))
+        sources = self.mixture.sources_of(keys)
         np.add.at(self.samples, sources[np.asarray(windows) == 0], 1)  # a record counts once, with its first window
         np.add.at(self.tokens, sources, np.asarray(lengths, dtype=np.int64))
         self._delivered()
@@ -89,7 +89,7 @@ class MixtureTally:
                     self.names, self.weights, self.samples, self.tokens, strict=True
                 )
             },
-            "plan": self.mixture.plan.state_dict(),
+            "plan": self.mixture.plan_state(),
         }
 
     def check_state(self, state) -> None:

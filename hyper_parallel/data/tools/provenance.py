@@ -50,6 +50,7 @@ from hyper_parallel.data.indexed.indexed_lazy_dataset import LazyDatasetProxy
 from hyper_parallel.data.indexed.indexed_pretrain_dataset import GPTDataset, GPTFromMRDataset
 from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.mixture.build_mixture import MixtureDataset
+from hyper_parallel.data.mixture.mixture_stream import StreamMixture
 from hyper_parallel.data.parallel.scheduling.plan import build_schedule
 from hyper_parallel.data.resume_checks import dataset_identity, stable_hash, transform_identity
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
@@ -171,6 +172,12 @@ def _provenance(config, first, count, split, dp_rank, dp_size, state, micro_batc
 
 
 def _tracer(loader, split: str):
+    if isinstance(loader.dataset, StreamMixture):
+        raise DataConfigError(
+            f"the {split} split is a mixture with a streaming source, whose samples are known only as its streams "
+            "are read (a state keeps the tokens of buffered samples, not their records), so provenance cannot name "
+            "them; ask it of a mixture of mapping (dataset_type: mapping) and Indexed sources"
+        )
     if isinstance(loader, DynamicBatchDataLoader):
         return _DynamicTracer(loader)
     if isinstance(loader, FixedBatchDataLoader):
