@@ -8,8 +8,9 @@ import json
 import logging
 
 import pytest
-from object_storage_server import s3_server  # noqa: F401 - the fixture
+from object_storage_server import BUCKET, s3_server  # noqa: F401 - the fixture
 
+from hyper_parallel.data.errors import DataFileError
 from hyper_parallel.data.indexed.indexed_data_config import IndexedDataConfig
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
@@ -72,6 +73,25 @@ def test_sequences_per_dataset_reads_the_url_headers(pairs, capsys, tmp_path):
         assert run(build_sequences_per_dataset, capsys, *argv)[0] == 0
         counts.append(json.loads(out.read_text()))
     assert list(counts[1]) == remote and list(counts[1].values()) == list(counts[0].values())
+
+
+def test_a_sequences_file_at_a_url_is_written_and_read_as_a_local_one(pairs, capsys, tmp_path, s3_server):  # noqa: F811
+    """The counts file goes to the bucket in one request and a data_config reads it there; a missing one is named."""
+    remote = pairs[1]
+    url = f"s3://{BUCKET}/tools/sequences.json"
+    local = tmp_path / "sequences.json"
+    for out in (url, local):
+        argv = ["--data-path", "30", remote[0], "70", remote[1], "--per-dataset-sequences-path", out]
+        assert run(build_sequences_per_dataset, capsys, *argv)[0] == 0
+    assert s3_server.cat_file(url) == local.read_bytes()
+    loaded = IndexedDataConfig(seq_length=32, per_dataset_sequences_path=url).load_sequences_per_dataset()
+    assert (
+        loaded == IndexedDataConfig(seq_length=32, per_dataset_sequences_path=str(local)).load_sequences_per_dataset()
+    )
+    assert list(loaded) == remote
+    absent = IndexedDataConfig(seq_length=32, per_dataset_sequences_path=url + ".absent")
+    with pytest.raises(DataFileError, match=rf"per_dataset_sequences_path {url}\.absent does not exist"):
+        absent.load_sequences_per_dataset()
 
 
 def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, logs, tokenizer, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError, require_int
 from hyper_parallel.data.indexed.index_cache import CacheOptions
-from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX
+from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX, read_file_bytes
 from hyper_parallel.data.parallel.build_barrier import DEFAULT_LOCK_TIMEOUT_S
 
 __all__ = [
@@ -282,15 +282,17 @@ class IndexedDataConfig:
         """
         if self.per_dataset_sequences_path is None:
             return None
-        path, fix = Path(self.per_dataset_sequences_path), self.sequences_file_fix
+        path, fix = os.fspath(self.per_dataset_sequences_path), self.sequences_file_fix
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataFileError(f"per_dataset_sequences_path {path} does not exist; {fix}") from None
+            data = read_file_bytes(path)  # a local file or an object at a URL
         except OSError as error:
             raise DataFileError(
                 f"per_dataset_sequences_path {path} cannot be read ({error.strerror or error}); {fix}"
             ) from None
+        if data is None:
+            raise DataFileError(f"per_dataset_sequences_path {path} does not exist; {fix}")
+        try:
+            raw = json.loads(data.decode("utf-8"))
         except UnicodeDecodeError as error:
             raise DataFileError(
                 f"per_dataset_sequences_path {path} is not UTF-8 JSON (byte {error.start}: {error.reason}); {fix}"
@@ -319,7 +321,7 @@ def _json_described(value, limit: int = 60) -> str:
     return f"the JSON {_JSON_KINDS.get(type(value), type(value).__name__)} {shown}"
 
 
-def _listed_counts(prefix: str, counts, path: Path, fix: str) -> tuple[int, int]:
+def _listed_counts(prefix: str, counts, path: str, fix: str) -> tuple[int, int]:
     """``[sequence_count, document_count]`` of ``prefix`` in the counts file, checked: two integers in range."""
     where = f"per_dataset_sequences_path {path}: '{prefix}'"
     if not isinstance(counts, list) or len(counts) != 2:

@@ -39,6 +39,7 @@ __all__ = [
     "open_reader",
     "pair_exists",
     "read_small_object",
+    "write_small_object",
 ]
 
 DEFAULT_BLOCK_BYTES = 4 << 20
@@ -464,6 +465,16 @@ def read_small_object(url: str) -> bytes | None:
         return fs.cat_file(path)
     except FileNotFoundError:
         return None
+
+
+def write_small_object(url: str, data: bytes) -> None:
+    """Write ``data`` (a small JSON file) as the object ``url`` in one request: a reader finds the whole object or
+    none, so no temporary key is needed."""
+    fs, path = _url_to_fs(url)
+    try:
+        fs.pipe_file(path, data)
+    except (OSError, ValueError) as error:
+        raise DataFileError(f"cannot write {url}: {error}; check the bucket and the credentials") from None
 
 
 def object_sequence_counts(prefix: str) -> tuple[int, int]:

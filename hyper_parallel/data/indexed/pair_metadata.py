@@ -40,6 +40,7 @@ __all__ = [
     "manifest_path",
     "metadata_path",
     "partition_prefixes",
+    "read_file_bytes",
     "read_pair_metadata",
 ]
 
@@ -97,8 +98,9 @@ class PairMetadata:
         return next((name for name in COMPARED_FIELDS if getattr(self, name) != getattr(other, name)), None)
 
 
-def _read_bytes(path: str | Path) -> bytes | None:
-    """The file's bytes, None if it does not exist. Plain ``os`` calls: blends of many sources read one each."""
+def read_file_bytes(path: str | Path) -> bytes | None:
+    """The bytes of a local file or of an object at an fsspec URL, None if it does not exist. Plain ``os`` calls
+    for a file: blends of many sources read one each."""
     if "://" in os.fspath(path):  # beside a prefix in object storage; that module imports this one
         from hyper_parallel.data.indexed.object_storage import read_small_object
 
@@ -118,7 +120,7 @@ def _read_bytes(path: str | Path) -> bytes | None:
 
 def _load_json(path: str | Path) -> object | None:
     try:
-        data = _read_bytes(path)
+        data = read_file_bytes(path)
     except OSError as error:
         raise DataFileError(f"{path}: cannot be read ({error.strerror or error}); {_REWRITE}") from None
     if data is None:

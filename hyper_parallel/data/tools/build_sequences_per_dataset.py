@@ -33,7 +33,8 @@ from tqdm import tqdm
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.file_writes import write_atomically
 from hyper_parallel.data.indexed.indexed_data_config import DataPath, parse_blend
-from hyper_parallel.data.indexed.indexed_data_reader import read_sequence_counts
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url, read_sequence_counts
+from hyper_parallel.data.indexed.object_storage import write_small_object
 from hyper_parallel.data.tools.cli import command_parser
 
 __all__ = ["build_parser", "collect_prefixes", "main", "write_sequences_per_dataset"]
@@ -85,14 +86,15 @@ def write_sequences_per_dataset(
 
     Args:
         prefixes: dataset prefixes, used as the keys exactly as given.
-        output_path: the JSON file; its directory must exist.
+        output_path: the JSON file (its directory must exist), or an object at an fsspec URL.
         progress: show a progress bar when writing to a terminal.
 
     Returns:
         The mapping written.
     """
-    output_path = Path(output_path)
-    if not output_path.parent.is_dir():
+    remote = is_object_url(os.fspath(output_path))
+    output_path = os.fspath(output_path) if remote else Path(output_path)
+    if not remote and not output_path.parent.is_dir():
         raise DataConfigError(
             f"cannot write {output_path}: directory {output_path.parent} does not exist; create it first"
         )
@@ -101,7 +103,11 @@ def write_sequences_per_dataset(
         prefix: list(read_sequence_counts(prefix))
         for prefix in tqdm(prefixes, desc="reading .idx headers", unit="prefix", disable=None if progress else True)
     }
-    write_atomically(output_path, (json.dumps(counts, indent=1) + "\n").encode("utf-8"))
+    data = (json.dumps(counts, indent=1) + "\n").encode("utf-8")
+    if remote:
+        write_small_object(output_path, data)
+    else:
+        write_atomically(output_path, data)
     return counts
 
 
@@ -134,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-dataset-sequences-path",
         required=True,
         metavar="OUT.json",
-        help="the JSON file to write, e.g. --per-dataset-sequences-path /data/sequences_per_dataset.json",
+        help="the JSON file to write (or an fsspec URL), e.g. --per-dataset-sequences-path "
+        "/data/sequences_per_dataset.json",
     )
     return parser
 
