@@ -361,8 +361,10 @@ class Outputs:
         self.next_record += encoded.records
 
     def seal(self) -> int:
-        """Complete every key's files under their temporary names; returns the tail tokens dropped by packing."""
-        return sum(out.seal() for out in self.by_key.values())
+        """Complete every key's files under their temporary names; returns the tail tokens dropped by packing (a loss
+        mask drops the entries of the same tokens, not counted again)."""
+        dropped = {key: out.seal() for key, out in self.by_key.items()}
+        return sum(count for key, count in dropped.items() if not self.by_key[key].is_mask)
 
     def publish(self) -> None:
         """Rename every sealed file into place."""
