@@ -141,6 +141,7 @@ def test_a_record_without_its_instruction_or_answer_names_the_line_the_field_and
         ({"chat_template": None, "input_key": "context"}, "input_key names a field of instruction records"),
         ({"instruction_key": "q", "role_map": {"human": "user"}}, "instruction records have fixed roles"),
         ({"instruction_key": "q", "output_key": "q"}, "three different fields"),
+        ({"instruction_key": "q", "input_key": ""}, "must be field names"),
         ({"instruction_key": "q", "json_keys": ("a", "b")}, "exactly one json key \\(which names the output\\)"),
     ],
 )

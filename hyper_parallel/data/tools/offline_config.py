@@ -193,8 +193,9 @@ class OfflinePreparationConfig:
                 "role_map renames the roles of conversations; instruction records have fixed roles (user asks, "
                 "assistant answers), so drop it"
             )
-        object.__setattr__(self, "input_key", self.input_key or "input")
-        object.__setattr__(self, "output_key", self.output_key or "output")
+        for name, default in (("input_key", "input"), ("output_key", "output")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         fields = self.instruction_fields
         if any(not isinstance(name, str) or not name for name in fields):
             raise DataConfigError(f"instruction_key, input_key and output_key must be field names, got {list(fields)}")

@@ -197,7 +197,11 @@ class _OpenFiles:
 
 
 class _PartitionWriter:
-    """Writes one partition of one key; with packing, keeps the token carry-over of this partition only."""
+    """Writes one partition of one key; with packing, keeps the token carry-over of this partition only.
+
+    A loss mask's writer gets the same documents of the same lengths as its tokens' writer, so packing cuts both
+    at the same places: record r of the mask holds the entries of the tokens of record r.
+    """
 
     def __init__(self, prefix: str, dtype: np.dtype, pack_to_seq_len: int | None, files: _OpenFiles) -> None:
         self.prefix = prefix
