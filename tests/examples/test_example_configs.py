@@ -172,6 +172,18 @@ def test_the_offline_records_pair_is_what_the_command_in_its_comment_writes(
         assert written == (in_workdir / "quickstart_output" / f"train_text_document{suffix}").read_bytes()
 
 
+def test_the_packed_sft_pairs_are_what_the_command_in_its_comment_writes(in_workdir, tmp_path, restore_package_logger):
+    comment = [line[1:].strip() for line in (EXAMPLES / "indexed_packed_sft.yaml").read_text().splitlines()]
+    argv = shlex.split(next(line for line in comment if line.startswith(".venv/bin/hp-data prepare ")))[2:]
+    argv[argv.index("--output-prefix") + 1] = str(tmp_path / "instructions")
+    argv[argv.index("--tokenizer-name-or-path") + 1] = str(BUNDLED_TOKENIZER_PATH)  # the repository's, from here
+    assert offline_preparation.main(argv + ["--workers", "1"]) == 0
+    for pair in ("instructions_text_document", "instructions_text_document_loss_mask"):
+        for suffix in (".bin", ".idx"):
+            written = (tmp_path / f"{pair}{suffix}").read_bytes()
+            assert written == (in_workdir / "quickstart_output" / f"{pair}{suffix}").read_bytes()
+
+
 # -- built and delivering batches ---------------------------------------------------------------------------------
 
 
