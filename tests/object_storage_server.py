@@ -7,6 +7,7 @@ import http.client
 import http.server
 import socket
 import threading
+import urllib.request
 
 import pytest
 import s3fs
@@ -19,10 +20,13 @@ BUCKET = "hp-data-test"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """An S3 file system over a fresh server holding the empty bucket ``BUCKET``; stopped after the module."""
+    """An S3 file system over a fresh server holding the empty bucket ``BUCKET`` (and no other); stopped after the
+    module."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets per process, not per server: empty them, or a second module would find the first's.
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AWS_ACCESS_KEY_ID", "testing")
         env.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -77,17 +77,22 @@ INDEXED = {
 }
 
 
+def write_indexed_corpus(prefix: Path, documents: int, seed: int) -> Path:
+    """A seeded Indexed pair at ``prefix``: ``documents`` documents of 5 to 89 random token ids."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(documents):
+        length = int(rng.integers(5, 90))
+        builder.add_document(rng.integers(2, 8000, size=length), [length])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
 @pytest.fixture(scope="module")
 def indexed_config(tmp_path_factory) -> dict:
     """A pipeline config of the Indexed path (fixed batches of GPTDataset samples) over 300 random documents."""
     directory = tmp_path_factory.mktemp("indexed")
-    prefix = directory / "corpus_text_document"
-    rng = np.random.default_rng(3)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(300):
-        length = int(rng.integers(5, 90))
-        builder.add_document(rng.integers(2, 8000, size=length), [length])
-    builder.finalize(f"{prefix}.idx")
+    prefix = write_indexed_corpus(directory / "corpus_text_document", documents=300, seed=3)
     config = copy.deepcopy(INDEXED)
     config["dataset"]["data_path"] = str(prefix)
     config["dataset"]["data_config"]["data_cache_path"] = str(directory / "cache")

@@ -13,11 +13,11 @@ from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.batching.get_batch import MODEL_INPUT_KEYS
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
-from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.instantiate import load_config
 from hyper_parallel.data.parallel.data_schedule_utils import PackingSchedulerConfig
 from hyper_parallel.data.text.transform_dataset import IterableTransformDataset, TransformDataset
 
+from .conftest import write_indexed_corpus
 from .resume_check import check_exact_resume
 
 ONLINE_CONFIG = """
@@ -170,13 +170,7 @@ INDEXED_CONFIG = {
 
 
 def test_the_indexed_config_builds_a_loader_per_split(tmp_path, tokenizer_path):
-    prefix = tmp_path / "corpus_text_document"
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(200):
-        length = int(rng.integers(5, 90))
-        builder.add_document(rng.integers(2, 8000, size=length), [length])
-    builder.finalize(f"{prefix}.idx")
+    prefix = write_indexed_corpus(tmp_path / "corpus_text_document", documents=200, seed=0)
     config = {**INDEXED_CONFIG, "dataset": {**INDEXED_CONFIG["dataset"], "data_path": str(prefix)}}
     config["dataset"]["data_config"] = {**config["dataset"]["data_config"], "data_cache_path": str(tmp_path / "cache")}
 
@@ -514,19 +508,7 @@ def test_the_packing_schedulers_pad_token_id_must_lie_in_the_vocabulary(
         build_dataloaders(config, tokenizer=tokenizer_path)
 
 
-def indexed_prefix(tmp_path):
-    """A small Indexed corpus (seeded): 200 documents of 5 to 89 tokens."""
-    prefix = tmp_path / "corpus_text_document"
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(200):
-        length = int(rng.integers(5, 90))
-        builder.add_document(rng.integers(2, 8000, size=length), [length])
-    builder.finalize(f"{prefix}.idx")
-    return prefix
-
-
-def indexed_config(tmp_path, prefix, **data_config):
+def seeded_indexed_config(tmp_path, prefix, **data_config):
     node = {**INDEXED_CONFIG["dataset"]["data_config"], "data_cache_path": str(tmp_path / "cache"), **data_config}
     return {**INDEXED_CONFIG, "dataset": {**INDEXED_CONFIG["dataset"], "data_path": str(prefix), "data_config": node}}
 
@@ -539,20 +521,23 @@ def first_train_tokens(config, tokenizer_path, **keywords):
 def test_the_pipelines_seed_is_the_indexed_order(tmp_path, tokenizer_path):
     """build_dataloaders(seed=...) reaches the Indexed order: seed 7 orders the samples as random_seed 7 written in
     the config does, and unlike the default 1234; without a seed, the config's random_seed keeps its order."""
-    prefix = indexed_prefix(tmp_path)
-    by_seed = first_train_tokens(indexed_config(tmp_path, prefix), tokenizer_path, seed=7)
-    by_random_seed = first_train_tokens(indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path)
-    default = first_train_tokens(indexed_config(tmp_path, prefix), tokenizer_path)
+    prefix = write_indexed_corpus(tmp_path / "corpus_text_document", documents=200, seed=0)
+    by_seed = first_train_tokens(seeded_indexed_config(tmp_path, prefix), tokenizer_path, seed=7)
+    by_random_seed = first_train_tokens(seeded_indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path)
+    default = first_train_tokens(seeded_indexed_config(tmp_path, prefix), tokenizer_path)
     assert np.array_equal(by_seed, by_random_seed)
     assert not np.array_equal(by_seed, default)
-    same = first_train_tokens(indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path, seed=7)
+    same = first_train_tokens(seeded_indexed_config(tmp_path, prefix, random_seed=7), tokenizer_path, seed=7)
     assert np.array_equal(same, by_seed)  # written and given alike: no conflict
-    loaders = build_dataloaders(indexed_config(tmp_path, prefix), tokenizer=tokenizer_path, micro_batch_size=4, seed=7)
+    loaders = build_dataloaders(
+        seeded_indexed_config(tmp_path, prefix), tokenizer=tokenizer_path, micro_batch_size=4, seed=7
+    )
     assert loaders.train.options.sampler.seed == 7  # the same seed seeds the sampler
 
 
 def test_a_written_random_seed_other_than_the_given_seed_is_refused_naming_both(tmp_path, tokenizer_path):
-    config = indexed_config(tmp_path, indexed_prefix(tmp_path), random_seed=99)
+    prefix = write_indexed_corpus(tmp_path / "corpus_text_document", documents=200, seed=0)
+    config = seeded_indexed_config(tmp_path, prefix, random_seed=99)
     with pytest.raises(DataConfigError, match=r"^dataset: data_config\.random_seed is 99, but the pipeline's seed "):
         build_dataloaders(config, tokenizer=tokenizer_path, seed=7)
     with pytest.raises(DataConfigError, match=r"remove random_seed from data_config, set it to 7, or leave seed out"):

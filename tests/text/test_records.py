@@ -203,8 +203,9 @@ def _records_with_locations(chunks) -> list[tuple[str, int, object]]:
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 5, 8])
 def test_split_ranges_read_in_order_give_every_record_once(tmp_path, parts):
-    """Byte ranges of JSON-lines files (blank lines, a file without a final newline, an empty file) and row groups
-    of Parquet files, read part after part, give exactly the records and line or row numbers of one pass."""
+    """Byte ranges of JSON-lines files (blank lines, a file without a final newline, an empty file), row groups
+    of Parquet files and rows of Arrow files (an IPC stream of several batches, an IPC file of one batch), read
+    part after part, give exactly the records and line or row numbers of one pass."""
     lines = tmp_path / "lines"
     lines.mkdir()
     texts = random_texts(90, seed=3)
@@ -217,10 +218,20 @@ def test_split_ranges_read_in_order_give_every_record_once(tmp_path, parts):
     tables.mkdir()
     for name, part in (("a", texts[:37]), ("b", texts[37:])):
         pq.write_table(pa.table({"text": part}), tables / f"{name}.parquet", row_group_size=6)
-    for directory in (lines, tables):
+    arrows = tmp_path / "arrows"
+    arrows.mkdir()
+    batches = pa.table({"text": texts[:41], "other": list(range(41))})
+    with pa.ipc.new_stream(arrows / "a.arrow", batches.schema) as writer:
+        for batch in batches.to_batches(max_chunksize=9):
+            writer.write_batch(batch)
+    with pa.ipc.new_file(arrows / "b.arrow", pa.schema([("text", pa.string())])) as writer:
+        writer.write_table(pa.table({"text": texts[41:]}))
+    for directory in (lines, tables, arrows):
         files, fmt = resolve_data_files(directory)
         expected = _records_with_locations(iter_record_chunks(files, fmt, chunk_size=4))
         ranges = split_record_ranges(files, fmt, parts)
         assert len(ranges) == parts
         read = [record for part in ranges for record in _records_with_locations(iter_range_chunks(part, fmt, 4))]
         assert read == expected
+    one_batch = split_record_ranges([arrows / "b.arrow"], "arrow", parts)
+    assert all(len(part) == 1 for part in one_batch)  # a file of one batch is cut between rows, one range per part

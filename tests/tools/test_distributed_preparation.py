@@ -6,6 +6,7 @@ compared byte for byte with a single-process run of the same input and settings.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -13,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+from object_storage_server import BUCKET, s3_server  # noqa: F401 - the fixture
 
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.indexed.pair_metadata import partition_prefixes
@@ -63,13 +66,31 @@ def torchrun(processes: int, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=DEADLINE)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def finish(processes: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """Wait for every process within the deadline; on a hang, kill them all so that none outlives the test."""
+    finished = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=DEADLINE)
+            finished.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return finished
+
+
 def ranks_by_hand(processes: int, argv: list[str], **variables: str) -> list[subprocess.CompletedProcess]:
     """Start the ranks as torchrun would, without its agent: the agent stops every rank with SIGTERM as soon as one
     exits non-zero, which would hide whether the ranks stop by themselves."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes), **variables}
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(processes), **variables}
     ranks = [
         subprocess.Popen(
             [sys.executable, *argv],
@@ -80,15 +101,28 @@ def ranks_by_hand(processes: int, argv: list[str], **variables: str) -> list[sub
         )
         for rank in range(processes)
     ]
-    finished = []
-    for rank in ranks:
-        stdout, stderr = rank.communicate(timeout=DEADLINE)
-        finished.append(subprocess.CompletedProcess(rank.args, rank.returncode, stdout, stderr))
-    return finished
+    return finish(ranks)
 
 
 def published(directory: Path) -> list[str]:
     return sorted(path.name for path in directory.iterdir())
+
+
+def two_nodes(argv: list[str]) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents of two ranks each on this host, as two nodes meeting at a static rendezvous."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes = [
+        subprocess.Popen(
+            [*launcher, "--node-rank", str(node), *rendezvous, *argv],
+            env=environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    return finish(nodes)
 
 
 @pytest.mark.parametrize("processes", [1, 2, 4])
@@ -100,6 +134,54 @@ def test_output_is_byte_identical_to_one_process_for_any_number_of_ranks(corpus,
         assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
     assert published(tmp_path) == [f"corpus_text_document.{extension}" for extension in sorted(PAIR_FILES)]
     assert re.search(r"documents written\s+360\b", result.stdout)  # the run's total, not one rank's
+
+
+def test_two_nodes_of_two_ranks_write_the_bytes_of_one_process(corpus, reference, tmp_path):
+    prefix = tmp_path / "corpus"
+    results = two_nodes(prepare_argv(corpus, prefix, "--distributed-timeout", "30"))
+    assert [result.returncode for result in results] == [0, 0], [result.stderr for result in results]
+    for extension in PAIR_FILES:
+        assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
+    assert published(tmp_path) == [f"corpus_text_document.{extension}" for extension in sorted(PAIR_FILES)]
+    assert re.search(r"documents written\s+360\b", results[0].stdout)
+    assert "rank 2 finished its part" in results[1].stdout and "rank 3 finished its part" in results[1].stdout
+
+
+def test_ranks_share_one_arrow_file_and_write_the_bytes_of_one_process(corpus, tmp_path):
+    records = [json.loads(line) for path in sorted(corpus.iterdir()) for line in path.open() if line.strip()]
+    table = pa.Table.from_pylist(records)
+    arrow = tmp_path / "data" / "records.arrow"
+    arrow.parent.mkdir()
+    with pa.ipc.new_stream(arrow, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=70):
+            writer.write_batch(batch)
+    single = tmp_path / "single"
+    prepare(arrow, single, chunk_size=16)
+    prefix = tmp_path / "out" / "corpus"
+    result = torchrun(3, prepare_argv(arrow, prefix, "--keep-partition-files"))
+    assert result.returncode == 0, result.stderr
+    for extension in PAIR_FILES:
+        merged = Path(f"{prefix}_text_document.{extension}").read_bytes()
+        assert merged == Path(f"{single}_text_document.{extension}").read_bytes()
+    assert all(read_documents(part) for part in partition_prefixes(f"{prefix}_text_document"))  # every rank read rows
+
+
+def test_ranks_publish_to_a_bucket_through_the_object_store_alone(s3_server, corpus, reference, tmp_path):  # noqa: F811
+    """Every rank stages its part in a directory of its own: the parts reach rank 0 through the bucket."""
+    url = f"s3://{BUCKET}/ranks/corpus"
+    result = torchrun(2, prepare_argv(corpus, url, "--keep-partition-files"))
+    assert result.returncode == 0, result.stderr
+    for extension in PAIR_FILES:
+        assert s3_server.cat_file(f"{url}_text_document.{extension}") == Path(f"{reference}.{extension}").read_bytes()
+    s3_server.invalidate_cache()
+    names = sorted(path.rsplit("/", 1)[-1] for path in s3_server.ls(f"{BUCKET}/ranks", detail=False))
+    parts = [f"corpus_{rank}_text_document.{extension}" for rank in range(2) for extension in sorted(PAIR_FILES)]
+    assert names == sorted(
+        [*parts, "corpus_text_document.partitions.json", *(f"corpus_text_document.{e}" for e in PAIR_FILES)]
+    )
+    manifest = json.loads(s3_server.cat_file(f"{url}_text_document.partitions.json"))
+    assert [part["prefix"] for part in manifest["partitions"]] == ["corpus_0_text_document", "corpus_1_text_document"]
+    assert "documents written" in result.stdout and f"{url}_text_document" in result.stdout
 
 
 def test_kept_partitions_of_every_key_are_the_ranks_parts_listed_by_their_manifest(corpus, tmp_path):

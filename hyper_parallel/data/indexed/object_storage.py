@@ -15,10 +15,13 @@ another version. Needs the ``[s3]`` extra (s3fs) for ``s3://``.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
@@ -28,8 +31,10 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_CACHE_BYTES",
     "BlockCache",
+    "ObjectFile",
     "ObjectIndexedDataReader",
     "RemoteObject",
+    "list_objects",
     "object_sequence_counts",
     "open_reader",
     "pair_exists",
@@ -84,12 +89,22 @@ class RemoteObject:
 
     Args:
         url: the object's URL.
-        prefix: the Indexed prefix it belongs to, for errors.
+        prefix: the Indexed prefix it belongs to, for errors; None for a data file of its own.
+        size, identity: the object's size and identity as a listing gave them, which saves asking for them.
     """
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str | None = None, size: int | None = None, identity: str = "") -> None:
         self.url, self.prefix = url, prefix
+        # Errors name the Indexed prefix the object belongs to, or else the data file alone.
+        self._about = f"indexed dataset '{prefix}': " if prefix is not None else ""
+        self._since = "its index was read" if prefix is not None else "it was listed"
+        self._fix = _REUPLOAD if prefix is not None else "Upload the file again, or leave it out of the data path."
         self._fs, self._path = _url_to_fs(url)
+        self._file = None
+        self._pid = os.getpid()
+        if size is not None:  # as a listing gave it: no request
+            self.size, self.identity = size, identity
+            return
         try:
             info = self._fs.info(self._path)
         except FileNotFoundError:
@@ -99,15 +114,12 @@ class RemoteObject:
             ) from None
         except PermissionError as error:
             raise DataFileError(
-                f"indexed dataset '{prefix}': {url} cannot be read ({error}); check the credentials and the "
-                "object's permissions"
+                f"{self._about}{url} cannot be read ({error}); check the credentials and the object's permissions"
             ) from None
         if info.get("type") == "directory":
-            raise DataFileError(f"indexed dataset '{prefix}': {url} is a directory, where a data file belongs")
+            raise DataFileError(f"{self._about}{url} is a directory, where a data file belongs")
         self.size = int(info["size"])
         self.identity = _identity_of(info)
-        self._file = None
-        self._pid = os.getpid()
 
     def _open_file(self):
         """A file object of the version first seen: s3fs makes each of its ranged requests conditional on it."""
@@ -123,10 +135,14 @@ class RemoteObject:
         return self._file
 
     def _changed_error(self) -> DataFileError:
+        if self.prefix is not None:
+            consequence, kind = "its tokens would no longer match the index", "pair"
+        else:
+            consequence, kind = "records of two versions would be mixed", "file"
         return DataFileError(
-            f"indexed dataset '{self.prefix}': {self.url} changed after its index was read (identity "
-            f"{self.identity} then another), so its tokens would no longer match the index. Restart the job once "
-            f"the upload is complete; never overwrite a pair that a job reads. {_REUPLOAD}"
+            f"{self._about}{self.url} changed after {self._since} (identity {self.identity} then another), so "
+            f"{consequence}. Restart the job once the upload is complete; never overwrite a {kind} that a job reads. "
+            f"{self._fix}"
         )
 
     def read(self, offset: int, size: int) -> bytes:
@@ -146,26 +162,128 @@ class RemoteObject:
             except replaced:
                 raise self._changed_error() from None
             except FileNotFoundError:
-                raise DataFileError(
-                    f"indexed dataset '{self.prefix}': {self.url} was deleted after its index was read. {_REUPLOAD}"
-                ) from None
+                raise DataFileError(f"{self._about}{self.url} was deleted after {self._since}. {self._fix}") from None
             except DataFileError:
                 raise
             except Exception as error:
                 if isinstance(error, _FINAL_ERRORS):
                     raise DataFileError(
-                        f"indexed dataset '{self.prefix}': cannot read bytes [{offset}, {offset + size}) of "
-                        f"{self.url}: {error}"
+                        f"{self._about}cannot read bytes [{offset}, {offset + size}) of {self.url}: {error}"
                     ) from None
                 last = error
                 self._file = None  # a dropped connection leaves the file object unusable
                 if attempt + 1 < _ATTEMPTS:
                     time.sleep(_FIRST_BACKOFF_S * 2**attempt)
         raise DataFileError(
-            f"indexed dataset '{self.prefix}': reading bytes [{offset}, {offset + size}) of {self.url} failed "
+            f"{self._about}reading bytes [{offset}, {offset + size}) of {self.url} failed "
             f"{_ATTEMPTS} times; the last error: {type(last).__name__}: {last}. Check the network and the storage "
             "service, then resume from the last checkpoint."
         )
+
+
+class ObjectStat(NamedTuple):
+    """What the record readers ask of a file's status: its size."""
+
+    st_size: int
+
+
+@dataclass(frozen=True)
+class ObjectFile:
+    """A data file in object storage (a JSONL, Parquet... object) as a listing found it: where local files are
+    ``Path`` objects, the record readers take these, through ``name``, ``stat()`` and ``open()``.
+
+    Attributes:
+        url: the object's URL.
+        size: its size in bytes.
+        identity: its version (ETag or version id) when listed; a stream of it refuses any other version.
+    """
+
+    url: str
+    size: int
+    identity: str
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    def stat(self) -> ObjectStat:
+        return ObjectStat(self.size)
+
+    def open(self, mode: str = "rb", buffer_size: int = DEFAULT_BLOCK_BYTES) -> io.BufferedReader:
+        """A seekable binary stream of the version listed, read by ranged requests of ``buffer_size`` bytes with the
+        retries of ``RemoteObject``; an object replaced or deleted since the listing is a DataFileError."""
+        if mode != "rb":
+            raise ValueError(f"{self.url}: objects open for reading in binary ('rb'), not {mode!r}")
+        return io.BufferedReader(_ObjectStream(RemoteObject(self.url, None, self.size, self.identity)), buffer_size)
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class _ObjectStream(io.RawIOBase):
+    """A remote object as a raw binary file: each read is one ranged request of ``RemoteObject.read``."""
+
+    def __init__(self, remote: RemoteObject) -> None:
+        self._remote = remote
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._remote.size}[whence]
+        self._position = max(0, start + offset)
+        return self._position
+
+    def readall(self) -> bytes:  # in one request, where io's default reads 8 KiB at a time
+        data = self._remote.read(self._position, max(0, self._remote.size - self._position))
+        self._position += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        if self._position >= self._remote.size:
+            return 0
+        data = self._remote.read(self._position, len(buffer))
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+def list_objects(url: str, is_glob: bool) -> tuple[list[ObjectFile], bool]:
+    """The objects that ``url`` names, sorted by path: a glob's matches, the objects directly in a directory, or the
+    object itself (none when nothing is there); and whether ``url`` is a directory. Read afresh each time, never
+    from the file system's cache of an earlier listing, so that identities are current."""
+    fs, path = _url_to_fs(url)
+    fs.invalidate_cache()
+    directory = False
+    try:
+        if is_glob:
+            infos = list(fs.glob(path, detail=True).values())
+        else:
+            try:
+                infos = [fs.info(path)]
+            except FileNotFoundError:
+                return [], False
+            directory = infos[0].get("type") == "directory"
+            if directory:
+                infos = fs.ls(path, detail=True)
+    except PermissionError as error:
+        raise DataFileError(
+            f"{url} cannot be listed ({error}); check the credentials and the bucket's permissions"
+        ) from None
+    files = [
+        ObjectFile(fs.unstrip_protocol(info["name"]), int(info["size"]), _identity_of(info))
+        for info in infos
+        if info.get("type") == "file"
+    ]
+    # By path components, as local paths sort: "d/a" before "d-x/b", where the plain strings sort the other way.
+    return sorted(files, key=lambda file: file.url.split("/")), directory
 
 
 class BlockCache:

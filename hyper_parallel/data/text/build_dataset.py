@@ -134,11 +134,12 @@ def build_online_text_dataset(
     seed: int = 1234,
     return_tensors: str = "np",
 ):
-    """Build the Online dataset: local files read with Hugging Face ``datasets``, tokenized when read.
+    """Build the Online dataset: data files read with Hugging Face ``datasets``, tokenized when read.
 
     Args:
         data_path: a JSON/JSONL/Parquet/CSV/Arrow file, a glob, a directory of such files, a list of those (read in
-            the order given, each entry's files sorted by path), or a ``save_to_disk`` directory.
+            the order given, each entry's files sorted by path), or a local ``save_to_disk`` directory; files, globs
+            and directories may be fsspec URLs (``s3://bucket/dir/*.jsonl``).
         data_transform: a transform (e.g. from ``build_llm_data_transform``) or a mapping of its arguments.
         data_config: an ``OnlineDataConfig`` or a mapping of its fields; ``dataset_type`` picks ``mapping``
             (``streaming=False``) or ``iterable`` (``streaming=True``).

@@ -5,6 +5,9 @@ streaming raw records out of them in chunks with their line or row numbers, so t
 came from; a file that cannot be read to its end (a truncated ``.gz``, a CSV quote left open) is an error naming
 the line; recognising a ``save_to_disk`` directory and choosing its split. JSON and text lines stay undecoded
 bytes here: decoding and parsing happen where the records are consumed (often a worker process).
+A file may be an fsspec URL (``s3://bucket/dir/*.jsonl``, a directory URL): its files are then listed through
+fsspec, sorted by path as local files are, and each is an ``ObjectFile`` (URL, size, identity) that the readers
+stream by ranged requests of exactly the version listed, where a local file is a ``Path``.
 Not responsible for: opening files with Hugging Face ``datasets`` (``text.online.online_utils``), tokenization,
 transforms or sampling.
 """
@@ -25,12 +28,16 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
+from hyper_parallel.data.indexed.object_storage import ObjectFile, list_objects
+from hyper_parallel.data.resume_checks import file_entries
 
 __all__ = [
     "FILE_FORMATS",
     "FileRange",
     "RecordChunk",
     "count_records",
+    "data_file_entries",
     "file_format",
     "iter_range_chunks",
     "iter_record_chunks",
@@ -56,6 +63,8 @@ _GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 _GLOB_CHARS = set("*?[")
 
 RecordKind = Literal["json_lines", "text_lines", "records"]
+# A data file: a local path, or an object in object storage.
+DataFile = Path | ObjectFile
 
 
 @dataclass
@@ -122,8 +131,11 @@ def data_path_entries(data_path: str | os.PathLike | Sequence[str | os.PathLike]
     return [os.fspath(entry) for entry in entries]
 
 
-def resolve_data_files(path_or_pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[list[Path], str]:
-    """Resolve a file, a glob or a directory (not recursive), or a list of them, into files of one format.
+def resolve_data_files(
+    path_or_pattern: str | os.PathLike | Sequence[str | os.PathLike],
+) -> tuple[list[DataFile], str]:
+    """Resolve a file, a glob or a directory (not recursive), or a list of them, into files of one format; an
+    entry that is a URL gives ``ObjectFile`` objects, a local one ``Path`` objects.
 
     Returns:
         The files and their format name: each entry's files sorted by path for a deterministic order, the entries
@@ -136,15 +148,15 @@ def resolve_data_files(path_or_pattern: str | os.PathLike | Sequence[str | os.Pa
     if len(entries) > 1:
         resolved = [(entry, *_resolve_one(entry)) for entry in entries]
         files = [file for _, entry_files, _ in resolved for file in entry_files]
-        seen: dict[Path, str] = {}
+        seen: dict[DataFile, str] = {}
         for entry, entry_files, _ in resolved:
             for file in entry_files:
-                if file.resolve() in seen:
+                key = file.resolve() if isinstance(file, Path) else file.url
+                if key in seen:
                     raise DataFileError(
-                        f"data_path names {file} twice (through {seen[file.resolve()]!r} and {entry!r}); list each "
-                        "file once"
+                        f"data_path names {file} twice (through {seen[key]!r} and {entry!r}); list each file once"
                     )
-                seen[file.resolve()] = entry
+                seen[key] = entry
         kinds = sorted({fmt for _, _, fmt in resolved})
         if len(kinds) > 1:
             raise DataFileError(f"the data_path list {entries} mixes formats {kinds}; give files of one format")
@@ -152,28 +164,10 @@ def resolve_data_files(path_or_pattern: str | os.PathLike | Sequence[str | os.Pa
     return _resolve_one(entries[0])
 
 
-def _resolve_one(spec: str) -> tuple[list[Path], str]:
+def _resolve_one(spec: str) -> tuple[list[DataFile], str]:
     """One file, glob or directory: its files sorted by path, of one format."""
-    path = Path(spec).expanduser()
-    if _GLOB_CHARS & set(spec):
-        candidates = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
-        if not candidates:
-            raise DataFileError(f"the pattern '{spec}' matches no files; check the path and the quoting of the glob")
-    elif path.is_dir():
-        if is_saved_hf_dataset(path):
-            raise DataFileError(
-                f"{path} is a Hugging Face dataset saved with save_to_disk; convert it with "
-                "`python -m hyper_parallel.data.tools.huggingface_offline` instead"
-            )
-        candidates = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and file_format(p)]
-        if not candidates:
-            raise DataFileError(f"the directory {path} holds no data files; supported: {_supported()}")
-    elif path.is_file():
-        candidates = [path]
-    else:
-        raise DataFileError(f"no such file or directory: {spec}; pass a file, a directory or a glob of data files")
-    files = sorted(candidates)
-    formats = {p: file_format(p) for p in files}
+    files = _objects_named(spec) if is_object_url(spec) else sorted(_local_files_named(spec))
+    formats = {p: file_format(p.name) for p in files}
     unsupported = [str(p) for p, fmt in formats.items() if fmt is None]
     if unsupported:
         raise DataFileError(f"unsupported file type: {unsupported[0]}; supported: {_supported()}")
@@ -183,6 +177,63 @@ def _resolve_one(spec: str) -> tuple[list[Path], str]:
             f"'{spec}' mixes formats {kinds}; process one format per run (e.g. narrow the glob to *.jsonl)"
         )
     return files, kinds[0]
+
+
+def _saved_dataset_error(where: str | Path) -> DataFileError:
+    return DataFileError(
+        f"{where} is a Hugging Face dataset saved with save_to_disk; convert it with "
+        "`python -m hyper_parallel.data.tools.huggingface_offline` instead"
+    )
+
+
+def _objects_named(spec: str) -> list[ObjectFile]:
+    """The objects of one URL file, glob or directory, sorted by path."""
+    is_glob = bool(_GLOB_CHARS & set(spec))
+    objects, is_directory = list_objects(spec, is_glob)
+    if is_directory:
+        names = {file.name for file in objects}
+        if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:
+            raise _saved_dataset_error(spec)
+        objects = [file for file in objects if not file.name.startswith(".") and file_format(file.name)]
+        if not objects:
+            raise DataFileError(f"the directory {spec} holds no data files; supported: {_supported()}")
+    elif not objects:
+        if is_glob:
+            raise DataFileError(f"the pattern '{spec}' matches no objects; check the bucket, the key and the glob")
+        raise DataFileError(f"no such object or directory: {spec}; check the bucket and the key")
+    return objects
+
+
+def _local_files_named(spec: str) -> list[Path]:
+    """The files of one local file, glob or directory, in any order."""
+    path = Path(spec).expanduser()
+    if _GLOB_CHARS & set(spec):
+        candidates = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+        if not candidates:
+            raise DataFileError(f"the pattern '{spec}' matches no files; check the path and the quoting of the glob")
+    elif path.is_dir():
+        if is_saved_hf_dataset(path):
+            raise _saved_dataset_error(path)
+        candidates = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and file_format(p)]
+        if not candidates:
+            raise DataFileError(f"the directory {path} holds no data files; supported: {_supported()}")
+    elif path.is_file():
+        candidates = [path]
+    else:
+        raise DataFileError(f"no such file or directory: {spec}; pass a file, a directory or a glob of data files")
+    return candidates
+
+
+def data_file_entries(files: Iterable[DataFile]) -> dict[str, str]:
+    """The identity of each file for loader states: a local file's size and modification time
+    (``resume_checks.file_entries``), an object's size and identity as listed."""
+    entries = {}
+    for file in files:
+        if isinstance(file, ObjectFile):
+            entries[file.url] = f"{file.size} bytes, identity {file.identity}"
+        else:
+            entries.update(file_entries([file]))
+    return entries
 
 
 class _CountingReader(io.RawIOBase):
@@ -201,8 +252,8 @@ class _CountingReader(io.RawIOBase):
         return n
 
 
-def _open_lines(path: Path) -> tuple[BinaryIO, _CountingReader]:
-    counter = _CountingReader(open(path, "rb"))  # noqa: SIM115 - closed with the returned stream
+def _open_lines(path: DataFile) -> tuple[BinaryIO, _CountingReader]:
+    counter = _CountingReader(path.open("rb"))  # noqa: SIM115 - closed with the returned stream
     raw = io.BufferedReader(counter, buffer_size=1 << 20)
     stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
     return stream, counter
@@ -355,11 +406,11 @@ def _table_columns(path: Path, schema_names: Sequence[str], columns: Sequence[st
     return list(columns)
 
 
-def _open_parquet(path: Path):
+def _open_parquet(path: DataFile):
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path if isinstance(path, Path) else path.open("rb"))
     except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
         raise DataFileError(f"{path}: not a readable Parquet file ({error})") from None
 
@@ -389,7 +440,7 @@ def _parquet_chunks(
 def _arrow_batches(path: Path):
     import pyarrow as pa
 
-    source = pa.memory_map(str(path))
+    source = pa.memory_map(str(path)) if isinstance(path, Path) else path.open("rb")
     try:
         reader = pa.ipc.open_stream(source)  # Hugging Face writes the IPC stream format
     except pa.ArrowInvalid:
@@ -401,18 +452,33 @@ def _arrow_batches(path: Path):
     return reader.schema, iter(reader)
 
 
-def _arrow_chunks(path: Path, chunk_size: int, columns: Sequence[str] | None) -> Iterator[RecordChunk]:
+def _arrow_row_count(path: Path) -> int:
+    """The rows of an Arrow file, from its batches' headers (mapped, not read)."""
+    return sum(batch.num_rows for batch in _arrow_batches(path)[1])
+
+
+def _arrow_chunks(
+    path: Path, chunk_size: int, columns: Sequence[str] | None, rows: range | None = None
+) -> Iterator[RecordChunk]:
+    """The rows of an Arrow file, or its ``rows`` only (numbered as in the whole file)."""
     schema, batches = _arrow_batches(path)
     selected = _table_columns(path, schema.names, columns)
     size = path.stat().st_size
+    total = None if rows is None else max(_arrow_row_count(path), 1)
+    first_wanted, stop = (0, None) if rows is None else (rows.start, rows.stop)
     row = 0
     for batch in batches:
+        first = row
+        row += batch.num_rows
+        if stop is not None and first >= stop:
+            break
+        begin, end = max(first, first_wanted), row if stop is None else min(row, stop)
         if selected is not None:
             batch = batch.select(selected)
-        for start in range(0, batch.num_rows, chunk_size):
-            items = batch.slice(start, chunk_size).to_pylist()
-            yield RecordChunk(str(path), "records", items, list(range(row, row + len(items))), "row", size)
-            row += len(items)
+        for start in range(begin, end, chunk_size):
+            items = batch.slice(start - first, min(chunk_size, end - start)).to_pylist()
+            read = size if total is None else size * (start + len(items) - first_wanted) // total
+            yield RecordChunk(str(path), "records", items, list(range(start, start + len(items))), "row", read)
 
 
 def _file_chunks(
@@ -445,13 +511,15 @@ def iter_record_chunks(
         chunk_bytes: line formats also close a chunk once it holds this many bytes, so that chunks of long
             documents stay small.
     """
-    return iter_range_chunks((FileRange(Path(path)) for path in files), fmt, chunk_size, columns, chunk_bytes)
+    ranges = (FileRange(path if isinstance(path, ObjectFile) else Path(path)) for path in files)
+    return iter_range_chunks(ranges, fmt, chunk_size, columns, chunk_bytes)
 
 
 @dataclass(frozen=True)
 class FileRange:
     """A part of one input file that holds whole records: bytes ``[start, end)`` of a JSON-lines or text file (the
-    lines that start there), row groups ``[start, end)`` of a Parquet file, or the whole file (``end`` None)."""
+    lines that start there), row groups ``[start, end)`` of a Parquet file, rows ``[start, end)`` of an Arrow file,
+    or the whole file (``end`` None)."""
 
     path: Path
     start: int = 0
@@ -469,8 +537,9 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
     """Split ``files`` into ``parts`` consecutive lists of ranges of about equal size, records never cut.
 
     Reading part 0, then part 1, ... gives every record once, in the order of ``iter_record_chunks``. Line files
-    are cut at any byte (a line belongs to the range it starts in), Parquet files between row groups, other files
-    (compressed, CSV, Arrow, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
+    are cut at any byte (a line belongs to the range it starts in), Arrow files between rows (a cut at a fraction
+    of the file's bytes falls at that fraction of its rows), Parquet files between row groups, other files
+    (compressed, CSV, JSON arrays) not at all: a file or row group goes to the part its first byte is in.
     """
     units: list[tuple[Path, int, int, bool]] = []  # (file, row group or -1, weight, cuttable)
     for path in map(Path, files):
@@ -478,17 +547,21 @@ def split_record_ranges(files: Sequence[Path], fmt: str, parts: int) -> list[lis
             metadata = _open_parquet(path).metadata
             units += [(path, g, metadata.row_group(g).total_byte_size, False) for g in range(metadata.num_row_groups)]
         else:
-            units.append((path, -1, path.stat().st_size, _line_file_is_cuttable(path, fmt)))
+            cuttable = fmt == "arrow" or _line_file_is_cuttable(path, fmt)
+            units.append((path, -1, path.stat().st_size, cuttable))
     total = sum(weight for _, _, weight, _ in units)
     bounds = [total * part // parts for part in range(parts + 1)]
     ranges: list[list[FileRange]] = [[] for _ in range(parts)]
     offset = 0
     for path, group, weight, cuttable in units:
         if cuttable:
+            rows = _arrow_row_count(path) if fmt == "arrow" else None
             for part in range(parts):
-                start, end = max(offset, bounds[part]), min(offset + weight, bounds[part + 1])
+                start, end = max(offset, bounds[part]) - offset, min(offset + weight, bounds[part + 1]) - offset
+                if rows is not None:  # the same fraction of the rows: neighbouring parts meet at one row
+                    start, end = rows * start // weight, rows * end // weight
                 if start < end:
-                    ranges[part].append(FileRange(path, start - offset, end - offset))
+                    ranges[part].append(FileRange(path, start, end))
         else:
             part = min(max(bisect.bisect_right(bounds, offset) - 1, 0), parts - 1)
             previous = ranges[part][-1] if ranges[part] else None
@@ -560,6 +633,8 @@ def iter_range_chunks(
             chunks = _file_chunks(part.path, fmt, chunk_size, columns, chunk_bytes)
         elif fmt == "parquet":
             chunks = _parquet_chunks(part.path, chunk_size, columns, range(part.start, part.end))
+        elif fmt == "arrow":
+            chunks = _arrow_chunks(part.path, chunk_size, columns, range(part.start, part.end))
         else:
             kind: RecordKind = "json_lines" if fmt == "json" else "text_lines"
             chunks = _line_range_chunks(part.path, kind, part.start, part.end, chunk_size, chunk_bytes)

@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
             nargs="*",
             default=[],
             metavar="PATH",
-            help=f"prefixes, directories or a blend list (weights are skipped), as in training, e.g. --{name}-path "
-            f"{example}",
+            help=f"prefixes (local or fsspec URLs), directories or a blend list (weights are skipped), as in training, "
+            f"e.g. --{name}-path {example}",
         )
     parser.add_argument(
         "--per-dataset-sequences-path",

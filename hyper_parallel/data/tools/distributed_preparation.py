@@ -18,7 +18,13 @@ every rank, which then stops, removes its temporary files and exits non-zero; a 
 the collective failing (at the latest after ``--distributed-timeout`` seconds). Nothing final is published unless
 every rank succeeded; the next run removes the temporaries of dead ranks.
 
-Owns: the process group, the split of the input across ranks, the progress and failure exchange, the merge.
+With a URL ``--output-prefix`` (``s3://bucket/dir/name``) every rank builds its partition in a local staging
+directory of its own and uploads it under temporary keys (``indexed.object_upload``); rank 0 fetches the other
+parts, merges them and publishes every output, the ``.idx`` of each pair last. The ranks share no file system:
+the hosts of a multi-node run need only reach the object store.
+
+Owns: the process group, the split of the input across ranks, the progress and failure exchange, the merge, and
+who uploads what for a URL prefix.
 Not responsible for: tokenizing a part (``offline_preparation``), output names and checks (``offline_outputs``).
 """
 
@@ -34,12 +40,21 @@ from datetime import timedelta
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.file_writes import write_atomically
-from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths, is_object_url
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.indexed.pair_metadata import manifest_json, manifest_path, metadata_path
 from hyper_parallel.data.text.records import iter_range_chunks, resolve_data_files, split_record_ranges
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
-from hyper_parallel.data.tools.offline_outputs import _outputs, output_name, partition_prefix, plan_outputs
+from hyper_parallel.data.tools.offline_outputs import (
+    _outputs,
+    output_name,
+    pair_in_publication_order,
+    partition_prefix,
+    plan_outputs,
+    publication_order,
+    staged_url,
+    staging_prefix,
+)
 
 __all__ = ["DistributedRunError", "run_distributed_preparation"]
 
@@ -256,6 +271,43 @@ def _remove_partitions(partitions: list[list[str]]) -> None:
                 path.unlink(missing_ok=True)
 
 
+def _publish_to_object_storage(
+    dist, rank: int, world_size: int, config: OfflinePreparationConfig, local: OfflinePreparationConfig, token: str
+) -> None:
+    """Once every rank has its partition under ``local`` (its own staging directory): each rank uploads its part
+    under the temporary keys of the run's ``token``; rank 0 fetches the others' parts, merges them and publishes
+    every output in order. Ranks need no shared file system: the parts travel through the object store."""
+    from hyper_parallel.data.indexed.object_upload import ObjectUpload
+
+    outputs = _outputs(config)
+    partitions = _partition_prefixes(local, world_size, outputs)
+
+    def url(path) -> str:
+        return staged_url(path, local.output_prefix, config.output_prefix)
+
+    with ObjectUpload(config.upload_part_bytes, token) as upload:
+        error = None
+        try:
+            if rank != 0 or config.keep_partition_files:  # rank 0 merges its own part from its disk
+                files = [path for prefixes in partitions for path in pair_in_publication_order(prefixes[rank])]
+                upload.upload([(path, url(path)) for path in files], f"rank {rank} uploading its part")
+        except DataFileError as failure:
+            error = failure
+        _agree(dist, world_size, error)
+        if rank != 0:
+            return
+        for prefixes in partitions:
+            for other in prefixes[1:]:
+                for path in pair_in_publication_order(other):
+                    upload.fetch(url(path), path)
+        _merge(local, world_size, outputs)
+        published = publication_order(local, world_size)
+        parts = {path for prefixes in partitions for prefix in prefixes for path in pair_in_publication_order(prefix)}
+        merged = [path for path in published if path not in parts]  # the kept parts are uploaded already
+        upload.upload([(path, url(path)) for path in merged], "uploading the merged outputs")
+        upload.publish([url(path) for path in published])
+
+
 def run_distributed_preparation(config: OfflinePreparationConfig, timeout_seconds: float):
     """Run this rank's part of a ``torchrun`` preparation; rank 0 returns the summary of the whole run, the other
     ranks theirs.
@@ -264,8 +316,6 @@ def run_distributed_preparation(config: OfflinePreparationConfig, timeout_second
         DistributedRunError: another rank failed (its message is part of this one) or stopped answering.
         DataConfigError: a combination whose output would depend on the number of ranks, or no torchrun.
     """
-    from hyper_parallel.data.tools.offline_preparation import RecordSource, run_offline_preparation
-
     check_distributed_config(config)
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
@@ -275,70 +325,96 @@ def run_distributed_preparation(config: OfflinePreparationConfig, timeout_second
         )
     import torch.distributed as dist
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
     try:
-        rank_config = replace(config, output_prefix=f"{config.output_prefix}_{rank}", overwrite=True)
-        error = None
-        try:
-            if rank == 0:  # the checks and the sweep of dead runs' temporaries, once, before any rank writes
-                plan_outputs(replace(config, partitions=world_size))
-        except (DataConfigError, DataFileError) as failure:
-            error = failure
-        _agree(dist, world_size, error)
-        files, fmt = resolve_data_files(config.dataset_name_or_path)
-        ranges = split_record_ranges(files, fmt, world_size)[rank]
-        logger.info("rank %d of %d: %d part(s) of %d %s file(s)", rank, world_size, len(ranges), len(files), fmt)
-        exchange = _Exchange(dist, rank, world_size, sum(p.stat().st_size for p in files))
-        progress = _RankProgress(exchange, _exit_hook(rank))
+        if not is_object_url(config.output_prefix):
+            return _run_rank(dist, config, config, None)
+        from hyper_parallel.data.indexed.object_upload import staging_directory
 
-        def chunks():
-            for chunk in iter_range_chunks(ranges, fmt, config.chunk_size, config.record_fields):
-                progress.count_records(len(chunk.items))
-                yield chunk
-
-        def wait_for_every_rank(summary) -> None:
-            for counter, name in _SUMMED.items():
-                exchange.counts[counter] = getattr(summary, name)
-            peer_error = exchange.finish()
-            if peer_error is not None:
-                raise DistributedRunError(peer_error)
-
-        try:
-            summary = run_offline_preparation(
-                rank_config,
-                RecordSource(chunks()),
-                plan=plan_outputs(rank_config),
-                progress=progress,
-                before_publish=wait_for_every_rank,
-            )
-        except DistributedRunError:
-            raise
-        except BaseException as failure:
-            if exchange.counts[_DONE]:  # failed publishing its partition: the others wait in the agreement below
-                _agree(dist, world_size, failure)
-            peer_error = exchange.finish(str(failure) or type(failure).__name__)
-            if peer_error is not None and isinstance(failure, Exception):
-                failure.add_note(peer_error)
-            raise
-        totals = exchange.totals
-        outputs = _outputs(config)
-        try:
-            _agree(dist, world_size, None)  # every partition is published
-        except DistributedRunError:
-            if rank == 0:
-                _remove_partitions(_partition_prefixes(config, world_size, outputs))
-            raise
-        summary.outputs = {}  # this rank's partition is merged into rank 0's outputs
-        if rank == 0:
-            _merge(config, world_size, outputs)
-            summary.outputs = {
-                output_name(key, suffix): config.output_prefix_for(key, suffix) for key, suffix in outputs
-            }
-            for counter, name in _SUMMED.items():
-                setattr(summary, name, totals[counter])
-            if summary.documents == 0:
-                logger.warning("no documents were written: every record was empty or malformed")
-        return summary
+        with staging_directory() as staging:
+            return _run_rank(dist, config, replace(config, output_prefix=staging_prefix(config, staging)), staging)
     finally:
         dist.destroy_process_group()
+
+
+def _run_rank(dist, config: OfflinePreparationConfig, local: OfflinePreparationConfig, staging):
+    """``run_distributed_preparation`` once the group is up; ``local`` is ``config`` with the prefix that this
+    rank writes its files under (``config``'s own, or in its ``staging`` directory for a URL prefix)."""
+    from hyper_parallel.data.tools.offline_preparation import RecordSource, run_offline_preparation
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank_config = replace(local, output_prefix=f"{local.output_prefix}_{rank}", overwrite=True)
+    error = None
+    token = None
+    try:
+        if rank == 0:  # the checks and the sweep of dead runs' temporaries, once, before any rank writes
+            plan_outputs(replace(local, partitions=world_size))
+            if staging is not None:
+                from hyper_parallel.data.indexed.object_upload import check_destination, new_upload_token
+
+                urls = [
+                    staged_url(path, local.output_prefix, config.output_prefix)
+                    for path in publication_order(local, world_size)
+                ]
+                check_destination(config.output_prefix, urls, config.overwrite)
+                token = new_upload_token()
+    except (DataConfigError, DataFileError) as failure:
+        error = failure
+    _agree(dist, world_size, error)
+    shared = [token]
+    dist.broadcast_object_list(shared, src=0)  # the temporary keys' token: rank 0 publishes what the others upload
+    files, fmt = resolve_data_files(config.dataset_name_or_path)
+    ranges = split_record_ranges(files, fmt, world_size)[rank]
+    logger.info("rank %d of %d: %d part(s) of %d %s file(s)", rank, world_size, len(ranges), len(files), fmt)
+    exchange = _Exchange(dist, rank, world_size, sum(p.stat().st_size for p in files))
+    progress = _RankProgress(exchange, _exit_hook(rank))
+
+    def chunks():
+        for chunk in iter_range_chunks(ranges, fmt, config.chunk_size, config.record_fields):
+            progress.count_records(len(chunk.items))
+            yield chunk
+
+    def wait_for_every_rank(summary) -> None:
+        for counter, name in _SUMMED.items():
+            exchange.counts[counter] = getattr(summary, name)
+        peer_error = exchange.finish()
+        if peer_error is not None:
+            raise DistributedRunError(peer_error)
+
+    try:
+        summary = run_offline_preparation(
+            rank_config,
+            RecordSource(chunks()),
+            plan=plan_outputs(rank_config),
+            progress=progress,
+            before_publish=wait_for_every_rank,
+        )
+    except DistributedRunError:
+        raise
+    except BaseException as failure:
+        if exchange.counts[_DONE]:  # failed publishing its partition: the others wait in the agreement below
+            _agree(dist, world_size, failure)
+        peer_error = exchange.finish(str(failure) or type(failure).__name__)
+        if peer_error is not None and isinstance(failure, Exception):
+            failure.add_note(peer_error)
+        raise
+    totals = exchange.totals
+    outputs = _outputs(config)
+    try:
+        _agree(dist, world_size, None)  # every partition is published
+    except DistributedRunError:
+        if rank == 0:
+            _remove_partitions(_partition_prefixes(local, world_size, outputs))
+        raise
+    summary.outputs = {}  # this rank's partition is merged into rank 0's outputs
+    if staging is not None:
+        _publish_to_object_storage(dist, rank, world_size, config, local, shared[0])
+    elif rank == 0:
+        _merge(local, world_size, outputs)
+    if rank == 0:
+        summary.outputs = {output_name(key, suffix): config.output_prefix_for(key, suffix) for key, suffix in outputs}
+        for counter, name in _SUMMED.items():
+            setattr(summary, name, totals[counter])
+        if summary.documents == 0:
+            logger.warning("no documents were written: every record was empty or malformed")
+    return summary

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.object_upload import DEFAULT_PART_BYTES, check_part_bytes
 from hyper_parallel.data.indexed.pair_metadata import LOSS_MASK_SUFFIX
 from hyper_parallel.data.text.text_template import TextTemplate
 
@@ -49,7 +50,8 @@ class OfflinePreparationConfig:
     Attributes:
         dataset_name_or_path: a file, a glob, or a directory of ``.json``/``.jsonl`` (optionally ``.gz``),
             ``.parquet``, ``.csv`` (optionally ``.gz``), ``.arrow`` or ``.txt`` (optionally ``.gz``) files.
-        output_prefix: outputs are ``<output_prefix>_<key>_document.{bin,idx}``.
+        output_prefix: outputs are ``<output_prefix>_<key>_document.{bin,idx}``; an fsspec URL
+            (``s3://bucket/dir/name``) builds them in a local staging directory and uploads them there.
         tokenizer_name_or_path: a local Hugging Face tokenizer directory or ``tokenizer.json``, a tiktoken file, or
             (from Python) a loaded tokenizer: anything ``text.build_tokenizer.build_tokenizer`` takes, such as a
             ``transformers`` tokenizer object.
@@ -88,6 +90,7 @@ class OfflinePreparationConfig:
             without it a run over existing outputs is refused before anything is tokenized.
         log_interval: log progress every this many documents.
         chunk_size: records handed to a worker at a time.
+        upload_part_bytes: with a URL ``output_prefix``, the part size of multipart uploads (at least 5 MiB).
     """
 
     dataset_name_or_path: str
@@ -112,6 +115,7 @@ class OfflinePreparationConfig:
     overwrite: bool = False
     log_interval: int = 1000
     chunk_size: int = 4096
+    upload_part_bytes: int = DEFAULT_PART_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.json_keys, str):
@@ -145,6 +149,7 @@ class OfflinePreparationConfig:
                 f"token_dtype must be an integer type that .idx files store, one of {', '.join(TOKEN_DTYPES)}; "
                 f"got {self.token_dtype!r}"
             )
+        check_part_bytes(self.upload_part_bytes)
         if not self.output_prefix:
             raise DataConfigError("output_prefix must not be empty")
         object.__setattr__(self, "output_prefix", os.path.expanduser(self.output_prefix))
@@ -249,7 +254,11 @@ def _role_entry(value: str) -> tuple[str, str]:
 
 def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every flag except the input one (which differs between the local and Hugging Face tools)."""
-    parser.add_argument("--output-prefix", required=True, help="outputs are <prefix>_<key>_document.{bin,idx}")
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help="outputs are <prefix>_<key>_document.{bin,idx}; an fsspec URL (s3://bucket/dir/name) uploads them",
+    )
     parser.add_argument(
         "--tokenizer-name-or-path", required=True, help="local Hugging Face tokenizer directory or tokenizer.json"
     )
@@ -327,6 +336,12 @@ def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-interval", type=int, default=1000, help="log progress every N documents")
     parser.add_argument("--chunk-size", type=int, default=4096, help="at most this many records per worker task")
+    parser.add_argument(
+        "--upload-part-bytes",
+        type=int,
+        default=DEFAULT_PART_BYTES,
+        help=f"with a URL --output-prefix: the part size of multipart uploads (default {DEFAULT_PART_BYTES})",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
@@ -354,4 +369,5 @@ def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
         overwrite=args.overwrite,
         log_interval=args.log_interval,
         chunk_size=args.chunk_size,
+        upload_part_bytes=args.upload_part_bytes,
     )

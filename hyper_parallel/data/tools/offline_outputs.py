@@ -15,7 +15,8 @@ merged, indices and metadata written); only then are they renamed, per pair the 
 after the partition pairs it lists, the merged pair of each key last.
 
 Owns: output names, the checks above, writing partitions through a bounded number of open files, merging,
-packing carry-over per partition, and the publication order.
+packing carry-over per partition, and the publication order (also the order a URL prefix's uploads are copied
+into place in, and the URL of each file built in a staging directory).
 Not responsible for: the pair format and temporary names (``indexed.io``), the metadata contents
 (``indexed.pair_metadata``), tokenizing (``offline_preparation``).
 """
@@ -45,7 +46,17 @@ from hyper_parallel.data.indexed.pair_metadata import PairMetadata, manifest_jso
 from hyper_parallel.data.tools.offline_config import OfflinePreparationConfig
 from hyper_parallel.data.tools.offline_encoding import EncodedChunk, EncodedDocuments
 
-__all__ = ["OutputPlan", "Outputs", "output_name", "partition_prefix", "plan_outputs"]
+__all__ = [
+    "OutputPlan",
+    "Outputs",
+    "output_name",
+    "pair_in_publication_order",
+    "partition_prefix",
+    "plan_outputs",
+    "publication_order",
+    "staged_url",
+    "staging_prefix",
+]
 
 logger = get_logger("hyper_parallel.data.tools.offline_outputs")
 
@@ -125,6 +136,36 @@ def _prepare_directory(first_output: Path) -> None:
 def _outputs(config: OfflinePreparationConfig) -> list[tuple[str, str]]:
     """``(json key, suffix)`` of every pair a run writes, in the order they are published."""
     return [(key, suffix) for key in config.json_keys for suffix in config.output_suffixes]
+
+
+def pair_in_publication_order(prefix: str) -> list[Path]:
+    """The files of one published pair in the order they are published: metadata, ``.bin``, ``.idx``."""
+    idx_path, bin_path = data_file_paths(prefix)
+    return [metadata_path(prefix), bin_path, idx_path]
+
+
+def publication_order(config: OfflinePreparationConfig, partitions: int) -> list[Path]:
+    """Every file a finished run of ``partitions`` partitions (or ranks) has published, in the order of
+    publication: per output its kept partition pairs, their manifest, then the merged pair."""
+    order: list[Path] = []
+    for key, suffix in _outputs(config):
+        final = config.output_prefix_for(key, suffix)
+        if partitions > 1 and config.keep_partition_files:
+            for partition in range(partitions):
+                order += pair_in_publication_order(partition_prefix(config.output_prefix, partition, key, suffix))
+            order.append(manifest_path(final))
+        order += pair_in_publication_order(final)
+    return order
+
+
+def staging_prefix(config: OfflinePreparationConfig, staging: Path) -> str:
+    """The local prefix in the directory ``staging`` that the outputs of a URL ``output_prefix`` are built under."""
+    return str(staging / config.output_prefix.rsplit("/", 1)[-1])
+
+
+def staged_url(path: str | os.PathLike, staging_prefix: str, url_prefix: str) -> str:
+    """The URL of a file built under ``staging_prefix`` for the output prefix ``url_prefix``."""
+    return url_prefix + os.fspath(path)[len(staging_prefix) :]
 
 
 def output_name(key: str, suffix: str) -> str:

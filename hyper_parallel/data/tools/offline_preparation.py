@@ -18,6 +18,9 @@ With ``--chat-template NAME`` the records are conversations (the one json key ho
 With ``--distributed`` under torchrun, the ranks split the input and rank 0 merges their partitions into the same
 bytes as one process writes (see docs/offline.md, "Across processes").
 
+An fsspec URL as ``--output-prefix`` (``s3://bucket/dir/name``) builds the outputs in a local staging directory,
+then uploads and publishes them through ``indexed.object_upload`` (see docs/object_storage.md).
+
 Existing outputs are replaced only with ``--overwrite``. Ctrl-C (SIGINT) or SIGTERM stops the workers, removes
 the temporary files and exits with 130 or 143; a second signal exits at once, and the next run of the same
 prefix removes what was left. Workers also stop by themselves when the main process dies.
@@ -38,13 +41,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata
 from hyper_parallel.data.text.build_data_transform import InstructionTransform, TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
@@ -67,7 +71,15 @@ from hyper_parallel.data.tools.offline_encoding import (
     encode_chunk_in_worker,
     init_worker,
 )
-from hyper_parallel.data.tools.offline_outputs import OutputPlan, Outputs, output_name, plan_outputs
+from hyper_parallel.data.tools.offline_outputs import (
+    OutputPlan,
+    Outputs,
+    output_name,
+    plan_outputs,
+    publication_order,
+    staged_url,
+    staging_prefix,
+)
 from hyper_parallel.data.tools.worker_pool import OrderedWorkerPool, WorkerPoolError
 
 __all__ = [
@@ -230,6 +242,8 @@ def run_offline_preparation(
     Returns:
         What was written and how fast.
     """
+    if is_object_url(config.output_prefix):
+        return _run_to_object_storage(config, source, progress)
     started = time.perf_counter()
     plan = plan or plan_outputs(config)
     tokenizer = build_tokenizer(config.tokenizer_name_or_path)
@@ -313,6 +327,27 @@ def run_offline_preparation(
     return summary
 
 
+def _run_to_object_storage(
+    config: OfflinePreparationConfig, source: RecordSource | None, progress
+) -> PreparationSummary:
+    """Check the destination, build the outputs in a local staging directory, then upload and publish them."""
+    from hyper_parallel.data.indexed.object_upload import ObjectUpload, check_destination, staging_directory
+
+    with staging_directory() as staging:
+        local = replace(config, output_prefix=staging_prefix(config, staging))
+        files = publication_order(local, config.partitions)
+        urls = [staged_url(path, local.output_prefix, config.output_prefix) for path in files]
+        check_destination(config.output_prefix, urls, config.overwrite)
+        summary = run_offline_preparation(local, source, progress=progress)
+        with ObjectUpload(config.upload_part_bytes) as upload:
+            upload.upload(list(zip(files, urls, strict=True)))
+            upload.publish(urls)
+    summary.outputs = {
+        name: staged_url(prefix, local.output_prefix, config.output_prefix) for name, prefix in summary.outputs.items()
+    }
+    return summary
+
+
 def _count_bad_records(encoded: EncodedChunk, skip: bool, summary: PreparationSummary) -> None:
     """Stop at the first malformed record, or count it and log the first few."""
     if not encoded.bad_records:
@@ -336,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = preparation_parser(
         "prepare",
         __doc__,
-        "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files",
+        "a file, a glob or a directory of .json/.jsonl(.gz), .parquet, .csv(.gz), .arrow or .txt(.gz) files, local "
+        "or at an fsspec URL such as 's3://bucket/dir/*.jsonl'",
     )
     add_preparation_arguments(parser)
     parser.add_argument(

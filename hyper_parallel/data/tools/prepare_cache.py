@@ -306,8 +306,8 @@ def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-path",
         nargs="+",
         metavar="PATH",
-        help="a prefix, a directory of .bin/.idx pairs, or a blend list, e.g. --data-path 30 /data/a_text_document "
-        "70 /data/b_text_document",
+        help="a prefix (local or an fsspec URL), a directory of .bin/.idx pairs, or a blend list, e.g. --data-path 30 "
+        "/data/a_text_document 70 s3://bucket/b_text_document",
     )
     for split in SPLIT_NAMES:
         group.add_argument(

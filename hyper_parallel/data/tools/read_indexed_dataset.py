@@ -3,7 +3,8 @@
 Owns: the ``python -m hyper_parallel.data.tools.read_indexed_dataset PREFIX`` command, which prints a summary
 of a pair (counts, sizes, length statistics), decodes chosen sequences through a tokenizer, checks the pair's
 consistency and its token ids (``--verify``: one line per check) and draws its sequence length histogram, and names
-the pairs nearby when a prefix has none.
+the pairs nearby when a local prefix has none. A prefix may be an fsspec URL (``s3://bucket/prefix``): it is read
+through the object storage reader (``indexed.object_storage``); what is written (a histogram) stays local.
 Not responsible for: parsing or checking the files (``indexed.IndexedDataReader``), writing them
 (``indexed.io``) or loading tokenizers (``text.build_tokenizer``).
 
@@ -26,7 +27,13 @@ import numpy as np
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.file_writes import atomic_output
 from hyper_parallel.data.indexed.idx_format import check_token_dtype
-from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths, pair_prefix
+from hyper_parallel.data.indexed.indexed_data_reader import (
+    IndexedDataReader,
+    data_file_paths,
+    is_object_url,
+    pair_prefix,
+)
+from hyper_parallel.data.indexed.object_storage import open_reader
 from hyper_parallel.data.indexed.pair_metadata import metadata_path
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, TextTokenizer, build_tokenizer
 from hyper_parallel.data.tools.cli import command_parser
@@ -49,6 +56,7 @@ examples:
   {_PROG} data/corpus_text_document --decode 3 --tokenizer path/to/tokenizer_dir
   {_PROG} data/corpus_text_document --histogram lengths.png
   {_PROG} data/vision_document --multimodal
+  {_PROG} s3://bucket/corpus_text_document --verify
 
 every mode checks the pair first: nothing is summarised, decoded or plotted from a corrupt one.
 --verify checks the index, that the header's token dtype is an integer one, that a .meta.json beside the pair names
@@ -100,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix",
         metavar="PREFIX",
         help="path of the pair without .idx/.bin, e.g. data/corpus_text_document (a path ending in .idx or .bin "
-        "is accepted too)",
+        "is accepted too), or an fsspec URL prefix, e.g. s3://bucket/corpus_text_document",
     )
     parser.add_argument(
         "--multimodal",
@@ -184,9 +192,9 @@ def _nearby_pairs(prefix: str) -> list[str]:
 def _open_reader(prefix: str, multimodal: bool) -> IndexedDataReader:
     """Open the pair; when it does not exist, the error names the pairs nearby that may have been meant."""
     try:
-        return IndexedDataReader(prefix, multimodal=multimodal)
+        return open_reader(prefix, multimodal=multimodal)
     except DataFileError as error:
-        if data_file_paths(prefix)[0].exists():
+        if is_object_url(prefix) or data_file_paths(prefix)[0].exists():
             raise
         nearby = _nearby_pairs(prefix)
         if not nearby:
@@ -228,7 +236,7 @@ def summarize(reader: IndexedDataReader) -> dict:
     cumulative = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, dtype=np.int64, out=cumulative[1:])
     document_tokens = cumulative[documents[1:]] - cumulative[documents[:-1]]
-    idx_path, bin_path = data_file_paths(reader.path_prefix)
+    sizes = reader.file_identity
     summary = {
         "prefix": reader.path_prefix,
         "dtype": str(reader.dtype),
@@ -236,8 +244,8 @@ def summarize(reader: IndexedDataReader) -> dict:
         "sequences": len(reader),
         "documents": reader.num_documents,
         "tokens": reader.num_tokens,
-        "bin_bytes": bin_path.stat().st_size,
-        "idx_bytes": idx_path.stat().st_size,
+        "bin_bytes": sizes["bin_bytes"],
+        "idx_bytes": sizes["idx_bytes"],
         "empty_documents": int(np.count_nonzero(document_tokens == 0)),
         "sequence_lengths": _stats(lengths),
         "sequences_per_document": _stats(sequences_per_document),
@@ -407,7 +415,7 @@ def _verify(reader: IndexedDataReader, vocab_size: int | None) -> list[tuple[str
         reader.verify()
     except DataFileError as error:
         return [("index", False, str(error))]
-    bin_bytes = data_file_paths(reader.path_prefix)[1].stat().st_size
+    bin_bytes = reader.file_identity["bin_bytes"]
     checks: list[tuple[str, bool | None, str]] = [
         (
             "index",

@@ -38,7 +38,8 @@ class OnlineDataConfig:
         dataset_type: ``mapping`` (random access; order and DP assignment by the batch sampler) or ``iterable``
             (a stream; shuffled by a bounded buffer and split between DP ranks by the source).
         shuffle_buffer_size: records buffered to shuffle a stream (iterable only); 0 keeps the file order.
-        cache_dir: where Hugging Face ``datasets`` writes the Arrow cache of a mapping source (default: its own).
+        cache_dir: where Hugging Face ``datasets`` writes the Arrow cache of a mapping source, beside the local
+            copies of its files at URLs (default: its own).
         split: the split to read from a saved ``DatasetDict``.
         valid_data_path, test_data_path: optional separate sources; with either, the builder returns
             ``(train, valid, test)``.

@@ -35,7 +35,8 @@ import numpy as np
 
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataFileError, ResumeStateError
-from hyper_parallel.data.resume_checks import check_state_type, data_identity, file_entries, state_field
+from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
+from hyper_parallel.data.text.records import data_file_entries
 
 __all__ = ["OnlineIterableDataset"]
 
@@ -412,7 +413,7 @@ class OnlineIterableDataset:
         """The identity (paths, sizes, modification times) of the files read, taken when first asked; None when
         the files are not known."""
         if self._identity is None and self.files:
-            self._identity = data_identity(self.description, file_entries(self.files))
+            self._identity = data_identity(self.description, data_file_entries(self.files))
         return self._identity
 
     def __repr__(self) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch.utils.data
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.resume_checks import data_identity, file_entries
+from hyper_parallel.data.resume_checks import data_identity
+from hyper_parallel.data.text.records import data_file_entries
 
 __all__ = ["OnlineMappingDataset"]
 
@@ -62,7 +63,7 @@ class OnlineMappingDataset(torch.utils.data.Dataset):
         """The files' identity (paths, sizes, modification times), taken when first asked. Not the Hugging Face
         fingerprint: it also changes with the ``datasets`` release, which must not refuse a resume."""
         if self._identity is None:
-            self._identity = data_identity(self.description, file_entries(self.files))
+            self._identity = data_identity(self.description, data_file_entries(self.files))
         return self._identity
 
     def where(self, index: int) -> str:

@@ -1,8 +1,11 @@
-"""Opening local data files with Hugging Face ``datasets`` for the Online sources, without running their code.
+"""Opening data files with Hugging Face ``datasets`` for the Online sources, without running their code.
 
 Owns: ``open_hf_dataset``: a file, glob, directory or ``save_to_disk`` folder as a random-access
 ``datasets.Dataset`` (Arrow cache under ``cache_dir``) or a streaming ``datasets.IterableDataset``, and a short
-description of it for messages; the two checks made before Hugging Face ``datasets`` reads or writes anything,
+description of it for messages. Files may be objects at fsspec URLs (``s3://...``): a stream reads them where they
+are; a random-access dataset reads local copies, in a folder of the cache named by each object's URL, size and
+identity (ETag or version), so that an object uploaded again is copied and cached again, never served from the
+cache of its old version. Also the two checks made before Hugging Face ``datasets`` reads or writes anything,
 shared with the offline tools: ``refuse_loading_scripts`` (a ``datasets`` loading script beside the data is
 never run) and ``refuse_cache_symlinks`` (the Arrow cache is never written through a symbolic link).
 Not responsible for: finding the files or reading raw records (``text.records``, shared with the offline tools),
@@ -12,10 +15,16 @@ sampling, or DP sharding (the sources).
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tqdm import tqdm
+
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
+from hyper_parallel.data.indexed.object_storage import ObjectFile
+from hyper_parallel.data.resume_checks import stable_hash
 from hyper_parallel.data.text.records import (
     data_path_entries,
     is_saved_hf_dataset,
@@ -30,6 +39,8 @@ _HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "ar
 
 # The folder of the Hugging Face ``datasets`` cache where compressed local files are extracted.
 _DOWNLOADS_DIR = "downloads"
+# The folder of the cache that holds local copies of objects, one folder per object version.
+_OBJECTS_DIR = "hp_data_objects"
 
 
 def refuse_loading_scripts(path: Path, *, recursive: bool) -> None:
@@ -113,11 +124,12 @@ def open_hf_dataset(
     cache_dir: str | os.PathLike | None = None,
     split: str = "train",
 ):
-    """Open local data files with Hugging Face ``datasets``.
+    """Open data files with Hugging Face ``datasets``.
 
     Args:
         data_path: a JSON/JSONL/Parquet/CSV/Arrow/text file, a glob, a directory of such files, a list of those
-            (read in the order given), or a directory written by ``save_to_disk``.
+            (read in the order given), or a local directory written by ``save_to_disk``; files and globs may be
+            fsspec URLs.
         streaming: False gives a random-access ``datasets.Dataset`` (its Arrow cache is written under
             ``cache_dir``); True gives a ``datasets.IterableDataset`` read as it is iterated.
         cache_dir: where the Arrow cache goes; None is the Hugging Face default.
@@ -127,7 +139,8 @@ def open_hf_dataset(
         The dataset and a short description of where it comes from, for messages.
 
     Raises:
-        DataConfigError: a directory of the data holds a Python file (a loading script).
+        DataConfigError: a directory of the data holds a Python file (a loading script), or a compressed object is
+            to be streamed.
         DataFileError: the files cannot be read, or a symbolic link sits where the Arrow cache is written.
     """
     entries = data_path_entries(data_path)
@@ -141,11 +154,23 @@ def open_hf_dataset(
         return dataset, str(path)
     files, fmt = resolve_data_files(data_path)
     for entry in entries:
-        refuse_loading_scripts(Path(entry).expanduser(), recursive=False)
+        if not is_object_url(entry):
+            refuse_loading_scripts(Path(entry).expanduser(), recursive=False)
     refuse_cache_symlinks(cache_dir, _HF_BUILDERS[fmt])
+    objects = [file for file in files if isinstance(file, ObjectFile)]
+    compressed = next((file for file in objects if file.name.lower().endswith(".gz")), None)
+    if streaming and compressed is not None:
+        # datasets passes HTTP client options to every file system under its decompression, which s3fs refuses
+        raise DataConfigError(
+            f"{compressed}: compressed objects cannot be streamed (dataset_type iterable); use dataset_type mapping, "
+            "which copies them to the local cache, or upload them uncompressed"
+        )
     from datasets import load_dataset
 
     description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {', '.join(entries)}"
+    if objects and not streaming:
+        refuse_cache_symlinks(cache_dir, _OBJECTS_DIR)
+        files = _local_copies(files, cache_dir)
     try:
         dataset = load_dataset(
             _HF_BUILDERS[fmt],
@@ -158,3 +183,37 @@ def open_hf_dataset(
     except Exception as error:  # noqa: BLE001 - the builders raise many types; all get the file named
         raise DataFileError(f"{description}: Hugging Face datasets could not read it as {fmt} ({error})") from error
     return dataset, description
+
+
+def _local_copies(files: Sequence, cache_dir: str | os.PathLike | None) -> list:
+    """``files`` with each object replaced by its local copy, made unless there already; a copy lives in a folder
+    of the cache named by the object's URL, size and identity, and is written under a temporary name, then renamed."""
+    if cache_dir is None:
+        from datasets import config
+
+        cache_dir = config.HF_DATASETS_CACHE
+    root = Path(cache_dir).expanduser() / _OBJECTS_DIR
+    copies, missing = [], []
+    for file in files:
+        if isinstance(file, ObjectFile):
+            file_copy = root / stable_hash([file.url, file.size, file.identity])[:32] / file.name
+            if not (file_copy.is_file() and file_copy.stat().st_size == file.size):
+                missing.append((file, file_copy))
+            file = file_copy
+        copies.append(file)
+    with tqdm(
+        total=sum(file.size for file, _ in missing), unit="B", unit_scale=True, desc="copying objects", disable=None
+    ) as progress:
+        for file, file_copy in missing:
+            file_copy.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=file_copy.parent, prefix=f".{file.name}.", suffix=".partial")
+            try:
+                with os.fdopen(handle, "wb") as out, file.open("rb") as stream:
+                    while block := stream.read(4 << 20):
+                        out.write(block)
+                        progress.update(len(block))
+                os.replace(temporary, file_copy)
+            except BaseException:
+                os.unlink(temporary)
+                raise
+    return copies
