@@ -1,6 +1,7 @@
 """Specification of the pipeline configs under ``examples/``: the design's three (Online mapping + dynamic batch,
 Indexed variable-length documents, Indexed records packed offline) as written there, paths aside, plus a weighted
-blend, a conversation (SFT) and an instruction (SFT) config, and conversations prepared offline (Indexed SFT).
+blend, a conversation (SFT) and an instruction (SFT) config, conversations prepared offline (Indexed SFT) and
+instruction records packed offline with their loss mask (packed Indexed SFT).
 Each is built by ``build_dataloaders`` from the data ``hp-data quickstart`` prepares (``prepare_example_data``, in
 a temporary working directory) and delivers batches through its ``get_batch`` node, on one rank and cut over two
 CP ranks; the Online ones also with ``dataset_type`` and the loader target switched both ways, over a whole epoch.
@@ -27,9 +28,10 @@ from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataL
 from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError
+from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.instantiate import load_config, load_config_text
 from hyper_parallel.data.parallel.dataloader_parallel import DataLoaderParallelContext
-from hyper_parallel.data.text.build_data_transform import TextConversationTransform
+from hyper_parallel.data.text.build_data_transform import InstructionTransform, TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH
 from hyper_parallel.data.tools import offline_preparation
 from hyper_parallel.data.tools.example_data import prepare_example_data
@@ -37,7 +39,13 @@ from hyper_parallel.data.tools.example_data import prepare_example_data
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted(path.name for path in EXAMPLES.glob("*.yaml"))
 ONLINE = ("conversation_sft.yaml", "instruction_sft.yaml", "online_mapping_dynamic.yaml")
-INDEXED = ("indexed_blend.yaml", "indexed_documents.yaml", "indexed_offline_records.yaml", "indexed_sft.yaml")
+INDEXED = (
+    "indexed_blend.yaml",
+    "indexed_documents.yaml",
+    "indexed_offline_records.yaml",
+    "indexed_packed_sft.yaml",
+    "indexed_sft.yaml",
+)
 MIXTURE = ("mixture.yaml", "mixture_stream.yaml")
 # Section 11.3 of the design shows the dataset node only; the example takes the other nodes of section 11.2.
 INDEXED_OFFLINE_RECORDS_DATASET = """
@@ -162,6 +170,18 @@ def test_the_offline_records_pair_is_what_the_command_in_its_comment_writes(
     for suffix in (".bin", ".idx"):
         written = (tmp_path / f"train_text_document{suffix}").read_bytes()
         assert written == (in_workdir / "quickstart_output" / f"train_text_document{suffix}").read_bytes()
+
+
+def test_the_packed_sft_pairs_are_what_the_command_in_its_comment_writes(in_workdir, tmp_path, restore_package_logger):
+    comment = [line[1:].strip() for line in (EXAMPLES / "indexed_packed_sft.yaml").read_text().splitlines()]
+    argv = shlex.split(next(line for line in comment if line.startswith(".venv/bin/hp-data prepare ")))[2:]
+    argv[argv.index("--output-prefix") + 1] = str(tmp_path / "instructions")
+    argv[argv.index("--tokenizer-name-or-path") + 1] = str(BUNDLED_TOKENIZER_PATH)  # the repository's, from here
+    assert offline_preparation.main(argv + ["--workers", "1"]) == 0
+    for pair in ("instructions_text_document", "instructions_text_document_loss_mask"):
+        for suffix in (".bin", ".idx"):
+            written = (tmp_path / f"{pair}{suffix}").read_bytes()
+            assert written == (in_workdir / "quickstart_output" / f"{pair}{suffix}").read_bytes()
 
 
 # -- built and delivering batches ---------------------------------------------------------------------------------
@@ -354,6 +374,28 @@ def test_the_indexed_sft_config_trains_only_on_the_answers_the_online_transform_
                 trained += len(run)
                 assert any(_holds(list(answer), list(run)) for answer in answers), tokenizer.decode(list(run))
     assert supervised - 2 * 1024 <= trained <= supervised  # the last partial sample (and batch) are dropped
+
+
+def test_the_packed_sft_config_trains_only_on_the_outputs_the_online_instruction_transform_trains_on(
+    in_workdir, instructions, tokenizer
+):
+    """Records of 1025 tokens packed across instruction records: every run of trained labels lies within one answer
+    run of the Online transform's samples, and the train split's records are read whole, each once, in order."""
+    transform = InstructionTransform(tokenizer)  # the bundled template, as prepared
+    answers = [run for record in instructions for run in _runs(transform(record)[0]["labels"].tolist())]
+    loaders = build_dataloaders(
+        example("indexed_packed_sft.yaml"), tokenizer=BUNDLED_TOKENIZER_PATH, micro_batch_size=2
+    )
+    records = IndexedDataReader(in_workdir / "quickstart_output" / "instructions_text_document")
+    rows, trained = [], 0
+    for batch in loaders.train:
+        for ids, labels in _rows(batch):
+            rows.append(ids)
+            for run in _runs(labels):
+                trained += len(run)
+                assert any(_holds(list(answer), list(run)) for answer in answers), tokenizer.decode(list(run))
+    assert rows == [records[r].tolist()[:-1] for r in range(len(rows))] and len(rows) >= 0.9 * len(records)
+    assert trained > 0.5 * len(rows) * 1024  # the answers quote whole openings: most targets are trained
 
 
 # -- dataset_type and the loader target switched both ways --------------------------------------------------------

@@ -160,7 +160,6 @@ def test_the_role_map_renames_dataset_roles_and_an_unknown_role_is_named(tmp_pat
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"pack_to_seq_len": 64}, "cannot be combined with pack_to_seq_len"),
         ({"text_template": "{messages}"}, "cannot be combined with text_template"),
         ({"json_keys": ("messages", "chosen")}, "needs exactly one json key"),
         ({"chat_template": None, "role_map": {"human": "user"}}, "role_map renames the roles .* needs --chat-template"),

@@ -254,7 +254,25 @@ def test_a_killed_rank_fails_the_others_and_the_rerun_starts_clean(corpus, refer
         assert Path(f"{prefix}_text_document.{extension}").read_bytes() == Path(f"{reference}.{extension}").read_bytes()
 
 
-@pytest.mark.parametrize("option", [{"pack_to_seq_len": 64}, {"partitions": 2}])
+def test_instruction_records_with_their_loss_mask_are_byte_identical_to_one_process(tmp_path):
+    records = [
+        {"instruction": f"Quote line {number}.", "input": "" if number % 3 else "of Emma", "output": f"Line {number}."}
+        for number in range(40)
+    ]
+    data = write_jsonl(tmp_path / "alpaca.jsonl", records)
+    options = ("--chat-template", "chatml", "--instruction-key", "instruction")
+    result = torchrun(2, prepare_argv(data, tmp_path / "ranks", *options))
+    assert result.returncode == 0, result.stderr
+    prepare(data, tmp_path / "single", chat_template="chatml", instruction_key="instruction", chunk_size=16)
+    for pair in ("text_document", "text_document_loss_mask"):
+        for extension in PAIR_FILES:
+            ranks, single = tmp_path / f"ranks_{pair}.{extension}", tmp_path / f"single_{pair}.{extension}"
+            assert ranks.read_bytes() == single.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "option", [{"pack_to_seq_len": 64}, {"pack_to_seq_len": 64, "chat_template": "chatml"}, {"partitions": 2}]
+)
 def test_options_whose_output_depends_on_the_ranks_are_refused(option):
     config = OfflinePreparationConfig(
         dataset_name_or_path="in.jsonl", output_prefix="out", tokenizer_name_or_path="tok", **option

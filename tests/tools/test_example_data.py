@@ -46,6 +46,7 @@ def test_writes_the_documented_files(example):
         instructions_jsonl=out / "instructions.jsonl",
         corpus_prefix=out / "corpus_text_document",
         conversations_prefix=out / "conversations_messages_document",
+        instructions_prefix=out / "instructions_text_document",
         packed_prefix=out / "train_text_document",
         blend_prefixes=(
             out / "books" / "pride_and_prejudice_text_document",
@@ -54,10 +55,13 @@ def test_writes_the_documented_files(example):
     )
     names = set(_files(out))
     mask_prefix = example.conversations_prefix.parent / f"{example.conversations_prefix.name}_loss_mask"
+    instructions_mask_prefix = example.instructions_prefix.parent / f"{example.instructions_prefix.name}_loss_mask"
     for prefix in (
         example.corpus_prefix,
         example.conversations_prefix,
         mask_prefix,
+        example.instructions_prefix,
+        instructions_mask_prefix,
         example.packed_prefix,
         *example.blend_prefixes,
     ):

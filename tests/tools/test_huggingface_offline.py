@@ -97,6 +97,23 @@ def test_text_template_reads_the_template_columns(tmp_path, tokenizer, saved_dat
     assert read_documents(summary.outputs["text"]) == encode_documents(tokenizer, rendered)
 
 
+def test_instruction_records_give_the_pairs_of_the_same_jsonl_records(tmp_path):
+    """The instruction fields are read as columns (a null input is none); an absent column is named."""
+    records = [
+        {"question": "Name a colour.", "context": None, "answer": "Blue.", "unused": 1},
+        {"question": "Translate.", "context": "Good morning", "answer": "Bonjour.", "unused": 2},
+    ]
+    saved = tmp_path / "alpaca"
+    datasets.Dataset.from_list(records).save_to_disk(str(saved))
+    options = {"chat_template": "chatml", "instruction_key": "question", "input_key": "context", "output_key": "answer"}
+    summary = run_hf(saved, tmp_path / "hf", **options)
+    reference = prepare(write_jsonl(tmp_path / "alpaca.jsonl", records), tmp_path / "jsonl", **options)
+    for key in ("text", "text_loss_mask"):
+        assert pair_bytes(summary.outputs[key]) == pair_bytes(reference.outputs[key])
+    with pytest.raises(DataFileError, match=r"missing key\(s\) \['input'\].*--input-key"):
+        run_hf(saved, tmp_path / "other", **{**options, "input_key": "input"})
+
+
 def test_unknown_split_is_a_config_error_listing_splits(tmp_path, saved_dataset_dict):
     """A split the DatasetDict lacks is a DataConfigError that lists the splits it has."""
     with pytest.raises(DataConfigError, match=r"has splits \['test', 'train'\], not 'validation'; pass --split"):

@@ -98,9 +98,10 @@ class IndexedDataConfig:
             the entry's manifest), ``"sampled"`` (also the checksums of each file's first and last 64 KiB blocks
             and two random ones) or ``"full"`` (every block).
         cache_lock_timeout: seconds to wait for another process building the same cache entry before giving up.
-        read_loss_mask: whether ``GPTDataset`` reads each prefix's loss-mask pair ``<prefix>_loss_mask`` (written by
-            ``hp-data prepare --chat-template``: 1 where a token is a supervised target) and trains only where it
-            is 1 (``loss_mask`` 0 and ``labels`` ``IGNORE_INDEX`` elsewhere): ``"auto"`` where that pair exists,
+        read_loss_mask: whether ``GPTDataset`` and ``GPTFromMRDataset`` read each prefix's loss-mask pair
+            ``<prefix>_loss_mask`` (written by ``hp-data prepare --chat-template``, packed with its tokens under
+            ``--pack-to-seq-len``: 1 where a token is a supervised target) and train only where it is 1
+            (``loss_mask`` 0 and ``labels`` ``IGNORE_INDEX`` elsewhere): ``"auto"`` where that pair exists,
             ``"required"`` refusing a prefix without one, ``"off"`` never.
         object_block_bytes: for prefixes in object storage (``s3://bucket/prefix``): bytes per ranged request
             and block of the process-wide ``.bin`` cache.
@@ -143,10 +144,10 @@ class IndexedDataConfig:
         self._check_cache_settings()
         if self.read_loss_mask not in LOSS_MASK_READS:
             raise DataConfigError(f"read_loss_mask must be one of {LOSS_MASK_READS}, got {self.read_loss_mask!r}")
-        if self.read_loss_mask == "required" and (self.mock_data or self.is_dataset_from_mr):
+        if self.read_loss_mask == "required" and self.mock_data:
             raise DataConfigError(
-                "read_loss_mask: 'required' reads the loss masks of variable-length documents (GPTDataset); "
-                f"{'mock_data' if self.mock_data else 'is_dataset_from_mr'} data have none. Set read_loss_mask: auto"
+                "read_loss_mask: 'required' reads the loss masks of prepared data; mock_data have none. Set "
+                "read_loss_mask: auto"
             )
         if self.simple_blend not in SIMPLE_BLEND_MODES:
             raise DataConfigError(f"simple_blend must be one of {SIMPLE_BLEND_MODES}, got {self.simple_blend!r}")

@@ -9,9 +9,10 @@ Every sample is ``{"tokens", "labels", "loss_mask"}`` (int64, int64, float32; ``
 ``tokens[i]``), plus ``position_ids`` and ``attention_mask`` with ``create_ltor_fields_in_dataloader``. The loss
 mask is always there because it is the only record of padding (pad ids are replaced by 0, as upstream).
 
-A ``GPTDataset`` whose prefix has a loss-mask pair ``<prefix>_loss_mask`` (``read_loss_mask``) reads it over the
-same token ranges as the tokens: for a sample of tokens ``t[0..S]`` with mask ``m[0..S]``, ``loss_mask[i]`` is
-also 0 and ``labels[i]`` is ``IGNORE_INDEX`` where ``m[i + 1]`` (the mask of the target ``t[i + 1]``) is 0.
+A ``GPTDataset`` or ``GPTFromMRDataset`` whose prefix has a loss-mask pair ``<prefix>_loss_mask``
+(``read_loss_mask``) reads it over the same token ranges as the tokens: for a sample of tokens ``t[0..S]`` with
+mask ``m[0..S]``, ``loss_mask[i]`` is also 0 and ``labels[i]`` is ``IGNORE_INDEX`` where ``m[i + 1]`` (the mask of
+the target ``t[i + 1]``) is 0.
 
 Every sample holds token ids only: a dataset over an ``IndexedDataReader`` has it check the ids it reads
 (``IndexedDataReader.check_token_ids``: an integer dtype, the ``.meta.json``'s dtype, ids in the tokenizer's
@@ -125,6 +126,15 @@ def open_loss_mask(tokens: IndexedDataReader, config: IndexedDataConfig) -> Inde
             f"{tokens.path_prefix}; {_PREPARE_AGAIN}"
         )
     return mask
+
+
+def _checked_mask(pair: IndexedDataReader, entries: np.ndarray) -> np.ndarray:
+    """``entries`` read from the loss-mask pair ``pair``, refused unless they are 0/1."""
+    if entries.size and entries.max() > 1:
+        raise DataFileError(
+            f"{pair.path_prefix}: a loss mask holds 0 and 1 only, but it holds {int(entries.max())}; {_PREPARE_AGAIN}"
+        )
+    return entries
 
 
 def _file_identity(low_level) -> dict[str, int] | None:
@@ -446,12 +456,7 @@ class GPTDataset(_MidLevelDataset):
         if self.loss_mask_pair is None:
             return self.texts(indices), None
         pieces = self._pieces(indices)
-        supervised = self.loss_mask_pair.gather(*pieces[:3])
-        if supervised.size and supervised.max() > 1:
-            raise DataFileError(
-                f"{self.loss_mask_pair.path_prefix}: a loss mask holds 0 and 1 only, but it holds "
-                f"{int(supervised.max())}; {_PREPARE_AGAIN}"
-            )
+        supervised = _checked_mask(self.loss_mask_pair, self.loss_mask_pair.gather(*pieces[:3]))
         return self._stacked(self.dataset.gather(*pieces[:3]), pieces), self._stacked(supervised, pieces, fill=0)
 
     def _pieces(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
@@ -510,6 +515,7 @@ class GPTFromMRDataset(_MidLevelDataset):
                     "differ). Prepare the data with --pack-to-seq-len "
                     f"{config.seq_length}, or set is_dataset_from_mr: false for variable-length documents"
                 )
+        self.loss_mask_pair = open_loss_mask(low_level, config) if isinstance(low_level, IndexedDataReader) else None
         self.unique_identifiers = {
             "class": self.kind,
             "dataset_path": dataset_path,
@@ -531,15 +537,34 @@ class GPTFromMRDataset(_MidLevelDataset):
             config.seq_length,
         )
 
-    def texts(self, indices: Sequence[int]) -> np.ndarray:
+    def _records(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The record ids of the samples and their lengths."""
         records = self.indices[self._positions(indices)].astype(np.int64)
-        lengths = np.asarray(self.dataset.sequence_lengths)[records].astype(np.int64)
-        flat = self.dataset.gather(records, np.zeros_like(records), lengths)
+        return records, np.asarray(self.dataset.sequence_lengths)[records].astype(np.int64)
+
+    def _read(self, pair, records: np.ndarray, lengths: np.ndarray, fill: int | None = None) -> np.ndarray:
+        """``[B, seq_length + x]`` values of ``records`` in ``pair`` (the tokens or their loss mask); unchecked
+        records are cut or padded with ``fill`` (default: the pad id) to that length."""
+        flat = pair.gather(records, np.zeros_like(records), lengths)
         if self.config.skip_data_check:
-            # Unchecked records are cut or padded to seq_length + x tokens.
-            records_tokens = np.split(flat, np.cumsum(lengths[:-1]))
-            return self._make_sample.pad_rows([tokens[: self._record_length] for tokens in records_tokens])
-        text = flat.reshape(len(records), self._record_length)
+            pieces = np.split(flat, np.cumsum(lengths[:-1]))
+            return self._make_sample.pad_rows([piece[: self._record_length] for piece in pieces], fill)
+        return flat.reshape(len(records), self._record_length)
+
+    def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.loss_mask_pair is None:
+            return self.texts(indices), None
+        records, lengths = self._records(indices)
+        supervised = _checked_mask(self.loss_mask_pair, self._read(self.loss_mask_pair, records, lengths, fill=0))
+        return self._checked_texts(records, lengths), supervised
+
+    def texts(self, indices: Sequence[int]) -> np.ndarray:
+        return self._checked_texts(*self._records(indices))
+
+    def _checked_texts(self, records: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        text = self._read(self.dataset, records, lengths)
+        if self.config.skip_data_check:
+            return text
         has_pad = (text == self._make_sample.pad).any(axis=1)
         if has_pad.any():
             record = int(records[np.argmax(has_pad)])

@@ -400,7 +400,8 @@ def _table_columns(path: Path, schema_names: Sequence[str], columns: Sequence[st
     if missing:
         raise DataFileError(
             f"{path}: missing key(s) {missing}; the file has columns {list(schema_names)}. "
-            "Pass the right --json-keys or fix --text-template"
+            "Pass the right --json-keys, fix --text-template, or name the fields of instruction records "
+            "(--instruction-key, --input-key, --output-key)"
         )
     return list(columns)
 

@@ -8,6 +8,8 @@
     <output_dir>/corpus_text_document.{bin,idx}     every passage, one document each, EOD appended
     <output_dir>/conversations_messages_document.{bin,idx}            conversations.jsonl through the bundled
     <output_dir>/conversations_messages_document_loss_mask.{bin,idx}  ChatML template: tokens and loss mask
+    <output_dir>/instructions_text_document.{bin,idx}            instructions.jsonl through the same template,
+    <output_dir>/instructions_text_document_loss_mask.{bin,idx}  packed with its loss mask into records of 1024 + 1
     <output_dir>/train_text_document.{bin,idx}      train.jsonl packed into records of 4096 + 1 tokens
     <output_dir>/books/pride_and_prejudice_text_document.{bin,idx}   one book each: the prefixes of a blend
     <output_dir>/books/emma_text_document.{bin,idx}
@@ -56,6 +58,7 @@ __all__ = [
     "BUNDLED_CORPUS_PATH",
     "EXAMPLE_MAX_SEQ_LEN",
     "EXAMPLE_PACK_TO_SEQ_LEN",
+    "EXAMPLE_SFT_PACK_TO_SEQ_LEN",
     "ExampleData",
     "book_prefix_name",
     "example_conversations",
@@ -69,6 +72,8 @@ BUNDLED_CORPUS_PATH = BUNDLED_TOKENIZER_PATH.parent / "corpus" / "austen_chapter
 # The books prepared as separate prefixes, in the order of ``ExampleData.blend_prefixes``.
 BLEND_BOOKS = ("Pride & Prejudice", "Emma")
 EXAMPLE_PACK_TO_SEQ_LEN = 4096
+# The instruction records are packed, with their loss mask, into records of this many tokens + 1.
+EXAMPLE_SFT_PACK_TO_SEQ_LEN = 1024
 # The max_seq_len of the Online example configs (and seq_length of the Indexed ones): every passage fits it.
 EXAMPLE_MAX_SEQ_LEN = 4096
 _PARAGRAPH_BREAK = "\n\n"
@@ -95,6 +100,9 @@ class ExampleData:
         conversations_prefix: ``.bin``/``.idx`` prefix of the conversations rendered by the bundled tokenizer's chat
             template, one document each, EOD appended, with its loss-mask pair ``<prefix>_loss_mask`` (the Indexed
             SFT config).
+        instructions_prefix: ``.bin``/``.idx`` prefix of the instruction records rendered by the bundled
+            tokenizer's chat template, EOD appended, packed with its loss-mask pair into records of
+            ``EXAMPLE_SFT_PACK_TO_SEQ_LEN + 1`` tokens (the packed Indexed SFT config).
         packed_prefix: ``.bin``/``.idx`` prefix of ``train_jsonl`` packed into records of
             ``EXAMPLE_PACK_TO_SEQ_LEN + 1`` tokens (``is_dataset_from_mr`` configs).
         blend_prefixes: one ``.bin``/``.idx`` prefix per book of ``BLEND_BOOKS``, in that order (blend configs).
@@ -105,6 +113,7 @@ class ExampleData:
     instructions_jsonl: Path
     corpus_prefix: Path
     conversations_prefix: Path
+    instructions_prefix: Path
     packed_prefix: Path
     blend_prefixes: tuple[Path, ...]
 
@@ -282,6 +291,7 @@ def _prepare(
     source=None,
     key: str = "text",
     chat_template: str | None = None,
+    instruction_key: str | None = None,
 ):
     config = OfflinePreparationConfig(
         dataset_name_or_path=str(input_path),
@@ -291,6 +301,7 @@ def _prepare(
         append_eod=True,
         pack_to_seq_len=pack_to_seq_len,
         chat_template=chat_template,
+        instruction_key=instruction_key,
         workers=workers,
         overwrite=True,  # the example folder is rewritten by every call, with the same bytes
     )
@@ -357,6 +368,14 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
     conversations_prefix = _prepare(
         conversations_jsonl, output_dir / "conversations", workers, key="messages", chat_template="tokenizer"
     )
+    instructions_prefix = _prepare(
+        instructions_jsonl,
+        output_dir / "instructions",
+        workers,
+        pack_to_seq_len=EXAMPLE_SFT_PACK_TO_SEQ_LEN,
+        chat_template="tokenizer",
+        instruction_key="instruction",
+    )
     packed_prefix = _prepare(train_jsonl, output_dir / "train", workers, pack_to_seq_len=EXAMPLE_PACK_TO_SEQ_LEN)
     blend_prefixes = tuple(
         _prepare(
@@ -373,6 +392,7 @@ def prepare_example_data(output_dir: str | os.PathLike, *, workers: int = 1) -> 
         instructions_jsonl=instructions_jsonl,
         corpus_prefix=corpus_prefix,
         conversations_prefix=conversations_prefix,
+        instructions_prefix=instructions_prefix,
         packed_prefix=packed_prefix,
         blend_prefixes=blend_prefixes,
     )

@@ -99,7 +99,8 @@ def run_huggingface_offline(
     if missing:
         raise DataFileError(
             f"{config.dataset_name_or_path} (split {split}): missing key(s) {missing}; the dataset has columns "
-            f"{dataset.column_names}. Pass the right --json-keys or fix --text-template"
+            f"{dataset.column_names}. Pass the right --json-keys, fix --text-template, or name the fields of "
+            "instruction records (--instruction-key, --input-key, --output-key)"
         )
     dataset = dataset.select_columns(columns)
     source = RecordSource(

@@ -59,16 +59,26 @@ class OfflinePreparationConfig:
         append_eod: append the tokenizer's EOS token to every non-empty document.
         add_special_tokens: let the tokenizer add its own special tokens (e.g. BOS), as ``tokenizer(text)`` does.
         pack_to_seq_len: if set to N, concatenate documents and write fixed records of N + 1 tokens; each
-            partition packs on its own and drops its tail shorter than N + 1.
+            partition packs on its own and drops its tail shorter than N + 1. With ``chat_template`` the loss
+            mask is packed into the same records.
         text_template: a ``str.format`` template over record fields (e.g. ``"{title}\\n\\n{text}"``) whose result
             is tokenized instead of the raw field; needs exactly one json key, which names the output.
-        chat_template: the records are conversations under the one json key, rendered by this chat template
-            (``tokenizer``, ``chatml``, ``llama2``, ``default``, ``gpt_oss``) as the Online ``conversation``
-            transform renders them; beside the tokens ``<prefix>_<key>_document`` the run writes their loss mask
+        chat_template: the records are conversations under the one json key (or, with ``instruction_key``,
+            instruction records), rendered by this chat template (``tokenizer``, ``chatml``, ``llama2``,
+            ``default``, ``gpt_oss``) as the Online ``conversation`` (``instruction``) transform renders them;
+            beside the tokens ``<prefix>_<key>_document`` the run writes their loss mask
             ``<prefix>_<key>_document_loss_mask`` (uint8 0/1, 1 where the token is a supervised target). The
             template adds its own special tokens (``add_special_tokens`` is not used); an appended EOD has mask 0.
         role_map: with ``chat_template``, dataset role -> template role (e.g. ``{"customer": "user"}``), before
             the built-in aliases (``human``, ``gpt``...).
+        instruction_key: with ``chat_template``, the records are instruction records (Alpaca style) and this field
+            holds the instruction: each becomes ``user: instruction`` (then a blank line and the input, when the
+            record has a non-empty one) and ``assistant: output``, tokenized as the Online ``instruction``
+            transform (``InstructionTransform``) tokenizes it, only the answer supervised. The one json key names
+            the output. None: the records are conversations.
+        input_key: with ``instruction_key``, the field with the optional input (default ``input``; absent, null
+            or empty: none). Parquet, Arrow and Hugging Face inputs must have the column.
+        output_key: with ``instruction_key``, the field with the answer (default ``output``).
         workers: tokenizer processes (default: the number of CPUs).
         partitions: independent partitions (own packing buffer each), merged into the final prefix at the end.
         keep_sequential_samples: give partitions contiguous blocks of records instead of round-robin.
@@ -93,6 +103,9 @@ class OfflinePreparationConfig:
     text_template: str | None = None
     chat_template: str | None = None
     role_map: Mapping[str, str] | None = None
+    instruction_key: str | None = None
+    input_key: str | None = None
+    output_key: str | None = None
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     partitions: int = 1
     keep_sequential_samples: bool = False
@@ -145,21 +158,66 @@ class OfflinePreparationConfig:
         if self.chat_template is None:
             if self.role_map is not None:
                 raise DataConfigError("role_map renames the roles of conversations; it needs --chat-template")
+            if self.instruction_key is not None:
+                raise DataConfigError(
+                    "instruction_key reads instruction records, which a chat template renders; it needs "
+                    "--chat-template (e.g. --chat-template tokenizer)"
+                )
+            self._check_instruction_fields()
             return
         if not isinstance(self.chat_template, str) or not self.chat_template:
             raise DataConfigError(f"chat_template must be a chat template name, got {self.chat_template!r}")
-        conflicts = {"text_template": self.text_template, "pack_to_seq_len": self.pack_to_seq_len}
-        for name, value in conflicts.items():
-            if value is not None:
-                raise DataConfigError(
-                    f"chat_template renders conversations, which cannot be combined with {name} ({value!r}); drop "
-                    f"one of them (packed conversations would lose their loss mask)"
-                )
-        if len(self.json_keys) != 1:
+        if self.text_template is not None:
             raise DataConfigError(
-                f"chat_template reads one conversation per record, so it needs exactly one json key (the field "
-                f"with the messages, e.g. --json-keys messages), got {self.json_keys!r}"
+                f"chat_template renders conversations, which cannot be combined with text_template "
+                f"({self.text_template!r}); drop one of them"
             )
+        if len(self.json_keys) != 1:
+            what = (
+                "names the output"
+                if self.is_instruction
+                else "is the field with the messages, e.g. --json-keys messages"
+            )
+            raise DataConfigError(
+                f"chat_template writes one document per record, so it needs exactly one json key (which {what}), "
+                f"got {self.json_keys!r}"
+            )
+        self._check_instruction_fields()
+
+    def _check_instruction_fields(self) -> None:
+        if not self.is_instruction:
+            for name in ("input_key", "output_key"):
+                if getattr(self, name) is not None:
+                    raise DataConfigError(
+                        f"{name} names a field of instruction records; set instruction_key too (the field with the "
+                        "instruction, e.g. --instruction-key instruction), or drop it"
+                    )
+            return
+        if self.role_map is not None:
+            raise DataConfigError(
+                "role_map renames the roles of conversations; instruction records have fixed roles (user asks, "
+                "assistant answers), so drop it"
+            )
+        for name, default in (("input_key", "input"), ("output_key", "output")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        fields = self.instruction_fields
+        if any(not isinstance(name, str) or not name for name in fields):
+            raise DataConfigError(f"instruction_key, input_key and output_key must be field names, got {list(fields)}")
+        if len(set(fields)) != len(fields):
+            raise DataConfigError(
+                f"instruction_key, input_key and output_key must name three different fields, got {list(fields)}"
+            )
+
+    @property
+    def is_instruction(self) -> bool:
+        """Whether the records are instruction records (``instruction_key`` is set) rather than conversations."""
+        return self.instruction_key is not None
+
+    @property
+    def instruction_fields(self) -> tuple[str, ...]:
+        """``(instruction_key, input_key, output_key)`` of instruction records; empty for other records."""
+        return (self.instruction_key, self.input_key, self.output_key) if self.is_instruction else ()
 
     @property
     def output_suffixes(self) -> tuple[str, ...]:
@@ -175,7 +233,10 @@ class OfflinePreparationConfig:
 
     @property
     def record_fields(self) -> list[str]:
-        """The record fields (columns) a run reads: those of ``text_template``, else the json keys."""
+        """The record fields (columns) a run reads: those of instruction records or of ``text_template``, else the
+        json keys."""
+        if self.is_instruction:
+            return list(self.instruction_fields)
         template = self.template
         return list(self.json_keys if template is None else template.fields)
 
@@ -237,6 +298,25 @@ def add_preparation_arguments(parser: argparse.ArgumentParser) -> None:
         type=_role_entry,
         help="with --chat-template: dataset roles to template roles, e.g. customer=user agent=assistant",
     )
+    parser.add_argument(
+        "--instruction-key",
+        default=None,
+        metavar="FIELD",
+        help="with --chat-template: the records are instruction records (Alpaca style) with the instruction in "
+        "FIELD, rendered as user: instruction (+ input) and assistant: output; the json key names the output",
+    )
+    parser.add_argument(
+        "--input-key",
+        default=None,
+        metavar="FIELD",
+        help="with --instruction-key: the field with the optional input (default input)",
+    )
+    parser.add_argument(
+        "--output-key",
+        default=None,
+        metavar="FIELD",
+        help="with --instruction-key: the field with the answer, the only supervised part (default output)",
+    )
     parser.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), help="tokenizer processes")
     parser.add_argument("--partitions", type=int, default=1, help="independent partitions merged at the end")
     parser.add_argument(
@@ -277,6 +357,9 @@ def config_from_args(args: argparse.Namespace) -> OfflinePreparationConfig:
         text_template=args.text_template,
         chat_template=args.chat_template,
         role_map=None if args.role_map is None else dict(args.role_map),
+        instruction_key=args.instruction_key,
+        input_key=args.input_key,
+        output_key=args.output_key,
         workers=args.workers,
         partitions=args.partitions,
         keep_sequential_samples=args.keep_sequential_samples,

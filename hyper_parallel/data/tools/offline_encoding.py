@@ -2,8 +2,8 @@
 
 Owns: decoding and parsing one chunk of raw records, picking or rendering the text of each json key,
 batch-tokenizing it (a very long text in pieces, with the ids of the whole), appending EOD and reporting empty
-and malformed records with their location; for conversations, their tokens and loss mask through the Online
-conversation transform's encoding.
+and malformed records with their location; for conversations and instruction records, their tokens and loss mask
+through the Online conversation or instruction transform's encoding.
 Not responsible for: reading files (``text.records``), partitions, packing or writing.
 Kept free of heavy imports so that worker processes start quickly.
 """
@@ -51,8 +51,8 @@ _CUT_CANDIDATE = re.compile(r"(?<=\S)\s")
 class EncodingSettings:
     """What a worker needs besides the tokenizer.
 
-    ``conversation``: a ``TextConversationTransform`` (picklable, with its own tokenizer and chat template) whose
-    ``encode`` gives each record's tokens and unshifted labels; None for text.
+    ``conversation``: a ``TextConversationTransform`` or ``InstructionTransform`` (picklable, with its own
+    tokenizer and chat template) whose ``encode`` gives each record's tokens and unshifted labels; None for text.
     """
 
     json_keys: tuple[str, ...]

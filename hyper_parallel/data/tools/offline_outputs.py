@@ -238,7 +238,11 @@ class _OpenFiles:
 
 
 class _PartitionWriter:
-    """Writes one partition of one key; with packing, keeps the token carry-over of this partition only."""
+    """Writes one partition of one key; with packing, keeps the token carry-over of this partition only.
+
+    A loss mask's writer gets the same documents of the same lengths as its tokens' writer, so packing cuts both
+    at the same places: record r of the mask holds the entries of the tokens of record r.
+    """
 
     def __init__(self, prefix: str, dtype: np.dtype, pack_to_seq_len: int | None, files: _OpenFiles) -> None:
         self.prefix = prefix
@@ -402,8 +406,10 @@ class Outputs:
         self.next_record += encoded.records
 
     def seal(self) -> int:
-        """Complete every key's files under their temporary names; returns the tail tokens dropped by packing."""
-        return sum(out.seal() for out in self.by_key.values())
+        """Complete every key's files under their temporary names; returns the tail tokens dropped by packing (a loss
+        mask drops the entries of the same tokens, not counted again)."""
+        dropped = {key: out.seal() for key, out in self.by_key.items()}
+        return sum(count for key, count in dropped.items() if not self.by_key[key].is_mask)
 
     def publish(self) -> None:
         """Rename every sealed file into place."""

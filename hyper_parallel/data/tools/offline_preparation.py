@@ -11,6 +11,10 @@ document (one sequence per string, several for a list of strings), for GPTDatase
 concatenated and cut into records of N + 1 tokens, for GPTFromMRDataset; each partition packs on its own and
 drops its own tail.
 
+With ``--chat-template NAME`` the records are conversations (the one json key holds the messages) or, with
+``--instruction-key FIELD``, instruction records; beside the tokens the run writes their loss mask
+``<prefix>_<key>_document_loss_mask.{bin,idx}``, packed into the same records with ``--pack-to-seq-len``.
+
 With ``--distributed`` under torchrun, the ranks split the input and rank 0 merges their partitions into the same
 bytes as one process writes (see docs/offline.md, "Across processes").
 
@@ -46,7 +50,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.idx_format import optimal_token_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
 from hyper_parallel.data.indexed.pair_metadata import PairMetadata
-from hyper_parallel.data.text.build_data_transform import TextConversationTransform
+from hyper_parallel.data.text.build_data_transform import InstructionTransform, TextConversationTransform
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.records import (
     RecordChunk,
@@ -255,7 +259,15 @@ def run_offline_preparation(
         )
     dtype = _token_dtype(config, tokenizer.vocab_size)
     conversation = None
-    if config.chat_template is not None:
+    if config.is_instruction:
+        conversation = InstructionTransform(
+            tokenizer,
+            chat_template=config.chat_template,
+            instruction_key=config.instruction_key,
+            input_key=config.input_key,
+            output_key=config.output_key,
+        )
+    elif config.chat_template is not None:
         conversation = TextConversationTransform(
             tokenizer, chat_template=config.chat_template, text_keys=config.json_keys, role_map=config.role_map
         )

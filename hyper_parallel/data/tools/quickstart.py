@@ -190,12 +190,18 @@ def _prepare(output_dir: Path, workers: int) -> ExampleData:
         (data.instructions_jsonl, f"{instructions} synthetic instructions", "the instruction SFT config"),
     ]
     uses = ["Indexed configs", "offline-packed records", *(f"the blend ({book})" for book in BLEND_BOOKS)]
-    uses.append("the Indexed SFT config, with its _loss_mask pair")
-    prefixes = (data.corpus_prefix, data.packed_prefix, *data.blend_prefixes, data.conversations_prefix)
+    uses += ["the Indexed SFT config, with its _loss_mask pair", "the packed SFT config, with its _loss_mask pair"]
+    prefixes = (
+        data.corpus_prefix,
+        data.packed_prefix,
+        *data.blend_prefixes,
+        data.conversations_prefix,
+        data.instructions_prefix,
+    )
     for prefix, use in zip(prefixes, uses, strict=True):
         reader = IndexedDataReader(prefix)
         what = f"{reader.num_documents} documents, {reader.num_tokens:,} tokens"
-        if prefix == data.packed_prefix:
+        if prefix in (data.packed_prefix, data.instructions_prefix):
             what = f"{len(reader)} records of {int(reader.sequence_lengths[0]):,} tokens"
         rows.append((Path(f"{prefix}.{{bin,idx}}"), what, use))
     width = max(len(str(path.relative_to(output_dir))) for path, _, _ in rows)
