@@ -350,6 +350,29 @@ def test_add_documents_equals_one_document_at_a_time(tmp_path, dtype, multimodal
     np.testing.assert_array_equal(index.document_indices, [0, *range(2, len(lengths) + 4)])
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_writes_of_many_pieces_are_byte_identical_to_megatron(tmp_path, dtype):
+    """Tokens of several 32 KiB write pieces and a partial one, written in bulk, as one document or merged from
+    megatron-core's pair, give megatron-core's bytes."""
+    rng = np.random.default_rng(21)
+    lengths = [3 * (32 << 10) // np.dtype(dtype).itemsize + 123, 1, 20_000]
+    tokens = random_tokens(rng, dtype, sum(lengths)).astype(dtype)
+    documents = split_sequences(tokens, lengths)
+    theirs = build(
+        MegatronBuilder, tmp_path / "theirs", dtype, False, [Document(d, [len(d)], None, "torch") for d in documents]
+    )
+
+    bulk = IndexedDatasetBuilder(bin_path(tmp_path / "bulk"), dtype=dtype)
+    bulk.add_documents(tokens, lengths)
+    bulk.finalize(idx_path(tmp_path / "bulk"))
+    assert_same_bytes(tmp_path / "bulk", theirs)
+
+    merged = IndexedDatasetBuilder(bin_path(tmp_path / "merged"), dtype=dtype)
+    merged.add_index(theirs)
+    merged.finalize(idx_path(tmp_path / "merged"))
+    assert_same_bytes(tmp_path / "merged", theirs)
+
+
 # -- refusals --------------------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -36,6 +35,13 @@ from hyper_parallel.data.indexed.idx_format import IdxHeader, code_for_dtype
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader, data_file_paths
 
 __all__ = ["IndexedDatasetBuilder"]
+
+# A large buffer reaches the page cache in pieces of this many bytes, so that the kernel backs it with folios of at
+# most 32 KiB (order 3, which it finds cheaply even in fragmented memory). One write of hundreds of MB asks for the
+# largest folios first and can stall in compaction: after a file of small writes was freed, a bulk int32 write of
+# 793 MB ran at 0.15-0.25 GB/s in one write and at 1.0-1.7 GB/s in these pieces.
+_WRITE_PIECE = 32 << 10
+_COPY_CHUNK = 16 << 20  # bytes read at a time when a merge copies another .bin
 
 
 class _GrowableArray:
@@ -68,6 +74,16 @@ class _GrowableArray:
 
     def __len__(self) -> int:
         return self._size
+
+
+def _write_pieces(file, data: memoryview) -> None:
+    """Write ``data`` to ``file`` in pieces of at most ``_WRITE_PIECE`` bytes (one write when it is smaller)."""
+    if data.nbytes <= _WRITE_PIECE:
+        file.write(data)
+        return
+    data = data.cast("B")
+    for start in range(0, len(data), _WRITE_PIECE):
+        file.write(data[start : start + _WRITE_PIECE])
 
 
 def _as_numpy(tokens) -> np.ndarray:
@@ -168,7 +184,7 @@ class IndexedDatasetBuilder:
     def _write(self, array: np.ndarray) -> None:
         file = self._bin_file or self._open_bin()
         try:
-            file.write(np.ascontiguousarray(array).data)  # the array's memory, no bytes copy
+            _write_pieces(file, np.ascontiguousarray(array).data)  # the array's memory, no bytes copy
         except OSError as error:
             raise output_error(self.bin_path, error) from None
 
@@ -278,8 +294,10 @@ class IndexedDatasetBuilder:
     def _copy_bin(self, source_path: Path) -> None:
         target = self._bin_file or self._open_bin()
         try:
+            buffer = memoryview(bytearray(_COPY_CHUNK))
             with open(source_path, "rb") as source:
-                shutil.copyfileobj(source, target, length=16 << 20)
+                while count := source.readinto(buffer):
+                    _write_pieces(target, buffer[:count])
         except OSError as error:
             raise output_error(self.bin_path, error) from None
 

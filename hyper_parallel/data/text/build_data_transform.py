@@ -238,14 +238,17 @@ class PlaintextTransform(_RecordTransform):
 
     def batch(self, records: Sequence[Mapping], wheres: Sequence[str]) -> list[list[ModelSample]]:
         """Tokenize the records' texts in one call and cut every window from one block of tokens (same samples
-        as one record at a time, a fraction of the per-record cost)."""
+        as one record at a time, a fraction of the per-record cost). A record's ``wheres`` entry is read only to
+        name it in an error or a warning."""
+        if len(wheres) != len(records):
+            raise ValueError(f"{len(records)} records were given with {len(wheres)} names")
         # A dict whose first text key holds a string is the common case, read without the general lookup.
         first = self.text_keys[0] if self.text_template is None else None
         texts = [
             text
             if type(record) is dict and type(text := record.get(first)) is str
-            else self._text_or_error(record, where)
-            for record, where in zip(records, wheres, strict=True)
+            else self._text_or_error(record, wheres[position])
+            for position, record in enumerate(records)
         ]
         valid = [position for position, text in enumerate(texts) if isinstance(text, str)]
         encodings = self.tokenizer.backend.encode_batch_fast([texts[p] for p in valid], add_special_tokens=False)
@@ -253,8 +256,10 @@ class PlaintextTransform(_RecordTransform):
             texts[position] = samples
         # Errors are raised (or skipped) in record order, as one record at a time would.
         return [
-            samples if type(samples) is list else self._guarded(self._checked_windows, record, where, samples)
-            for record, where, samples in zip(records, wheres, texts, strict=True)
+            samples
+            if type(samples) is list
+            else self._guarded(self._checked_windows, records[position], wheres[position], samples)
+            for position, samples in enumerate(texts)
         ]
 
     def _text_or_error(self, record: Mapping, where: str) -> str | DataFileError:

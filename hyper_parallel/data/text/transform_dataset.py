@@ -12,8 +12,9 @@ for a conversation, several for a long document cut into windows, none for a rej
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.utils.data
 
@@ -42,7 +43,22 @@ class RecordReading:
     records: StreamRecordTransform | None = None
 
 
-def _transform_batch(transform: Transform, records: list, wheres: list[str]) -> list[list[dict]]:
+class _Wheres(Sequence[str]):
+    """The names of a read's records (``"record 17 of ..."``), each made only when a transform asks for it, which
+    a batched transform does only to name a record in an error or a warning."""
+
+    def __init__(self, where: Callable[[Any], str], keys: Sequence) -> None:
+        self._where = where
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, position: int) -> str:
+        return self._where(self._keys[position])
+
+
+def _transform_batch(transform: Transform, records: list, wheres: Sequence[str]) -> list[list[dict]]:
     """Several records through ``transform``: in one call when it has ``batch`` (e.g. one tokenizer call)."""
     if hasattr(transform, "batch"):
         return transform.batch(records, wheres)
@@ -83,7 +99,7 @@ class TransformDataset(_Transformed, torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[list[dict]]:
         """Several records at once (one Arrow read), as ``torch.utils.data.DataLoader`` asks for a batch."""
-        return _transform_batch(self.transform, self.source.records(indices), [self.where(i) for i in indices])
+        return _transform_batch(self.transform, self.source.records(indices), _Wheres(self.where, indices))
 
     def where(self, index: int) -> str:
         return self.source.where(index)
@@ -111,7 +127,7 @@ class StreamRecordTransform(torch.utils.data.Dataset):
         return self.transform(key[1], where=self.where(key))
 
     def __getitems__(self, keys: list[tuple[int, Mapping]]) -> list[list[dict]]:
-        return _transform_batch(self.transform, [key[1] for key in keys], [self.where(key) for key in keys])
+        return _transform_batch(self.transform, [key[1] for key in keys], _Wheres(self.where, keys))
 
     def where(self, key: tuple[int, Mapping]) -> str:
         return f"record {key[0]} of {self.stream_description}"

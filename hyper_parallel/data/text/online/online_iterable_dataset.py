@@ -27,6 +27,7 @@ dealt again. The next epoch is read with the new split.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -269,13 +270,8 @@ class OnlineIterableDataset:
         """Up to ``max_records`` next ``(position, record)`` pairs; an empty list ends the epoch and starts the next."""
         if self._records is None:
             self._records = self._generate()
-        taken = []
-        for record in self._records:
-            taken.append((self.position, record))
-            self.position += 1
-            if len(taken) == max_records:
-                return taken
-        if not taken:
+        records = list(itertools.islice(self._records, max_records))
+        if not records:
             logger.debug(
                 "DP rank %d's stream of %s: epoch %d ended after %d records",
                 self.dp_rank,
@@ -284,6 +280,9 @@ class OnlineIterableDataset:
                 self.position,
             )
             self._start_epoch(self.epoch + 1)
+            return []
+        taken = list(enumerate(records, self.position))
+        self.position += len(taken)
         return taken
 
     def set_epoch(self, epoch: int) -> None:
