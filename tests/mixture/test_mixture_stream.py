@@ -386,6 +386,25 @@ def test_the_new_weights_hold_from_the_resume_point(built):
     assert [payload["source"] for _, payload in keys] == fresh[resume_at:]
 
 
+def test_two_dp_ranks_change_a_mixture_mid_epoch_and_together_give_each_record_once(built):
+    numbers, got = record_numbers(built), {}
+
+    def rank_loader(weights: dict, dp_rank: int):
+        dataset = mixture(built, weights, dp_rank, 2, on_exhausted="reweight", mixture_change="allow")
+        return DynamicBatchDataLoader(
+            dataset, micro_batch_size=4, dp_rank=dp_rank, dp_world_size=2, drop_last=False, min_buffered_samples=8
+        )
+
+    for dp_rank in range(2):
+        saved = rank_loader({"stream": 1, "mapping": 1}, dp_rank)
+        read_records(saved, numbers, got, 1)  # each rank stops where its own packing has read
+        restored = rank_loader({"stream": 2, "mapping": 1, "indexed": 1}, dp_rank)
+        restored.load_state_dict(roundtrip(saved.state_dict()))
+        read_records(restored, numbers, got)
+        assert restored.state_dict()["mixture"]["sources"]["indexed"]["samples"] > 0  # the change came mid-epoch
+    assert sorted(got["stream"]) == list(range(40)) and sorted(got["mapping"]) == list(range(60))
+
+
 def test_a_state_saved_after_a_change_resumes_exactly_without_the_opt_in(built):
     first = loader_over(built, DynamicBatchDataLoader, {"stream": 1, "stream2": 1})
     take(first, 1)
