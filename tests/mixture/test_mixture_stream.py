@@ -464,6 +464,19 @@ def test_a_changed_source_or_setting_is_refused_even_with_the_opt_in(built, onli
             FixedBatchDataLoader(dataset, micro_batch_size=4).load_state_dict(state, allow_mixture_change=True)
 
 
+def test_a_source_added_back_with_other_data_is_refused(built):
+    first = loader_over(built, FixedBatchDataLoader, {"stream": 1, "stream2": 1})
+    take(first, 1)
+    second = loader_over(built, FixedBatchDataLoader, {"stream2": 1, "indexed": 1})
+    second.load_state_dict(roundtrip(first.state_dict()), allow_mixture_change=True)
+    take(second, 1)
+    entries = [{"name": "stream", "weight": 1, "dataset": stream(built, path=1)}]  # another file, the same name
+    entries += [{"name": "stream2", "weight": 1, "dataset": stream(built, path=1)}]
+    readded = FixedBatchDataLoader(build_mixture_dataset(entries, seed=11, on_exhausted="reweight"), micro_batch_size=4)
+    with pytest.raises(ResumeStateError, match="the data of stream changed"):
+        readded.load_state_dict(second.state_dict(), allow_mixture_change=True)
+
+
 def test_a_change_between_a_mixture_read_in_order_and_a_planned_one_is_refused(built):
     saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
     take(saved, 1)

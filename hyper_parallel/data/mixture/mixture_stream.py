@@ -3,7 +3,8 @@
 Owns: reading the samples of a mixture with at least one streaming (iterable) Online source in the loader's main
 process, as a loader reads any stream (``key_sources.StreamKeys``: the records travel to the workers, which only
 transform them); what a source's end does (``on_exhausted``); the cursor a loader state keeps, checked and
-restored exactly; and the ``where`` of each record. Not responsible for: the draws (``mixture_order.SourceDraws``),
+restored exactly, and continued over a changed mixture (``mixture_change: allow``); and the ``where`` of each
+record. Not responsible for: the draws (``mixture_order.SourceDraws``),
 which record a mapping source's ``c``-th sample is (``build_mixture.MixedSources``), reading or shuffling a stream
 (``OnlineIterableDataset``), or batching (the loaders).
 
@@ -25,6 +26,11 @@ weights renormalised (the draws' new phase starts at that sample), and ends the 
 own shuffle), and the next epoch of the mixture continues every source where it is. ``num_samples`` ends an epoch
 after that many samples (required with ``restart``).
 
+A changed mixture (other weights, a source added or removed) continues a cursor from its sample number: the draws
+from there use the new weights, every source mixed before keeps its entry, an added source starts at its
+beginning, and a removed one's entry waits in ``retired`` until it is added back. The loader leaves out the
+samples of a removed source it had read before the resume point (said with their count).
+
 Cursor (``state['source']['position']`` of a loader state)::
 
     {"version", "dp_rank", "dp_world_size", "seed", "epoch", "position": samples given in the epoch,
@@ -32,7 +38,8 @@ Cursor (``state['source']['position']`` of a loader state)::
      "phase_start": where the draws' phase began, "active": the sources it draws,
      "sources": {name: {"taken": samples given in its pass, "passes": passes ended, "ended": its stream's share
                         has ended (after the records still waiting), "pending": [{"position", "record"}] read ahead,
-                        "stream": its stream's cursor (None for a mapping source)}}}
+                        "stream": its stream's cursor (None for a mapping source)}},
+     "retired": {name: the entry of a source mixed before and no longer (only after such a change)}}
 """
 
 from __future__ import annotations
@@ -157,17 +164,16 @@ class StreamMixture(MixedSources):
         check_reading(saved, in_order=True)
         check_settings(saved, self.settings)
         mixed = state_field(saved, "sources", Mapping, _PLAN)
-        known_before = dict(state_field(saved, "known", Mapping, _PLAN) if "known" in saved else {})
-        for name, entry in mixed.items():
-            where = f"{_PLAN}['sources'][{name!r}]"
-            check_state_type(entry, Mapping, where)
-            check_state_type(state_field(entry, "weight", (int, float), where), (int, float), where)
-            known_before[name] = entry
-        for name, entry in known_before.items():
-            where = f"{_PLAN}['known'][{name!r}]"
-            check_state_type(entry, Mapping, where)
-            state_field(entry, "budget", (int, None), where)
-            state_field(entry, "data", str, where)
+        retired_before = state_field(saved, "known", Mapping, _PLAN) if "known" in saved else {}
+        for part, entries in (("sources", mixed), ("known", retired_before)):
+            for name, entry in entries.items():
+                where = f"{_PLAN}[{part!r}][{name!r}]"
+                check_state_type(entry, Mapping, where)
+                state_field(entry, "budget", (int, None), where)
+                state_field(entry, "data", str, where)
+                if part == "sources":
+                    state_field(entry, "weight", (int, float), where)
+        known_before = {**retired_before, **mixed}
         last = {name: entry["weight"] for name, entry in mixed.items()}
         changes, refusals = mixture_differences(last, known_before, self.weights, self._known)
         if saved.get("num_samples") != self.num_samples:
