@@ -337,8 +337,8 @@ def test_a_removed_source_added_back_continues_where_it_was(built, loader_class,
     # then the rest, the stream continuing where it was.
     assert len(got["stream"]) == len(set(got["stream"])) == 40 - dropped(caplog) > streamed_before
     assert sorted(got["mapping"]) == list(range(60))
-    if loader_class is FixedBatchDataLoader and workers == 0:  # nothing read ahead, so nothing dropped
-        assert dropped(caplog) == 0
+    if loader_class is FixedBatchDataLoader and workers == 0:  # nothing read ahead: the stream's own order, whole
+        assert dropped(caplog) == 0 and got["stream"] == list(range(40))
 
 
 def test_after_a_change_each_source_continues_as_it_would_alone(built):
@@ -403,6 +403,16 @@ def test_two_dp_ranks_change_a_mixture_mid_epoch_and_together_give_each_record_o
         read_records(restored, numbers, got)
         assert restored.state_dict()["mixture"]["sources"]["indexed"]["samples"] > 0  # the change came mid-epoch
     assert sorted(got["stream"]) == list(range(40)) and sorted(got["mapping"]) == list(range(60))
+
+
+def test_interleave_s_new_round_robin_starts_at_the_resume_point(built):
+    settings = {"strategy": "interleave", "on_exhausted": "restart", "num_samples": 200}
+    saved = FixedBatchDataLoader(mixture(built, {"stream": 1, "mapping": 1}, **settings), micro_batch_size=4)
+    take(saved, 1)
+    restored = FixedBatchDataLoader(mixture(built, {"stream": 2, "mapping": 1}, **settings), micro_batch_size=4)
+    restored.load_state_dict(roundtrip(saved.state_dict()), allow_mixture_change=True)
+    names = [payload["source"] for _, payload in restored.dataset.stream.read(30)]
+    assert names == ["stream", "mapping", "stream"] * 10
 
 
 def test_a_state_saved_after_a_change_resumes_exactly_without_the_opt_in(built):
@@ -486,6 +496,19 @@ def test_a_change_between_a_mixture_read_in_order_and_a_planned_one_is_refused(b
     take(planned, 1)
     with pytest.raises(ResumeStateError, match="saved over a mixture planned .* this one is read in order"):
         saved.load_state_dict(planned.state_dict(), allow_mixture_change=True)
+
+
+def test_a_changed_mixture_s_damaged_cursor_is_refused_and_changes_nothing(built):
+    saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
+    take(saved, 1)
+    state = roundtrip(saved.state_dict())
+    state["source"]["position"]["sources"]["stream"]["taken"] = -1
+    refusing = loader_over(built, FixedBatchDataLoader, {"stream": 2, "indexed": 1})
+    with pytest.raises(ResumeStateError, match=r"\['sources'\]\['stream'\]\['taken'\] .* out of range"):
+        refusing.load_state_dict(state, allow_mixture_change=True)
+    fresh = loader_over(built, FixedBatchDataLoader, {"stream": 2, "indexed": 1})
+    assert [plain(batch) for batch in refusing] == [plain(batch) for batch in fresh]
+    assert refusing.state_dict() == fresh.state_dict()
 
 
 def test_a_cursor_of_other_sources_is_refused_naming_them(built):
