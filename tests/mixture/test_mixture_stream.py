@@ -1,10 +1,13 @@
 """A mixture with a streaming source: its order with any worker count, exact resume with both loaders and any
 worker count, the realised shares, each source's records once per pass, the tally, what a source's end does, and
-what is refused (a changed mixture, epochs of a stream, provenance, merging for another DP size)."""
+a changed mixture (new weights, a source added, removed and added back, each source continuing its own order, the
+new weights from the resume point), and what is refused (a changed source or setting, a change without the opt-in,
+epochs of a stream, provenance, merging for another DP size)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 
 import pytest
@@ -38,10 +41,11 @@ def built(online_paths, indexed_prefix, tokenizer, tmp_path_factory) -> dict:
     return {"paths": online_paths, "tokenizer": tokenizer, "indexed": indexed, "mapping": mapping}
 
 
-def stream(built, dp_rank: int = 0, dp_world_size: int = 1):
-    """A fresh streaming source (a stream's cursor belongs to one loader)."""
+def stream(built, dp_rank: int = 0, dp_world_size: int = 1, path: int = 0):
+    """A fresh streaming source (a stream's cursor belongs to one loader) of the 40 records, or of the mapping
+    source's 60 (``path`` 1)."""
     return build_online_text_dataset(
-        built["paths"][0],
+        built["paths"][path],
         TRANSFORM,
         {"dataset_type": "iterable", "shuffle_buffer_size": 8},
         tokenizer=built["tokenizer"],
@@ -54,6 +58,7 @@ def stream(built, dp_rank: int = 0, dp_world_size: int = 1):
 def mixture(built, weights: dict, dp_rank: int = 0, dp_world_size: int = 1, **settings):
     datasets = {
         "stream": stream(built, dp_rank, dp_world_size),
+        "stream2": stream(built, dp_rank, dp_world_size, path=1),
         "mapping": built["mapping"],
         "indexed": built["indexed"],
     }
@@ -249,19 +254,261 @@ def test_a_state_saved_mid_epoch_continues_across_the_next_epoch(built):
     assert head + tail == reference
 
 
+# -- a changed mixture --------------------------------------------------------------------------------------------
+
+
+def record_numbers(built) -> dict[str, dict[tuple, int]]:
+    """Each stream or mapping sample's tokens -> its record's number in its source's own order (the stream's read
+    order alone; the mapping source's record index)."""
+    plain_order = [tuple(sample["input_ids"].tolist()) for sample in stream(built)]
+    mapping = built["mapping"]
+    return {
+        "stream": {tokens: number for number, tokens in enumerate(plain_order)},
+        "mapping": {tuple(mapping[i][0]["input_ids"].tolist()): i for i in range(len(mapping))},
+    }
+
+
+def read_records(loader, numbers: dict, into: dict[str, list], batches: int | None = None) -> None:
+    """Read ``batches`` batches (all: None) and add each stream or mapping sequence to ``into`` as its record's
+    number (``record_numbers``); Indexed rows are left out (the tally counts them)."""
+    for count, batch in enumerate(loader, 1):
+        for sequence in sequences(batch):
+            for name, known in numbers.items():
+                if sequence in known:
+                    into.setdefault(name, []).append(known[sequence])
+        if count == batches:
+            break
+
+
+def loader_over(built, loader_class, weights: dict, workers: int = 0, **settings):
+    """A loader over ``weights`` (reweight); a dynamic one buffers and prefetches few samples, so that a change
+    comes mid-epoch."""
+    settings.setdefault("on_exhausted", "reweight")
+    options = {"min_buffered_samples": 8} if loader_class is DynamicBatchDataLoader else {}
+    if workers and loader_class is DynamicBatchDataLoader:
+        options["prefetch_factor"] = 1
+    return loader_class(
+        mixture(built, weights, **settings), micro_batch_size=4, num_workers=workers, drop_last=False, **options
+    )
+
+
+def dropped(caplog) -> int:
+    """The samples the loaders said they dropped (of sources no longer mixed)."""
+    messages = [record.getMessage() for record in caplog.records]
+    return sum(int(message.split(": ")[1].split(" ")[0]) for message in messages if "are dropped" in message)
+
+
+@pytest.mark.parametrize("loader_class", [FixedBatchDataLoader, DynamicBatchDataLoader])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_new_weights_and_an_added_source_continue_every_source_once_to_its_end(built, loader_class, workers):
+    numbers, got = record_numbers(built), {}
+    saved = loader_over(built, loader_class, {"stream": 1, "mapping": 1}, workers)
+    read_records(saved, numbers, got, 1)
+    assert len(got["stream"]) + len(got["mapping"]) < 100  # the change comes mid-epoch
+    restored = loader_over(built, loader_class, {"stream": 3, "mapping": 1, "indexed": 1}, workers)
+    restored.load_state_dict(roundtrip(saved.state_dict()), allow_mixture_change=True)
+    read_records(restored, numbers, got)
+    assert sorted(got["stream"]) == list(range(40)) and sorted(got["mapping"]) == list(range(60))
+    tally = restored.state_dict()["mixture"]["sources"]
+    assert {name: counts["samples"] for name, counts in tally.items()} == {
+        "stream": 40,
+        "mapping": 60,
+        "indexed": len(built["indexed"]),
+    }
+
+
+@pytest.mark.parametrize("loader_class", [FixedBatchDataLoader, DynamicBatchDataLoader])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_removed_source_added_back_continues_where_it_was(built, loader_class, workers, caplog):
+    """``stream2`` streams the mapping source's records, so ``record_numbers`` names them as the mapping's."""
+    numbers, got = record_numbers(built), {}
+    first = loader_over(built, loader_class, {"stream": 1, "stream2": 5}, workers)  # the stream's pass goes on
+    read_records(first, numbers, got, 1)
+    streamed_before = len(got["stream"])
+    second = loader_over(built, loader_class, {"stream2": 1, "indexed": 1}, workers)
+    with caplog.at_level(logging.WARNING, logger="hyper_parallel.data"):
+        second.load_state_dict(roundtrip(first.state_dict()), allow_mixture_change=True)
+    read_records(second, numbers, got, 1)
+    assert len(got["stream"]) == streamed_before  # the stream is not mixed meanwhile
+    third = loader_over(built, loader_class, {"stream": 1, "stream2": 1, "indexed": 1}, workers)
+    third.load_state_dict(roundtrip(second.state_dict()), allow_mixture_change=True)
+    read_records(third, numbers, got)
+    # Every stream record once: those read before the removal, those dropped with it (said with their count),
+    # then the rest, the stream continuing where it was.
+    assert len(got["stream"]) == len(set(got["stream"])) == 40 - dropped(caplog) > streamed_before
+    assert sorted(got["mapping"]) == list(range(60))
+    if loader_class is FixedBatchDataLoader and workers == 0:  # nothing read ahead: the stream's own order, whole
+        assert dropped(caplog) == 0 and got["stream"] == list(range(40))
+
+
+def test_after_a_change_each_source_continues_as_it_would_alone(built):
+    """The stream's next records are those the stream alone reads after the records the mixture took of it, and
+    the mapping source's are its own order's next ones."""
+    saved = FixedBatchDataLoader(
+        mixture(built, {"stream": 1, "mapping": 1}, on_exhausted="reweight"), micro_batch_size=4
+    )
+    numbers, got = record_numbers(built), {}
+    read_records(saved, numbers, got, 3)
+    restored = FixedBatchDataLoader(
+        mixture(built, {"stream": 1, "mapping": 3}, on_exhausted="reweight", mixture_change="allow"), micro_batch_size=4
+    )
+    restored.load_state_dict(roundtrip(saved.state_dict()))
+    keys = json.loads(json.dumps(restored.dataset.stream.read(30)))
+    streamed = [[payload["position"], payload["record"]] for _, payload in keys if payload["source"] == "stream"]
+    taken = len(got["stream"])
+    assert streamed and streamed == plain_stream_records(built)[taken : taken + len(streamed)]
+    alone = build_mixture_dataset([{"name": "mapping", "weight": 1, "dataset": built["mapping"]}], seed=11)
+    mapped = [payload["index"] for _, payload in keys if payload["source"] == "mapping"]
+    expected = alone.locate(range(len(got["mapping"]), len(got["mapping"]) + len(mapped)))[1].tolist()
+    assert mapped == expected
+
+
+def plain_stream_records(built) -> list:
+    """The stream's ``[position, record]`` pairs as the stream alone reads them, in order."""
+    return json.loads(json.dumps(stream(built).record_reading().stream.read(1000)))
+
+
+def test_the_new_weights_hold_from_the_resume_point(built):
+    settings = {"on_exhausted": "restart", "num_samples": 6000}
+    saved = FixedBatchDataLoader(mixture(built, {"stream": 1, "mapping": 1}, **settings), micro_batch_size=4)
+    take(saved, 2)
+    new_weights = {"stream": 1, "mapping": 3, "indexed": 4}
+    restored = FixedBatchDataLoader(mixture(built, new_weights, **settings), micro_batch_size=4)
+    restored.load_state_dict(roundtrip(saved.state_dict()), allow_mixture_change=True)
+    keys = restored.dataset.stream.read(6000)
+    resume_at = keys[0][0]
+    assert resume_at >= 8 and [number for number, _ in keys] == list(range(resume_at, 6000))
+    names = Counter(payload["source"] for _, payload in keys)
+    for name, weight in new_weights.items():
+        assert abs(names[name] / len(keys) - weight / 8) < 0.02
+    # The draws from the resume point are those of the new mixture from its start (weighted: by sample number).
+    fresh = [payload["source"] for _, payload in mixture(built, new_weights, **settings).stream.read(6000)]
+    assert [payload["source"] for _, payload in keys] == fresh[resume_at:]
+
+
+def test_two_dp_ranks_change_a_mixture_mid_epoch_and_together_give_each_record_once(built):
+    numbers, got = record_numbers(built), {}
+
+    def rank_loader(weights: dict, dp_rank: int):
+        dataset = mixture(built, weights, dp_rank, 2, on_exhausted="reweight", mixture_change="allow")
+        return DynamicBatchDataLoader(
+            dataset, micro_batch_size=4, dp_rank=dp_rank, dp_world_size=2, drop_last=False, min_buffered_samples=8
+        )
+
+    for dp_rank in range(2):
+        saved = rank_loader({"stream": 1, "mapping": 1}, dp_rank)
+        read_records(saved, numbers, got, 1)  # each rank stops where its own packing has read
+        restored = rank_loader({"stream": 2, "mapping": 1, "indexed": 1}, dp_rank)
+        restored.load_state_dict(roundtrip(saved.state_dict()))
+        read_records(restored, numbers, got)
+        assert restored.state_dict()["mixture"]["sources"]["indexed"]["samples"] > 0  # the change came mid-epoch
+    assert sorted(got["stream"]) == list(range(40)) and sorted(got["mapping"]) == list(range(60))
+
+
+def test_interleave_s_new_round_robin_starts_at_the_resume_point(built):
+    settings = {"strategy": "interleave", "on_exhausted": "restart", "num_samples": 200}
+    saved = FixedBatchDataLoader(mixture(built, {"stream": 1, "mapping": 1}, **settings), micro_batch_size=4)
+    take(saved, 1)
+    restored = FixedBatchDataLoader(mixture(built, {"stream": 2, "mapping": 1}, **settings), micro_batch_size=4)
+    restored.load_state_dict(roundtrip(saved.state_dict()), allow_mixture_change=True)
+    names = [payload["source"] for _, payload in restored.dataset.stream.read(30)]
+    assert names == ["stream", "mapping", "stream"] * 10
+
+
+def test_a_state_saved_after_a_change_resumes_exactly_without_the_opt_in(built):
+    first = loader_over(built, DynamicBatchDataLoader, {"stream": 1, "stream2": 1})
+    take(first, 1)
+    state = roundtrip(first.state_dict())
+
+    def make():
+        loader = loader_over(built, DynamicBatchDataLoader, {"stream2": 1, "indexed": 1})
+        loader.load_state_dict(state, allow_mixture_change=True)
+        return loader
+
+    whole = make()
+    reference = [plain(batch) for batch in whole]
+    stopped = make()
+    head = take(stopped, len(reference) // 2)
+    restored = loader_over(built, DynamicBatchDataLoader, {"stream2": 1, "indexed": 1})
+    restored.load_state_dict(roundtrip(stopped.state_dict()))  # no opt-in: the state is of this mixture
+    assert head + [plain(batch) for batch in restored] == reference
+    assert "stream" in stopped.state_dict()["mixture"]["plan"]["known"]
+
+
 # -- refusals -----------------------------------------------------------------------------------------------------
 
 
-def test_a_changed_mixture_is_refused_even_with_the_opt_in(built):
-    saved = FixedBatchDataLoader(
-        mixture(built, {"stream": 1, "mapping": 1}, on_exhausted="reweight"), micro_batch_size=2
-    )
+def test_without_the_opt_in_a_changed_mixture_is_refused_naming_each_difference(built):
+    saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
     take(saved, 2)
-    other = FixedBatchDataLoader(
-        mixture(built, {"stream": 2, "mapping": 1}, on_exhausted="reweight", mixture_change="allow"), micro_batch_size=2
-    )
-    with pytest.raises(ResumeStateError, match=r"stream had .*weight.*1\.0.*2\.0.*cannot change mid-run"):
+    other = loader_over(built, FixedBatchDataLoader, {"stream": 2, "indexed": 1})
+    with pytest.raises(
+        ResumeStateError, match=r"indexed is new \(weight 1\); mapping is no longer mixed.*stream had weight 1, has 2"
+    ):
         other.load_state_dict(saved.state_dict())
+
+
+def test_a_changed_source_or_setting_is_refused_even_with_the_opt_in(built, online_paths, tokenizer):
+    saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
+    take(saved, 2)
+    state = saved.state_dict()
+    other_data = build_online_text_dataset(
+        online_paths[1], TRANSFORM, {"dataset_type": "iterable"}, tokenizer=tokenizer, seed=5
+    )
+    renamed = build_mixture_dataset(
+        [
+            {"name": "stream", "weight": 1, "dataset": other_data},
+            {"name": "mapping", "weight": 1, "dataset": built["mapping"]},
+        ],
+        seed=11,
+        on_exhausted="reweight",
+    )
+    with pytest.raises(ResumeStateError, match="the data of stream changed.*give the changed data a new name"):
+        FixedBatchDataLoader(renamed, micro_batch_size=4).load_state_dict(state, allow_mixture_change=True)
+    for key, value in (("strategy", "interleave"), ("on_exhausted", "stop"), ("seed", 12)):
+        settings = {"on_exhausted": "reweight", key: value}
+        entries = [{"name": "stream", "weight": 1, "dataset": stream(built)}]
+        entries.append({"name": "mapping", "weight": 1, "dataset": built["mapping"]})
+        dataset = build_mixture_dataset(entries, **{"seed": 11, **settings})
+        with pytest.raises(ResumeStateError, match=f"saved over a mixture with {key} .*resume with {key}"):
+            FixedBatchDataLoader(dataset, micro_batch_size=4).load_state_dict(state, allow_mixture_change=True)
+
+
+def test_a_source_added_back_with_other_data_is_refused(built):
+    first = loader_over(built, FixedBatchDataLoader, {"stream": 1, "stream2": 1})
+    take(first, 1)
+    second = loader_over(built, FixedBatchDataLoader, {"stream2": 1, "indexed": 1})
+    second.load_state_dict(roundtrip(first.state_dict()), allow_mixture_change=True)
+    take(second, 1)
+    entries = [{"name": "stream", "weight": 1, "dataset": stream(built, path=1)}]  # another file, the same name
+    entries += [{"name": "stream2", "weight": 1, "dataset": stream(built, path=1)}]
+    readded = FixedBatchDataLoader(build_mixture_dataset(entries, seed=11, on_exhausted="reweight"), micro_batch_size=4)
+    with pytest.raises(ResumeStateError, match="the data of stream changed"):
+        readded.load_state_dict(second.state_dict(), allow_mixture_change=True)
+
+
+def test_a_change_between_a_mixture_read_in_order_and_a_planned_one_is_refused(built):
+    saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
+    take(saved, 1)
+    planned = loader_over(built, FixedBatchDataLoader, {"mapping": 1, "indexed": 1})
+    with pytest.raises(ResumeStateError, match="saved over a mixture read in order .* this one is planned"):
+        planned.load_state_dict(saved.state_dict(), allow_mixture_change=True)
+    take(planned, 1)
+    with pytest.raises(ResumeStateError, match="saved over a mixture planned .* this one is read in order"):
+        saved.load_state_dict(planned.state_dict(), allow_mixture_change=True)
+
+
+def test_a_changed_mixture_s_damaged_cursor_is_refused_and_changes_nothing(built):
+    saved = loader_over(built, FixedBatchDataLoader, {"stream": 1, "mapping": 1})
+    take(saved, 1)
+    state = roundtrip(saved.state_dict())
+    state["source"]["position"]["sources"]["stream"]["taken"] = -1
+    refusing = loader_over(built, FixedBatchDataLoader, {"stream": 2, "indexed": 1})
+    with pytest.raises(ResumeStateError, match=r"\['sources'\]\['stream'\]\['taken'\] .* out of range"):
+        refusing.load_state_dict(state, allow_mixture_change=True)
+    fresh = loader_over(built, FixedBatchDataLoader, {"stream": 2, "indexed": 1})
+    assert [plain(batch) for batch in refusing] == [plain(batch) for batch in fresh]
+    assert refusing.state_dict() == fresh.state_dict()
 
 
 def test_a_cursor_of_other_sources_is_refused_naming_them(built):

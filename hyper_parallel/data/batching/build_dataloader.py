@@ -269,7 +269,10 @@ class _Loader:
             return state
         source = dict(state_field(state, "source", Mapping, "the loader state"))
         position = state_field(source, "position", Mapping, "the loader state['source']")
-        source["position"] = {**position, "total_samples": len(self.dataset.plan)}
+        if hasattr(self._source, "sampler"):
+            source["position"] = {**position, "total_samples": len(self.dataset.plan)}
+        else:  # a mixture read in order: its cursor continues over the sources mixed now
+            source["position"] = self.dataset.continued_cursor(position)
         replay = source.get("replay")
         if isinstance(replay, list) and replay:
             readable = iter(self.dataset.readable([key for keys in replay for key in keys]).tolist())
@@ -288,10 +291,14 @@ class _Loader:
         )
         if plan is None:
             return False
+        sampler = getattr(self._source, "sampler", None)  # a mixture read in order has none
         if self._before_mixture_change is None:  # the loader as it was before this state, for ``_refused``
-            self._before_mixture_change = (self.dataset.plan, self._source.sampler, self._tally)
+            self._before_mixture_change = (self.dataset.plan, sampler, self._tally)
         self.dataset.adopt(plan)
-        self._source.sampler = DatasetBatchSampler.from_options(len(plan), self.options.layout, self.options.sampler)
+        if sampler is not None:
+            self._source.sampler = DatasetBatchSampler.from_options(
+                len(plan), self.options.layout, self.options.sampler
+            )
         self._tally = self.dataset.mixture_tally()
         return True
 
@@ -362,7 +369,9 @@ class _Loader:
     def _refused(self) -> None:
         """Undo ``_follow_mixture`` after a refused state: a refused state changes nothing."""
         if self._before_mixture_change is not None:
-            plan, self._source.sampler, self._tally = self._before_mixture_change
+            plan, sampler, self._tally = self._before_mixture_change
+            if sampler is not None:
+                self._source.sampler = sampler
             self.dataset.adopt(plan)
         self._before_mixture_change = None
 
@@ -678,10 +687,11 @@ class DynamicBatchDataLoader(_Loader):
         that gives the policy the kept ones (read here once, to count their cost)."""
         packing = state["packing"]
         buffer = state_field(packing, "buffer", list, "the loader state['packing']")
-        if not buffer or not all(isinstance(entry, list | tuple) and entry for entry in buffer):
+        if not buffer or not all(isinstance(entry, list | tuple | Mapping) and entry for entry in buffer):
             return state, self._source  # nothing to leave out, or a damaged buffer the policy's load names
-        readable = self.dataset.readable([entry[0] for entry in buffer]).tolist()
-        kept = [entry for entry, keep in zip(buffer, readable, strict=True) if keep]
+        # A mapping source's entry is [key, window]; a stream's is the sample itself, naming its source.
+        readable = self.dataset.readable([entry if isinstance(entry, Mapping) else entry[0] for entry in buffer])
+        kept = [entry for entry, keep in zip(buffer, readable.tolist(), strict=True) if keep]
         if len(kept) == len(buffer):
             return state, self._source
         self._warn_dropped(len(buffer) - len(kept), "buffered")

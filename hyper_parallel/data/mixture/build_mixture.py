@@ -34,9 +34,9 @@ import torch.utils.data
 from hyper_parallel.data.batching.sequence_boundaries import eod_sequence_ends
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
-from hyper_parallel.data.errors import DataConfigError, ResumeStateError, require_choice, require_int
+from hyper_parallel.data.errors import DataConfigError, require_choice, require_int
 from hyper_parallel.data.mixture.mixture_order import EXHAUSTION_MODES, STRATEGIES, MixtureOrder, SourceDraws
-from hyper_parallel.data.mixture.mixture_plan import MixturePlan
+from hyper_parallel.data.mixture.mixture_plan import MixturePlan, check_change, check_reading
 from hyper_parallel.data.mixture.mixture_tally import MixtureTally
 from hyper_parallel.data.resume_checks import data_identity, dataset_identity, transform_identity
 from hyper_parallel.data.text.transform_dataset import RecordReading
@@ -402,21 +402,10 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
         """
         if saved == self.plan.state_dict():  # the common case: this very plan, its orders not planned again
             return None
+        check_reading(saved, in_order=False)
         plan = MixturePlan.from_state(saved, self._settings())
         changes, refusals = plan.differences(self.weights, self._known)
-        if refusals:
-            raise ResumeStateError(
-                f"the state was saved over a mixture whose sources were other data: {'; '.join(refusals)}; a "
-                "changed mixture may change weights and add or remove sources, not change a source: give the "
-                "changed data a new name, resume with the data it was saved with, or start without the state"
-            )
-        if changes and not (allow_change or self.mixture_change == "allow"):
-            raise ResumeStateError(
-                f"the state was saved over another mixture: {'; '.join(changes)}; to continue it with this one "
-                "(every source from its own position, the new weights from the resume point), set mixture_change: "
-                "allow on the mixture node or call load_state_dict(state, allow_mixture_change=True); otherwise "
-                "resume with the mixture it was saved with, or start without the state"
-            )
+        check_change(changes, refusals, allow_change or self.mixture_change == "allow")
         if changes:
             plan = plan.continued(resume_at(), self.weights, self._known, self.num_samples)
             logger.info("%r continues a state saved over another mixture: %s", self, "; ".join(changes))
@@ -534,7 +523,7 @@ def build_mixture_dataset(
         A ``MixtureDataset``: its order is fixed by the config and the seed, whatever the workers or DP size. With a
         streaming (iterable) source, a ``mixture_stream.StreamMixture``, read in order: its order is fixed by the
         config, the seed and the DP size, whatever the workers; ``num_samples`` is then each epoch's length, and a
-        state saved over another mixture is refused even with ``mixture_change: allow``.
+        changed mixture continues from the cursor's sample number.
     """
     if not isinstance(sources, Sequence) or isinstance(sources, str) or not sources:
         raise DataConfigError(
@@ -561,7 +550,7 @@ def build_mixture_dataset(
     if duplicates:
         raise DataConfigError(f"sources names {duplicates} more than once; give every source its own name")
     if any(stream_of(source.dataset) is not None for source in checked):
-        return _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples)
+        return _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples, mixture_change)
     budgets = [source.budget for source in checked]
     order = MixtureOrder(
         [source.weight for source in checked],
@@ -589,7 +578,7 @@ def build_mixture_dataset(
     return dataset
 
 
-def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples):
+def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples, mixture_change):
     """The mixture of sources of which at least one is a stream, read in order (``mixture_stream``)."""
     from hyper_parallel.data.mixture.mixture_stream import StreamMixture  # it builds on MixedSources, defined here
 
@@ -602,6 +591,7 @@ def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, n
         shuffle=shuffle,
         log_every=log_every,
         num_samples=num_samples,
+        mixture_change=mixture_change,
     )
     logger.info(
         "%r: read in order, each stream from its own cursor; %s",

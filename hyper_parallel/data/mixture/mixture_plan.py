@@ -29,7 +29,7 @@ from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.mixture.mixture_order import MixtureOrder
 from hyper_parallel.data.resume_checks import check_state_type, state_field
 
-__all__ = ["MixturePlan", "MixtureSegment"]
+__all__ = ["MixturePlan", "MixtureSegment", "check_change", "check_reading", "check_settings", "mixture_differences"]
 
 _WHERE = "state['mixture']['plan']"
 SETTINGS = ("strategy", "on_exhausted", "shuffle", "seed")
@@ -131,13 +131,7 @@ class MixturePlan:
     def from_state(cls, saved, settings: Mapping) -> MixturePlan:
         """The plan a state holds, checked and its orders planned again (with ``settings``, checked equal)."""
         check_state_type(saved, Mapping, _WHERE)
-        for key in SETTINGS:
-            if saved.get(key) != settings[key]:
-                raise ResumeStateError(
-                    f"the state was saved over a mixture with {key} {saved.get(key)!r}, but this one has "
-                    f"{settings[key]!r}; the mixture's order depends on it: resume with {key} "
-                    f"{saved.get(key)!r}, or start without the state"
-                )
+        check_settings(saved, settings)
         known = state_field(saved, "known", Mapping, _WHERE)
         for name, entry in known.items():
             where = f"{_WHERE}['known'][{name!r}]"
@@ -168,35 +162,9 @@ class MixturePlan:
         return cls(segments, known, settings)
 
     def differences(self, weights: Mapping[str, float], known: Mapping[str, Mapping]) -> tuple[list, list]:
-        """What the mixture built now (``weights``, ``known``) changes of this plan's last segment.
-
-        Returns:
-            ``(changes, refusals)``: new weights, added and removed sources, which a resume may take with the
-            opt-in; and changes of a source's data or budget, which no resume takes (its count would name other
-            records).
-        """
-        last = self.segments[-1].weights
-        changes = [f"{name} is new (weight {weight:g})" for name, weight in weights.items() if name not in last]
-        changes += [
-            f"{name} is no longer mixed (weight {weight:g})" for name, weight in last.items() if name not in weights
-        ]
-        changes += [
-            f"{name} had weight {last[name]:g}, has {weight:g}"
-            for name, weight in weights.items()
-            if name in last and last[name] != weight
-        ]
-        refusals = []
-        for name, entry in known.items():
-            before = self.known.get(name)
-            if before is None:
-                continue
-            if before["data"] != entry["data"]:
-                refusals.append(
-                    f"the data of {name} changed (fingerprint {before['data'][:12]}, now {entry['data'][:12]})"
-                )
-            if before["budget"] != entry["budget"]:
-                refusals.append(f"the budget of {name} was {before['budget']:,} samples, is {entry['budget']:,}")
-        return changes, refusals
+        """What the mixture built now (``weights``, ``known``) changes of this plan's last segment
+        (``mixture_differences``)."""
+        return mixture_differences(self.segments[-1].weights, self.known, weights, known)
 
     def continued(
         self, resume_at: int, weights: Mapping[str, float], known: Mapping[str, Mapping], num_samples: int | None
@@ -231,3 +199,79 @@ class MixturePlan:
         length = None if num_samples is None else num_samples - resume_at
         segment = _segment(resume_at, weights, budgets, offsets, self.settings, length)
         return MixturePlan([*kept, segment], all_known, self.settings)
+
+
+def check_reading(saved, in_order: bool) -> None:
+    """Refuse a saved mixture read the other way: in order (with a streaming source) or by plan (without one)."""
+    if not isinstance(saved, Mapping) or ("segments" in saved) != in_order:
+        return
+    saved_as, built_as = ("planned", "read in order") if in_order else ("read in order", "planned")
+    raise ResumeStateError(
+        f"the state was saved over a mixture {saved_as} ({'with' if saved_as != 'planned' else 'without'} a "
+        f"streaming source), but this one is {built_as}; a change keeps the way a mixture is read: keep a "
+        "streaming source in a mixture that had one (and none in one that had none), or start without the state"
+    )
+
+
+def check_settings(saved: Mapping, settings: Mapping) -> None:
+    """Refuse a saved mixture of another ``strategy``, ``on_exhausted``, ``shuffle`` or seed than ``settings``."""
+    for key in SETTINGS:
+        if saved.get(key) != settings[key]:
+            raise ResumeStateError(
+                f"the state was saved over a mixture with {key} {saved.get(key)!r}, but this one has "
+                f"{settings[key]!r}; the mixture's order depends on it: resume with {key} "
+                f"{saved.get(key)!r}, or start without the state"
+            )
+
+
+def mixture_differences(
+    last: Mapping[str, float], known_before: Mapping[str, Mapping], weights: Mapping[str, float], known: Mapping
+) -> tuple[list, list]:
+    """What a mixture of ``weights`` (its sources' ``known`` budgets and data) changes of one that mixed ``last``
+    and knew ``known_before`` (every source it ever mixed).
+
+    Returns:
+        ``(changes, refusals)``: new weights, added and removed sources, which a resume may take with the opt-in;
+        and changes of a source's data or budget, which no resume takes (its count would name other records).
+    """
+    changes = [f"{name} is new (weight {weight:g})" for name, weight in weights.items() if name not in last]
+    changes += [
+        f"{name} is no longer mixed (weight {weight:g})" for name, weight in last.items() if name not in weights
+    ]
+    changes += [
+        f"{name} had weight {last[name]:g}, has {weight:g}"
+        for name, weight in weights.items()
+        if name in last and last[name] != weight
+    ]
+    refusals = []
+    for name, entry in known.items():
+        before = known_before.get(name)
+        if before is None:
+            continue
+        if before["data"] != entry["data"]:
+            refusals.append(f"the data of {name} changed (fingerprint {before['data'][:12]}, now {entry['data'][:12]})")
+        if before["budget"] != entry["budget"]:
+            refusals.append(f"the budget of {name} was {_budget(before['budget'])}, is {_budget(entry['budget'])}")
+    return changes, refusals
+
+
+def _budget(samples: int | None) -> str:
+    return "its stream's end" if samples is None else f"{samples:,} samples"
+
+
+def check_change(changes: Sequence[str], refusals: Sequence[str], allowed: bool) -> None:
+    """Refuse a resume over a mixture that changed a source's data or budget (``refusals``), or that changed
+    weights or sources (``changes``) without the opt-in (``allowed``), naming each difference."""
+    if refusals:
+        raise ResumeStateError(
+            f"the state was saved over a mixture whose sources were other data: {'; '.join(refusals)}; a "
+            "changed mixture may change weights and add or remove sources, not change a source: give the "
+            "changed data a new name, resume with the data it was saved with, or start without the state"
+        )
+    if changes and not allowed:
+        raise ResumeStateError(
+            f"the state was saved over another mixture: {'; '.join(changes)}; to continue it with this one "
+            "(every source from its own position, the new weights from the resume point), set mixture_change: "
+            "allow on the mixture node or call load_state_dict(state, allow_mixture_change=True); otherwise "
+            "resume with the mixture it was saved with, or start without the state"
+        )

@@ -3,7 +3,8 @@
 Owns: reading the samples of a mixture with at least one streaming (iterable) Online source in the loader's main
 process, as a loader reads any stream (``key_sources.StreamKeys``: the records travel to the workers, which only
 transform them); what a source's end does (``on_exhausted``); the cursor a loader state keeps, checked and
-restored exactly; and the ``where`` of each record. Not responsible for: the draws (``mixture_order.SourceDraws``),
+restored exactly, and continued over a changed mixture (``mixture_change: allow``); and the ``where`` of each
+record. Not responsible for: the draws (``mixture_order.SourceDraws``),
 which record a mapping source's ``c``-th sample is (``build_mixture.MixedSources``), reading or shuffling a stream
 (``OnlineIterableDataset``), or batching (the loaders).
 
@@ -25,6 +26,11 @@ weights renormalised (the draws' new phase starts at that sample), and ends the 
 own shuffle), and the next epoch of the mixture continues every source where it is. ``num_samples`` ends an epoch
 after that many samples (required with ``restart``).
 
+A changed mixture (other weights, a source added or removed) continues a cursor from its sample number: the draws
+from there use the new weights, every source mixed before keeps its entry, an added source starts at its
+beginning, and a removed one's entry waits in ``retired`` until it is added back. The loader leaves out the
+samples of a removed source it had read before the resume point (said with their count).
+
 Cursor (``state['source']['position']`` of a loader state)::
 
     {"version", "dp_rank", "dp_world_size", "seed", "epoch", "position": samples given in the epoch,
@@ -32,26 +38,34 @@ Cursor (``state['source']['position']`` of a loader state)::
      "phase_start": where the draws' phase began, "active": the sources it draws,
      "sources": {name: {"taken": samples given in its pass, "passes": passes ended, "ended": its stream's share
                         has ended (after the records still waiting), "pending": [{"position", "record"}] read ahead,
-                        "stream": its stream's cursor (None for a mapping source)}}}
+                        "stream": its stream's cursor (None for a mapping source)}},
+     "retired": {name: the entry of a source mixed before and no longer (only after such a change)}}
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.mixture.build_mixture import MixedSources, MixtureSource
 from hyper_parallel.data.mixture.mixture_order import SourceDraws, ranks_within
+from hyper_parallel.data.mixture.mixture_plan import check_change, check_reading, check_settings, mixture_differences
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.transform_dataset import RecordReading
 
-__all__ = ["MixtureRecords", "MixtureStream", "StreamMixture"]
+__all__ = ["MixtureRecords", "MixtureStream", "StreamMixture", "StreamPlan"]
+
+logger = get_logger(__name__)
 
 _STATE_VERSION = 1
 _WHERE = "the mixture stream cursor"
+_PLAN = "state['mixture']['plan']"
 # Cursor fields that must equal this mixture's settings, and why.
 _SETTINGS = (
     ("dp_rank", "the state holds another rank's share of every source"),
@@ -68,6 +82,8 @@ class StreamMixture(MixedSources):
             length (None: where a source's end ends it).
         draws: the sources' draws (``SourceDraws`` over their weights, the strategy and the seed).
         on_exhausted: ``stop``, ``reweight`` or ``restart``.
+        mixture_change: ``allow``: a loader state saved over other weights or sources continues with these
+            (``resumed_plan``); ``refuse``: such a state is refused.
     """
 
     def __init__(
@@ -80,6 +96,7 @@ class StreamMixture(MixedSources):
         shuffle: bool,
         log_every: int,
         num_samples: int | None,
+        mixture_change: str = "refuse",
     ) -> None:
         super().__init__(sources, seed=seed, shuffle=shuffle, log_every=log_every, num_samples=num_samples)
         if on_exhausted == "restart" and num_samples is None:
@@ -89,6 +106,7 @@ class StreamMixture(MixedSources):
             )
         self.draws = draws
         self.on_exhausted = on_exhausted
+        self.mixture_change = mixture_change
         placements = {(stream.dp_rank, stream.dp_world_size) for stream in self.streams if stream is not None}
         if len(placements) > 1:
             raise DataConfigError(
@@ -97,6 +115,7 @@ class StreamMixture(MixedSources):
             )
         self.dp_rank, self.dp_world_size = placements.pop()
         self.stream = MixtureStream(self)
+        self.plan = StreamPlan({})
         self._identity = data_identity(self.description, self.plan_state())
 
     @property
@@ -123,39 +142,92 @@ class StreamMixture(MixedSources):
         return self._identity
 
     def plan_state(self) -> dict:
-        """What a loader state keeps of the mixture: its settings and each source's weight, budget and data."""
+        """What a loader state keeps of the mixture: its settings, each source's weight, budget and data, and
+        (after a change) ``known``: the budget and data of each source mixed before and no longer."""
         sources = {
             name: {"weight": self.weights[name], **entry, "stream": stream is not None}
             for (name, entry), stream in zip(self._known.items(), self.streams, strict=True)
         }
-        return {**self.settings, "sources": sources}
+        return {**self.settings, "sources": sources, **({"known": self.plan.known} if self.plan.known else {})}
 
-    def resumed_plan(self, saved, resume_at, allow_change: bool) -> None:
-        """Take a loader state's mixture part: the same mixture, or a ``ResumeStateError`` naming what differs (a
-        mixture with a stream does not change mid-run; ``resume_at`` and ``allow_change`` are not used)."""
-        own = self.plan_state()
-        if saved == own:
+    def resumed_plan(self, saved, resume_at, allow_change: bool) -> StreamPlan | None:
+        """The plan a loader state's mixture part ``saved`` continues with here, or None when it is this one's.
+
+        Other weights or sources (or ``num_samples``) are refused, naming each difference, unless ``allow_change``
+        or this mixture's ``mixture_change: allow``: the cursor is then continued at its sample number with these
+        (``continued_cursor``). Another strategy, ``on_exhausted``, ``shuffle`` or seed, and a source whose data or
+        budget changed, are always refused. ``resume_at`` is not used: the cursor holds the resume point.
+        """
+        if saved == self.plan_state():
             return None
-        saved = saved if isinstance(saved, Mapping) else {}
-        before = saved.get("sources") if isinstance(saved.get("sources"), Mapping) else {}
-        changes = [
-            f"{key} was {saved.get(key)!r}, is {value!r}"
-            for key, value in self.settings.items()
-            if saved.get(key) != value
-        ]
-        changes += [f"{name} is new" for name in own["sources"] if name not in before]
-        changes += [f"{name} is no longer mixed" for name in before if name not in own["sources"]]
-        changes += [
-            f"{name} had {before[name]!r}, has {entry!r}"
-            for name, entry in own["sources"].items()
-            if name in before and before[name] != entry
-        ]
-        raise ResumeStateError(
-            f"the state was saved over another mixture: {'; '.join(changes) or 'a mixture read by plan'}; a mixture "
-            "with a streaming source continues only as it was saved (each stream's cursor holds the records it read "
-            "ahead for the saved weights), so its weights, sources and settings cannot change mid-run, even with "
-            "mixture_change: allow; resume with the mixture the state was saved with, or start without the state"
-        )
+        check_state_type(saved, Mapping, _PLAN)
+        check_reading(saved, in_order=True)
+        check_settings(saved, self.settings)
+        mixed = state_field(saved, "sources", Mapping, _PLAN)
+        retired_before = state_field(saved, "known", Mapping, _PLAN) if "known" in saved else {}
+        for part, entries in (("sources", mixed), ("known", retired_before)):
+            for name, entry in entries.items():
+                where = f"{_PLAN}[{part!r}][{name!r}]"
+                check_state_type(entry, Mapping, where)
+                state_field(entry, "budget", (int, None), where)
+                state_field(entry, "data", str, where)
+                if part == "sources":
+                    state_field(entry, "weight", (int, float), where)
+        known_before = {**retired_before, **mixed}
+        last = {name: entry["weight"] for name, entry in mixed.items()}
+        changes, refusals = mixture_differences(last, known_before, self.weights, self._known)
+        if saved.get("num_samples") != self.num_samples:
+            changes.append(f"num_samples was {saved.get('num_samples')!r}, is {self.num_samples!r}")
+        check_change(changes, refusals, allow_change or self.mixture_change == "allow")
+        if changes:
+            logger.info("%r continues a state saved over another mixture: %s", self, "; ".join(changes))
+        retired = {
+            name: {"budget": entry["budget"], "data": entry["data"]}
+            for name, entry in known_before.items()
+            if name not in self.names
+        }
+        return StreamPlan(retired, changed=bool(changes))
+
+    def adopt(self, plan: StreamPlan) -> None:
+        """Continue the cursors of ``plan`` (``resumed_plan``) from here on; ``continued_cursor`` reads them."""
+        self.plan = plan
+
+    def continued_cursor(self, cursor):
+        """The cursor ``cursor``, saved over the mixture the adopted plan continues, as this mixture's.
+
+        After a change of weights or sources: the draws from its sample number use this mixture's weights; a
+        source mixed before keeps its entry (its samples in the pass, its stream's cursor and the records read
+        ahead), a new one starts at its beginning, and a source no longer mixed keeps its entry in ``retired``, so
+        that adding it back continues it. A malformed cursor is given back as it is, for its check to name.
+        """
+        if not self.plan.changed or not isinstance(cursor, Mapping):
+            return cursor
+        mixed, retired = cursor.get("sources"), cursor.get("retired", {})
+        if (
+            not isinstance(mixed, Mapping)
+            or not isinstance(retired, Mapping)
+            or not isinstance(cursor.get("active"), list)
+        ):
+            return cursor
+        entries = {**retired, **mixed}
+        fresh = self.stream.fresh_entries()
+        active = [name for name in self.names if name in cursor["active"] or name not in mixed]
+        if cursor.get("epoch_over") or not active:  # the next read begins the next epoch, drawing every source
+            active = []
+        return {
+            **cursor,
+            "epoch_over": not active,
+            "active": active,
+            "phase_start": cursor.get("sample") if active else None,
+            "sources": {name: entries.get(name, fresh[name]) for name in self.names},
+            "retired": {name: entry for name, entry in entries.items() if name not in self.names},
+        }
+
+    def readable(self, keys) -> np.ndarray:
+        """Whether each key (a loader key or a buffered sample's saved entry) is of a source mixed now (bool); a
+        key of no known form counts as readable, for its check to name."""
+        names = set(self.names)
+        return np.array([_key_source(key) in names or _key_source(key) is None for key in keys], dtype=bool)
 
     def sources_of(self, keys) -> np.ndarray:
         """The source id of each key: a loader key ``(n, {"source": name, ...})`` or a buffered sample's
@@ -165,6 +237,27 @@ class StreamMixture(MixedSources):
 
     def __repr__(self) -> str:
         return f"StreamMixture({self.description}, {self.draws.strategy}, {self.on_exhausted})"
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What a ``StreamMixture`` continues from a loader state: the sources it no longer mixes (their budget and
+    data, so that adding one back with other data is refused), and whether the weights or sources changed."""
+
+    known: dict[str, dict]
+    changed: bool = False
+
+
+def _key_source(key) -> str | None:
+    """The source a loader key ``(n, {"source", ...})``, a buffered sample's ``(n, name)`` or its saved entry
+    ``{"source", ...}`` names; None for anything else."""
+    if isinstance(key, Mapping):
+        name = key.get("source")
+    elif isinstance(key, list | tuple) and len(key) == 2:
+        name = key[1] if isinstance(key[1], str) else key[1].get("source") if isinstance(key[1], Mapping) else None
+    else:
+        name = None
+    return name if isinstance(name, str) else None
 
 
 class MixtureStream:
@@ -200,7 +293,16 @@ class MixtureStream:
         self._passes = [0] * count
         self._ended = [False] * count
         self._pending: list[deque] = [deque() for _ in range(count)]
+        self._retired: dict[str, dict] = {}  # the entries of sources mixed before and no longer
+        self._fresh_streams = [None if stream is None else stream.state_dict() for stream in self._streams]
         self._start_epoch(0)
+
+    def fresh_entries(self) -> dict[str, dict]:
+        """Each source's entry of the cursor at its beginning (a source added to a mixture starts there)."""
+        return {
+            name: {"taken": 0, "passes": 0, "ended": False, "pending": [], "stream": copy.deepcopy(stream)}
+            for name, stream in zip(self.mixture.names, self._fresh_streams, strict=True)
+        }
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -221,8 +323,8 @@ class MixtureStream:
         num_samples = self.mixture.num_samples
         while len(taken) < max_records and not self._epoch_over:
             wanted = max_records - len(taken)
-            if num_samples is not None:
-                wanted = min(wanted, num_samples - self.position)
+            if num_samples is not None:  # a changed num_samples may be behind the position
+                wanted = max(0, min(wanted, num_samples - self.position))
             if wanted:
                 taken += self._take(wanted)
             else:
@@ -338,6 +440,7 @@ class MixtureStream:
                 }
                 for source, (name, stream) in enumerate(zip(names, self._streams, strict=True))
             },
+            **({"retired": copy.deepcopy(self._retired)} if self._retired else {}),
         }
 
     def check_state(self, state: Mapping) -> None:
@@ -373,6 +476,15 @@ class MixtureStream:
             )
         for source, name in enumerate(names):
             self._check_source(state_field(sources, name, Mapping, _WHERE), source, f"{_WHERE}['sources'][{name!r}]")
+        retired = state_field(state, "retired", Mapping, _WHERE) if "retired" in state else {}
+        for name, entry in retired.items():
+            where = f"{_WHERE}['retired'][{name!r}]"
+            check_state_type(entry, Mapping, where)
+            if name in names:
+                raise ResumeStateError(f"{where} is a source the mixture mixes; the state is damaged")
+            for key, kind in (("taken", int), ("passes", int), ("ended", bool), ("pending", list)):
+                state_field(entry, key, kind, where)
+            state_field(entry, "stream", (Mapping, None), where)
 
     def _check_source(self, entry: Mapping, source: int, where: str) -> None:
         taken = state_field(entry, "taken", int, where)
@@ -410,6 +522,7 @@ class MixtureStream:
             self._pending[source] = deque((waiting["position"], waiting["record"]) for waiting in entry["pending"])
             if self._streams[source] is not None:
                 self._streams[source].load_state_dict(entry["stream"])
+        self._retired = copy.deepcopy(dict(state.get("retired", {})))
 
     def __repr__(self) -> str:
         return f"MixtureStream({self.description}, dp {self.dp_rank}/{self.dp_world_size}, epoch {self.epoch})"
