@@ -322,3 +322,27 @@ def test_a_dynamic_loader_over_several_dp_ranks_without_a_process_group_changes_
     restored = make_rank(mixture(sources, after, mixture_change="allow"))
     restored.load_state_dict(saved.state_dict())
     assert len(restored.dataset.plan.segments) == 1 and restored.dataset.plan.segments[0].weights == after
+
+
+@pytest.mark.parametrize("loader_class", [FixedBatchDataLoader, DynamicBatchDataLoader])
+def test_the_epoch_after_a_removal_reads_the_same_mixture_without_the_removed_source_and_counts_it(
+    sources, records_by_tokens, loader_class, caplog
+):
+    before, after = CHANGES["remove"]
+    first: dict[str, list[int]] = {}
+    saved = make(loader_class, mixture(sources, before))
+    read(saved, records_by_tokens, first, batches=12 if loader_class is FixedBatchDataLoader else 2)
+    state = roundtrip(saved.state_dict())
+    resume_at = state["source"]["position"]["consumed_samples"]
+    loader = make(loader_class, mixture(sources, after))
+    loader.load_state_dict(state, allow_mixture_change=True)
+    read(loader, records_by_tokens, first)  # the rest of the epoch
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hyper_parallel.data"):
+        second: dict[str, list[int]] = {}
+        read(loader, records_by_tokens, second)  # the next epoch: the samples before the change as first planned
+    removed_before = int((saved.dataset.sources_of(np.arange(resume_at)) == saved.dataset.names.index("second")).sum())
+    assert _dropped(caplog) == removed_before > 0
+    assert "second" not in second
+    for name in after:  # every epoch reads the same samples of the sources still mixed
+        assert sorted(second[name]) == sorted(first[name])

@@ -275,7 +275,8 @@ class _Loader:
             return state
         source = dict(state_field(state, "source", Mapping, "the loader state"))
         position = state_field(source, "position", Mapping, "the loader state['source']")
-        self._warn_dropped(self._removed_ahead(position), "this rank reads before the mixture's last change")
+        if position.get("consumed_samples"):  # mid-epoch: a whole epoch is counted as it begins
+            self._warn_dropped(self._removed_ahead(position), "this rank reads before the mixture's last change")
         source["position"] = {**position, "total_samples": len(self.dataset.plan)}
         replay = source.get("replay")
         if isinstance(replay, list) and replay:
@@ -410,8 +411,9 @@ class _Loader:
         """How many samples of sources no longer mixed this rank still reads in the epoch it resumes in. Only samples
         before the plan's last segment can be (they are read as the plan before a change drew them); each gives no
         sample (``MixtureDataset.__getitems__``)."""
-        sampler = self._source.sampler
-        stop = min(int(self.dataset.plan.starts[-1]), sampler.epoch_len)
+        if len(self.dataset.known_names) == len(self.dataset.names):  # every source the plan knows is mixed
+            return 0
+        stop = min(int(self.dataset.plan.starts[-1]), self._source.sampler.epoch_len)
         consumed = position.get("consumed_samples")
         if not self._reads_in_order(position) or not isinstance(consumed, int) or consumed >= stop:
             return 0
@@ -423,6 +425,13 @@ class _Loader:
             keys = (steps[:, None] * micro_step + within).ravel()
             removed += int(np.count_nonzero(~self.dataset.readable(keys[keys < stop])))
         return removed
+
+    def _warn_removed_in_epoch(self, epoch: int) -> None:
+        """At the start of a whole epoch over a mixture that dropped a source: how many of its samples this rank
+        reads again before the change (each gives no sample)."""
+        if self._tally is not None:
+            removed = self._removed_ahead(self._source.sampler.state_dict())
+            self._warn_dropped(removed, f"this rank reads in epoch {epoch} before the mixture's last change")
 
     def _warn_dropped(self, dropped: int, what: str) -> None:
         if dropped:
@@ -484,6 +493,8 @@ class FixedBatchDataLoader(_Loader):
 
     def __iter__(self) -> Iterator:
         whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.next_epoch()
+        if whole_epoch:
+            self._warn_removed_in_epoch(epoch)
         records = delivered = 0
         for pulled, batch in self._tracked.batches():
             records += len(pulled.keys)
@@ -673,6 +684,8 @@ class DynamicBatchDataLoader(_Loader):
         self._reading = None
         self._epoch = epoch = self._tracked.next_epoch()
         whole_epoch = not self._flushing and not len(policy) and self._tracked.reads_whole_epoch()
+        if whole_epoch:
+            self._warn_removed_in_epoch(epoch)
         records = delivered = 0
         if not self._flushing:
             while policy.ready():  # a restored policy may already hold whole batches
@@ -718,7 +731,9 @@ class DynamicBatchDataLoader(_Loader):
 
         Over a mixture, ``allow_mixture_change`` continues a state saved over other weights or sources
         (``mixture_change: allow`` on the mixture node does too); buffered samples of a source no longer mixed
-        are dropped, with a warning giving their count (docs/mixtures.md).
+        are dropped, with a warning giving their count (docs/mixtures.md). Over several DP ranks, mid-epoch, every
+        rank must load its state at once under an initialised process group: the ranks agree on where the changed
+        mixture begins (``_agreed_resume_point``).
 
         The DP size may change only at an epoch boundary with nothing buffered: each rank packs its own share of
         the data, so the packs of a different DP size are different batches. To change it anywhere else, give
