@@ -76,8 +76,9 @@ def _tokens_of(batch) -> list[list[int]]:
     return [ids.tolist() for ids, labels in batch.sequences() if not (labels == IGNORE_INDEX).all()]
 
 
-def change_mid_epoch(rank: int, world_size: int, *, paths, cache, before, after, workers) -> dict:
-    """Read a few batches over ``before``, save, restart over ``after`` with the change allowed, read to the end."""
+def change_mid_epoch(rank: int, world_size: int, *, paths, cache, before, after, workers, again=False) -> dict:
+    """Read a few batches over ``before``, save, restart over ``after`` with the change allowed, read to the end.
+    With ``again``: also save after the first batch since the change, and resume that over ``after`` too."""
     tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
 
     def loader(weights):
@@ -101,13 +102,18 @@ def change_mid_epoch(rank: int, world_size: int, *, paths, cache, before, after,
             break
     changed = loader(after)
     changed.load_state_dict(state, allow_mixture_change=True)
-    for batch in changed:
-        delivered += _tokens_of(batch)
-    return {
-        "consumed": state["source"]["position"]["consumed_samples"],
-        "delivered": delivered,
-        "plan": changed.dataset.plan_state(),
-    }
+    report = {"consumed": state["source"]["position"]["consumed_samples"], "plan": changed.dataset.plan_state()}
+    batches = iter(changed)
+    if again:
+        delivered += _tokens_of(next(batches))
+        later = roundtrip(changed.state_dict())
+        report["consumed_again"] = later["source"]["position"]["consumed_samples"]
+        resumed = loader(after)  # the same config: the state's plan continues without the opt-in
+        resumed.load_state_dict(later)
+        report["resumed"] = [_tokens_of(batch) for batch in resumed]
+    report["uninterrupted"] = [_tokens_of(batch) for batch in batches]
+    report["delivered"] = delivered + [ids for tokens in report["uninterrupted"] for ids in tokens]
+    return report
 
 
 def _dropped(report: dict) -> int:
@@ -184,3 +190,16 @@ def test_dp_ranks_saved_in_different_epochs_all_refuse_the_change_naming_each_ep
     assert [error["type"] for error in errors] == ["ResumeStateError"] * 2
     assert errors[0]["message"] == errors[1]["message"]  # every rank raises the same error
     assert "DP rank 0 in epoch 0, DP rank 1 in epoch 1" in errors[0]["message"]
+
+
+def test_a_rank_saved_again_before_the_change_point_resumes_exactly_over_the_changed_mixture(source_files, tmp_path):
+    paths, cache = source_files
+    before, after = CHANGES["remove"]
+    worker = functools.partial(
+        change_mid_epoch, paths=paths, cache=cache, before=before, after=after, workers=0, again=True
+    )
+    reports = launch(worker, tmp_path, world_size=2)
+    assert [report.get("error") for report in reports] == [None, None]
+    rank0 = reports[0]["value"]
+    assert rank0["consumed_again"] < SAVED_AT[1]  # the case under test: still reading before the change point
+    assert rank0["resumed"] == rank0["uninterrupted"]

@@ -1,7 +1,8 @@
 """Fixed and dynamic (token-budget) DataLoaders with exact, worker-count-independent resume.
 
 Owns: choosing the ModelSamples of each micro-batch (a fixed count, or a packing policy's choice), DataLoader
-workers and prefetch, composing the loader state from its parts, and what a loader says of its epochs (at
+workers and prefetch, composing the loader state from its parts, the sample number where a changed mixture's new
+plan begins (a dynamic loader's DP ranks agree on one), and what a loader says of its epochs (at
 construction, what it delivers per epoch and the Online records ``drop_last`` leaves out; at each epoch's end, at
 debug, the micro-batches it delivered; a dynamic loader's token budget that is not a multiple of its layout's row
 multiple is warned about). Not responsible for: where keys come from and
@@ -411,7 +412,7 @@ class _Loader:
         """How many samples of sources no longer mixed this rank still reads in the epoch it resumes in. Only samples
         before the plan's last segment can be (they are read as the plan before a change drew them); each gives no
         sample (``MixtureDataset.__getitems__``)."""
-        if len(self.dataset.known_names) == len(self.dataset.names):  # every source the plan knows is mixed
+        if not self._removed_a_source():
             return 0
         stop = min(int(self.dataset.plan.starts[-1]), self._source.sampler.epoch_len)
         consumed = position.get("consumed_samples")
@@ -429,9 +430,13 @@ class _Loader:
     def _warn_removed_in_epoch(self, epoch: int) -> None:
         """At the start of a whole epoch over a mixture that dropped a source: how many of its samples this rank
         reads again before the change (each gives no sample)."""
-        if self._tally is not None:
+        if self._removed_a_source():
             removed = self._removed_ahead(self._source.sampler.state_dict())
             self._warn_dropped(removed, f"this rank reads in epoch {epoch} before the mixture's last change")
+
+    def _removed_a_source(self) -> bool:
+        """Whether the mixture's plan knows a source it no longer mixes (a change removed it)."""
+        return self._tally is not None and len(self.dataset.known_names) > len(self.dataset.names)
 
     def _warn_dropped(self, dropped: int, what: str) -> None:
         if dropped:

@@ -475,9 +475,9 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list:
         """The samples of several sample numbers, each source's records read in one call. In a mix of ModelSamples,
-        a sample of a source no longer mixed gives none, as a record its transform rejects: a DP rank behind the
-        point where a dynamic loader's mixture changed reads such samples as the earlier plan drew them, and the
-        loader counts them when it resumes."""
+        a sample of a source no longer mixed gives none, as a record its transform rejects: samples before the
+        point where the mixture changed are read as the earlier plan drew them (by a dynamic loader's DP rank that
+        had not read to that point, and in every later epoch), and the loader counts them."""
         sources, counts = self.planned(indices)
         items: list = [[] for _ in range(len(sources))]
         mixed = np.flatnonzero(sources < len(self.sources)) if self.model_samples else np.arange(len(sources))
