@@ -203,3 +203,28 @@ def test_a_rank_saved_again_before_the_change_point_resumes_exactly_over_the_cha
     rank0 = reports[0]["value"]
     assert rank0["consumed_again"] < SAVED_AT[1]  # the case under test: still reading before the change point
     assert rank0["resumed"] == rank0["uninterrupted"]
+
+
+def change_on_two_of_four(rank: int, world_size: int, *, paths, cache) -> None:
+    """Four processes, two DP ranks (as with tensor parallelism, where not every process reads): a mid-epoch change."""
+    tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
+    before, after = CHANGES["weights"]
+
+    def loader(weights):
+        mixture = _mixture(paths, cache, tokenizer, weights)
+        return DynamicBatchDataLoader(
+            mixture, micro_batch_size=2, dp_rank=rank % 2, dp_world_size=2, min_buffered_samples=8
+        )
+
+    saved = loader(before)
+    next(iter(saved))
+    loader(after).load_state_dict(roundtrip(saved.state_dict()), allow_mixture_change=True)
+
+
+def test_a_process_group_of_more_processes_than_dp_ranks_refuses_a_mid_epoch_change(source_files, tmp_path):
+    paths, cache = source_files
+    reports = launch(functools.partial(change_on_two_of_four, paths=paths, cache=cache), tmp_path, world_size=4)
+    for report in reports:
+        assert report["error"]["type"] == "ResumeStateError"
+        assert "the default process group holds 4 processes, not one per DP rank" in report["error"]["message"]
+        assert "change it at an epoch's start" in report["error"]["message"]
