@@ -306,7 +306,7 @@ def test_every_dp_rank_continues_the_changed_mixture_and_together_they_give_each
         assert sorted(got[name]) == list(range(len(got[name])))
 
 
-def test_a_dynamic_loader_over_several_dp_ranks_changes_its_mixture_only_at_an_epoch_start(sources):
+def test_a_dynamic_loader_over_several_dp_ranks_without_a_process_group_changes_only_at_an_epoch_start(sources):
     before, after = CHANGES["add"]
 
     def make_rank(dataset):
@@ -315,10 +315,34 @@ def test_a_dynamic_loader_over_several_dp_ranks_changes_its_mixture_only_at_an_e
     saved = make_rank(mixture(sources, before))
     for _ in zip(range(2), saved, strict=False):
         pass
-    with pytest.raises(ResumeStateError, match="only at an epoch's start: each rank packs its own share"):
+    with pytest.raises(ResumeStateError, match="mid-epoch .*torch.distributed is not initialised"):
         make_rank(mixture(sources, after, mixture_change="allow")).load_state_dict(saved.state_dict())
     for _ in saved:  # to the epoch's end: the state is at the next epoch's start
         pass
     restored = make_rank(mixture(sources, after, mixture_change="allow"))
     restored.load_state_dict(saved.state_dict())
     assert len(restored.dataset.plan.segments) == 1 and restored.dataset.plan.segments[0].weights == after
+
+
+@pytest.mark.parametrize("loader_class", [FixedBatchDataLoader, DynamicBatchDataLoader])
+def test_the_epoch_after_a_removal_reads_the_same_mixture_without_the_removed_source_and_counts_it(
+    sources, records_by_tokens, loader_class, caplog
+):
+    before, after = CHANGES["remove"]
+    first: dict[str, list[int]] = {}
+    saved = make(loader_class, mixture(sources, before))
+    read(saved, records_by_tokens, first, batches=12 if loader_class is FixedBatchDataLoader else 2)
+    state = roundtrip(saved.state_dict())
+    resume_at = state["source"]["position"]["consumed_samples"]
+    loader = make(loader_class, mixture(sources, after))
+    loader.load_state_dict(state, allow_mixture_change=True)
+    read(loader, records_by_tokens, first)  # the rest of the epoch
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hyper_parallel.data"):
+        second: dict[str, list[int]] = {}
+        read(loader, records_by_tokens, second)  # the next epoch: the samples before the change as first planned
+    removed_before = int((saved.dataset.sources_of(np.arange(resume_at)) == saved.dataset.names.index("second")).sum())
+    assert _dropped(caplog) == removed_before > 0
+    assert "second" not in second
+    for name in after:  # every epoch reads the same samples of the sources still mixed
+        assert sorted(second[name]) == sorted(first[name])

@@ -1,4 +1,5 @@
-"""Specification of ``check_ranks_agree``: ranks given different settings all raise the same error, naming them.
+"""Specification of ``check_ranks_agree``: ranks given different settings all raise the same error, naming them;
+and of ``gather_rank_numbers``, every rank's few integers in rank order.
 
 The digest is checked in this process. The comparisons run in real gloo processes started by ``parallel.launch``:
 four ranks compare the settings of a small pipeline, one or more of them changed on some ranks. Every expected
@@ -15,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from hyper_parallel.data.parallel.collective_watch import TIMEOUT_VARIABLE
-from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, settings_digest
+from hyper_parallel.data.parallel.rank_agreement import check_ranks_agree, gather_rank_numbers, settings_digest
 from parallel.launch import launch
 
 WORLD_SIZE = 4
@@ -78,6 +79,11 @@ def test_without_a_process_group_it_returns_at_once_but_still_checks_its_argumen
     check_ranks_agree(SETTINGS, what=WHAT)
     with pytest.raises(TypeError, match="a mapping from node names to mappings of their fields"):
         check_ranks_agree({"get_batch": 256}, what=WHAT)
+
+
+def test_without_a_process_group_there_are_no_numbers_to_gather():
+    assert not dist.is_initialized()
+    assert gather_rank_numbers((1, 2), what="the test's numbers") is None
 
 
 # -- on real ranks ------------------------------------------------------------------------------------------------
@@ -147,3 +153,14 @@ def test_a_rank_that_joins_far_too_late_is_named_by_the_others(tmp_path, monkeyp
         assert error["message"].startswith(
             f"the collective '{WHAT} (digests)' over ranks 0-3 did not complete within 2 s: rank 1 has not reached it"
         )
+
+
+def numbers_of_rank(rank: int, world_size: int) -> list[list[int]]:
+    del world_size
+    return gather_rank_numbers((rank, 10 * rank, 2**40 + rank), what="the test's numbers")
+
+
+def test_every_rank_gathers_every_rank_s_numbers_in_rank_order(tmp_path):
+    reports = launch(numbers_of_rank, tmp_path, WORLD_SIZE)
+    expected = [[rank, 10 * rank, 2**40 + rank] for rank in range(WORLD_SIZE)]
+    assert [report.get("value") for report in reports] == [expected] * WORLD_SIZE

@@ -1,7 +1,8 @@
 """Fixed and dynamic (token-budget) DataLoaders with exact, worker-count-independent resume.
 
 Owns: choosing the ModelSamples of each micro-batch (a fixed count, or a packing policy's choice), DataLoader
-workers and prefetch, composing the loader state from its parts, and what a loader says of its epochs (at
+workers and prefetch, composing the loader state from its parts, the sample number where a changed mixture's new
+plan begins (a dynamic loader's DP ranks agree on one), and what a loader says of its epochs (at
 construction, what it delivers per epoch and the Online records ``drop_last`` leaves out; at each epoch's end, at
 debug, the micro-batches it delivered; a dynamic loader's token budget that is not a multiple of its layout's row
 multiple is warned about). Not responsible for: where keys come from and
@@ -29,6 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 
+import numpy as np
+import torch.distributed
 import torch.utils.data
 
 from hyper_parallel.data.batching.build_collate_fn import build_online_text_collate_fn
@@ -44,7 +47,9 @@ from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError, require_int
 from hyper_parallel.data.mixture.mixture_tally import record_tokens
 from hyper_parallel.data.parallel.batch_sampler import DatasetBatchSampler
+from hyper_parallel.data.parallel.build_barrier import process_group_ready
 from hyper_parallel.data.parallel.delivery_layout import DeliveryLayout
+from hyper_parallel.data.parallel.rank_agreement import gather_rank_numbers
 from hyper_parallel.data.resume_checks import state_field
 
 __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micro_batches"]
@@ -54,6 +59,8 @@ logger = get_logger(__name__)
 # The dynamic loader reads about this many records per DataLoader fetch (amortising per-fetch costs).
 _RECORDS_PER_READ = 32
 _DEFAULT_MIN_BUFFERED_SAMPLES = 200
+# Micro-steps whose sample numbers are planned at once when counting those of sources no longer mixed.
+_STEPS_PER_COUNT = 1 << 16
 
 
 def calculate_num_micro_batches(global_batch_size: int, micro_batch_size: int, dp_world_size: int) -> int:
@@ -270,6 +277,8 @@ class _Loader:
         source = dict(state_field(state, "source", Mapping, "the loader state"))
         position = state_field(source, "position", Mapping, "the loader state['source']")
         if hasattr(self._source, "sampler"):
+            if position.get("consumed_samples"):  # mid-epoch: a whole epoch is counted as it begins
+                self._warn_dropped(self._removed_ahead(position), "this rank reads before the mixture's last change")
             source["position"] = {**position, "total_samples": len(self.dataset.plan)}
         else:  # a mixture read in order: its cursor continues over the sources mixed now
             source["position"] = self.dataset.continued_cursor(position)
@@ -277,7 +286,9 @@ class _Loader:
         if isinstance(replay, list) and replay:
             readable = iter(self.dataset.readable([key for keys in replay for key in keys]).tolist())
             kept = [[key for key in keys if next(readable)] for keys in replay]
-            self._warn_dropped(sum(map(len, replay)) - sum(map(len, kept)), "read but not yet packed")
+            self._warn_dropped(
+                sum(map(len, replay)) - sum(map(len, kept)), "read but not yet packed at the resume point"
+            )
             source["replay"] = [keys for keys in kept if keys]
             source["replay_epoch"] = source.get("replay_epoch") if source["replay"] else None
         return {**state, "source": source, "data": self._source.identities[0]}
@@ -314,14 +325,12 @@ class _Loader:
             self._take_plan(merged, allow_change, False)  # a changed mixture is refused: no resume point in order
         return rank_state(merged, self._source, self.options.layout, policy)
 
-    def _mixture_resume_point(self, state: Mapping, packs_per_rank: bool) -> int:
-        """The sample number a state resumes at, where a changed mixture's new plan begins; refused where the
-        samples before it are not exactly the ones delivered or buffered, or where DP ranks that pack their own
-        shares (``packs_per_rank``) may have read to different sample numbers (anywhere but an epoch's start)."""
-        source = state.get("source")
-        position = source.get("position") if isinstance(source, Mapping) else None
+    def _reads_in_order(self, position) -> bool:
+        """Whether the sampler reads the mixture's sample numbers in order from ``position`` (a state's), so that the
+        samples before a resume point are exactly the ones read: ``single``, without data sharding, a rearrange map
+        or an elastic hand-over in progress."""
         sampler = getattr(self._source, "sampler", None)
-        in_order = (
+        return (
             sampler is not None
             and isinstance(position, Mapping)
             and position.get("sampler_type") == sampler.sampler_type == "single"
@@ -329,7 +338,15 @@ class _Loader:
             and sampler.rearrange_map is None
             and position.get("remaining") is None
         )
-        if not in_order:
+
+    def _mixture_resume_point(self, state: Mapping, packs_per_rank: bool) -> int:
+        """The sample number a state resumes at, where a changed mixture's new plan begins; refused where the
+        samples before it are not exactly the ones delivered or buffered. DP ranks that pack their own shares
+        (``packs_per_rank``) have each read to their own sample number: they agree on one
+        (``_agreed_resume_point``)."""
+        source = state.get("source")
+        position = source.get("position") if isinstance(source, Mapping) else None
+        if not self._reads_in_order(position):
             raise ResumeStateError(
                 "a mixture can change only where the loader reads it in order, so that the samples before the "
                 "resume point are the ones delivered: sampler_type single, without data_sharding, "
@@ -337,29 +354,101 @@ class _Loader:
                 "with"
             )
         resume_at = state_field(position, "consumed_samples", int, "the loader state['source']['position']")
-        if packs_per_rank and resume_at and self.dp_world_size > 1:
-            raise ResumeStateError(
-                f"a {type(self).__name__} over {self.dp_world_size} DP ranks can change its mixture only at an "
-                "epoch's start: each rank packs its own share and has read the mixture to its own sample number, "
-                f"so the ranks would continue from different points (this rank from sample {resume_at:,}); resume "
-                "with the mixture the state was saved with and change it at the next epoch, or use one DP rank"
-            )
         keys = [key for keys in source.get("replay") or () for key in keys]
         packing = state.get("packing")
         if isinstance(packing, Mapping):
             keys += [entry[0] for entry in packing.get("buffer") or () if isinstance(entry, list | tuple) and entry]
-        if any(not isinstance(key, int) or key >= resume_at for key in keys):
-            raise ResumeStateError(
-                f"the state resumes at sample {resume_at:,} of the mixture, but holds samples still to deliver "
-                "from an epoch that has ended (it was saved while the last batches of an epoch were delivered); "
-                "resume it with the mixture it was saved with, and change the mixture at a later state"
-            )
+        ended = any(not isinstance(key, int) or key >= resume_at for key in keys)
+        if packs_per_rank and self.dp_world_size > 1:
+            epoch = state_field(position, "epoch", int, "the loader state['source']['position']")
+            return self._agreed_resume_point(epoch, resume_at, ended)
+        if ended:
+            raise ResumeStateError(f"the state resumes at sample {resume_at:,} of the mixture, but {_ENDED_EPOCH}")
         return resume_at
+
+    def _agreed_resume_point(self, epoch: int, consumed: int, ended: bool) -> int:
+        """Where every DP rank's changed mixture begins: the furthest sample number any rank has read. Each rank
+        resumes at its own position, so a rank behind reads the rest of its share before that point under the
+        saved plan (every rank's plan is the same), and no sample is read twice or left out. The ranks agree in
+        one all-gather over the default process group, one process per DP rank; without it, only a state at an
+        epoch's start changes (every rank resumes at sample 0)."""
+        world = torch.distributed.get_world_size() if process_group_ready() else 1
+        if world != self.dp_world_size:
+            if consumed == 0 and not ended:
+                return 0
+            where = (
+                "torch.distributed is not initialised"
+                if world == 1
+                else f"the default process group holds {world} processes, not one per DP rank"
+            )
+            raise ResumeStateError(
+                f"a {type(self).__name__} over {self.dp_world_size} DP ranks changes its mixture mid-epoch (this "
+                f"rank resumes at sample {consumed:,}) only once its ranks agree on where the new mixture begins, "
+                f"but {where}: call torch.distributed.init_process_group with one process per DP rank before "
+                "load_state_dict, or resume with the mixture the state was saved with and change it at an "
+                "epoch's start"
+            )
+        rows = gather_rank_numbers((self.dp_rank, epoch, consumed, ended), what="the resume point of a changed mixture")
+        if sorted(row[0] for row in rows) != list(range(self.dp_world_size)):
+            raise ResumeStateError(
+                f"the default process group's ranks are DP ranks {[row[0] for row in rows]} of "
+                f"{self.dp_world_size}, not each DP rank once: give every process its own dp_rank"
+            )
+        epochs = {row[1] for row in rows}
+        if len(epochs) > 1:
+            raise ResumeStateError(
+                "the DP ranks resume in different epochs ("
+                + ", ".join(f"DP rank {rank} in epoch {row_epoch}" for rank, row_epoch, _, _ in sorted(rows))
+                + "), so no one sample number of the mixture is where all of them change it; resume with the "
+                "mixture the states were saved with, and change it at a later state, once they read one epoch"
+            )
+        flushing = [rank for rank, _, _, rank_ended in sorted(rows) if rank_ended]
+        if flushing:
+            raise ResumeStateError(f"the state of DP rank {flushing[0]} {_ENDED_EPOCH}")
+        resume_at = max(row[2] for row in rows)
+        logger.info(
+            "%r: the DP ranks resume at samples %s of the mixture; the changed mixture begins at sample %s on "
+            "every rank, and each rank reads its share before it as the saved mixture planned",
+            self,
+            ", ".join(f"{row[2]:,}" for row in sorted(rows)),
+            f"{resume_at:,}",
+        )
+        return resume_at
+
+    def _removed_ahead(self, position: Mapping) -> int:
+        """How many samples of sources no longer mixed this rank still reads in the epoch it resumes in. Only samples
+        before the plan's last segment can be (they are read as the plan before a change drew them); each gives no
+        sample (``MixtureDataset.__getitems__``)."""
+        if not self._removed_a_source():
+            return 0
+        stop = min(int(self.dataset.plan.starts[-1]), self._source.sampler.epoch_len)
+        consumed = position.get("consumed_samples")
+        if not self._reads_in_order(position) or not isinstance(consumed, int) or consumed >= stop:
+            return 0
+        micro_step = self.micro_batch_size * self.dp_world_size
+        within = self.dp_rank * self.micro_batch_size + np.arange(self.micro_batch_size)
+        removed, last_step = 0, -(-stop // micro_step)
+        for first in range(consumed // micro_step, last_step, _STEPS_PER_COUNT):
+            steps = np.arange(first, min(first + _STEPS_PER_COUNT, last_step), dtype=np.int64)
+            keys = (steps[:, None] * micro_step + within).ravel()
+            removed += int(np.count_nonzero(~self.dataset.readable(keys[keys < stop])))
+        return removed
+
+    def _warn_removed_in_epoch(self, epoch: int) -> None:
+        """At the start of a whole epoch over a mixture that dropped a source: how many of its samples this rank
+        reads again before the change (each gives no sample)."""
+        if self._removed_a_source():
+            removed = self._removed_ahead(self._source.sampler.state_dict())
+            self._warn_dropped(removed, f"this rank reads in epoch {epoch} before the mixture's last change")
+
+    def _removed_a_source(self) -> bool:
+        """Whether the mixture's plan knows a source it no longer mixes (a change removed it)."""
+        return self._tally is not None and len(self.dataset.known_names) > len(self.dataset.names)
 
     def _warn_dropped(self, dropped: int, what: str) -> None:
         if dropped:
             logger.warning(
-                "%r: %d samples %s at the resume point are of sources no longer mixed and are dropped; their "
+                "%r: %d samples %s are of sources no longer mixed and are dropped; their "
                 "sources' positions count them, so a source added back later continues after them",
                 self,
                 dropped,
@@ -418,6 +507,8 @@ class FixedBatchDataLoader(_Loader):
 
     def __iter__(self) -> Iterator:
         whole_epoch, epoch = self._tracked.reads_whole_epoch(), self._tracked.next_epoch()
+        if whole_epoch:
+            self._warn_removed_in_epoch(epoch)
         records = delivered = 0
         for pulled, batch in self._tracked.batches():
             records += len(pulled.keys)
@@ -607,6 +698,8 @@ class DynamicBatchDataLoader(_Loader):
         self._reading = None
         self._epoch = epoch = self._tracked.next_epoch()
         whole_epoch = not self._flushing and not len(policy) and self._tracked.reads_whole_epoch()
+        if whole_epoch:
+            self._warn_removed_in_epoch(epoch)
         records = delivered = 0
         if not self._flushing:
             while policy.ready():  # a restored policy may already hold whole batches
@@ -652,7 +745,9 @@ class DynamicBatchDataLoader(_Loader):
 
         Over a mixture, ``allow_mixture_change`` continues a state saved over other weights or sources
         (``mixture_change: allow`` on the mixture node does too); buffered samples of a source no longer mixed
-        are dropped, with a warning giving their count (docs/mixtures.md).
+        are dropped, with a warning giving their count (docs/mixtures.md). Over several DP ranks, mid-epoch, every
+        rank must load its state at once under an initialised process group: the ranks agree on where the changed
+        mixture begins (``_agreed_resume_point``).
 
         The DP size may change only at an epoch boundary with nothing buffered: each rank packs its own share of
         the data, so the packs of a different DP size are different batches. To change it anywhere else, give
@@ -694,7 +789,7 @@ class DynamicBatchDataLoader(_Loader):
         kept = [entry for entry, keep in zip(buffer, readable.tolist(), strict=True) if keep]
         if len(kept) == len(buffer):
             return state, self._source
-        self._warn_dropped(len(buffer) - len(kept), "buffered")
+        self._warn_dropped(len(buffer) - len(kept), "buffered at the resume point")
         entries = self._source.decode_samples(kept, "the loader state['packing']['buffer']")
         tokens = sum(self.policy.cost(sample) for _, sample in entries)
         packing = {**packing, "buffer": kept, "buffer_tokens": tokens}
@@ -704,5 +799,10 @@ class DynamicBatchDataLoader(_Loader):
         return f"DynamicBatchDataLoader({self.dataset!r}, {self.policy!r}, dp {self.dp_rank}/{self.dp_world_size})"
 
 
+# Why a changed mixture is refused for a state saved while an epoch's last batches were delivered.
+_ENDED_EPOCH = (
+    "holds samples still to deliver from an epoch that has ended (it was saved while the last batches of an epoch "
+    "were delivered); resume it with the mixture it was saved with, and change the mixture at a later state"
+)
 # The dynamic loader's own state fields, and their types.
 _DYNAMIC_FIELDS = (("flushing", bool), ("buffered_samples", int), ("packing", Mapping))

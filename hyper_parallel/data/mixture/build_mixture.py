@@ -439,7 +439,9 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
 
     def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """The source id and the record within it of each sample number."""
-        sources, counts = self.planned(indices)
+        return self._records(*self.planned(indices))
+
+    def _records(self, sources: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         records = np.empty(len(sources), dtype=np.int64)
         for source in np.unique(sources).tolist():
             chosen = sources == source
@@ -461,9 +463,14 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list:
-        """The samples of several sample numbers, each source's records read in one call."""
-        sources, records = self.locate(indices)
-        items: list = [None] * len(indices)
+        """The samples of several sample numbers, each source's records read in one call. In a mix of ModelSamples,
+        a sample of a source no longer mixed gives none, as a record its transform rejects: samples before the
+        point where the mixture changed are read as the earlier plan drew them (by a dynamic loader's DP rank that
+        had not read to that point, and in every later epoch), and the loader counts them."""
+        sources, counts = self.planned(indices)
+        items: list = [[] for _ in range(len(sources))]
+        mixed = np.flatnonzero(sources < len(self.sources)) if self.model_samples else np.arange(len(sources))
+        sources, records = self._records(sources[mixed], counts[mixed])
         for source in np.unique(sources).tolist():
             chosen = np.flatnonzero(sources == source)
             dataset = self.sources[source].dataset
@@ -471,7 +478,7 @@ class MixtureDataset(MixedSources, torch.utils.data.Dataset):
             getitems = getattr(dataset, "__getitems__", None)
             fetched = getitems(wanted) if getitems is not None else [dataset[record] for record in wanted]
             convert = self.converter(source)
-            for slot, item in zip(chosen.tolist(), fetched, strict=True):
+            for slot, item in zip(mixed[chosen].tolist(), fetched, strict=True):
                 items[slot] = convert(item)
         return items
 

@@ -19,20 +19,24 @@ at once.
 
 A caller that already makes a collective over the group can carry ``settings_digest(settings)`` in it instead, and
 call ``check_ranks_agree`` only when the digests it gathered differ, for the message.
+
+``gather_rank_numbers(numbers, what=...)``: every rank's few integers (a loader's epoch and position, so that the
+ranks agree on where to resume), through the same watched all-gather; None without an initialised process group,
+where each rank decides alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.data.errors import DataConfigError
 from hyper_parallel.data.parallel.build_barrier import ABSENT, gather_device, process_group_ready, short_value
 from hyper_parallel.data.parallel.collective_watch import format_ranks, group_ranks, watched
 
-__all__ = ["check_ranks_agree", "settings_digest"]
+__all__ = ["check_ranks_agree", "gather_rank_numbers", "settings_digest"]
 
 _SHOWN_FIELDS = 5
 _DIGEST_BYTES = 32  # sha256
@@ -165,3 +169,23 @@ def check_ranks_agree(
         return
     lengths = [int.from_bytes(bytes(row[_DIGEST_BYTES:].tolist()), "little") for row in rows]
     raise _disagreement(what, _gather_settings(text, lengths, what, group, timeout_s), ranks)
+
+
+def gather_rank_numbers(
+    numbers: Sequence[int], *, what: str, group=None, timeout_s: float | None = None
+) -> list[list[int]] | None:
+    """Every rank's ``numbers`` (as many integers on every rank of ``group``), in group-rank order.
+
+    Returns:
+        One list per rank; None without an initialised process group of more than one rank, or inside
+        ``without_rank_collectives``: then there is no one to agree with.
+
+    Raises:
+        CollectiveTimeout: a rank did not join within the timeout; names it.
+    """
+    if not process_group_ready():
+        return None
+    import torch
+
+    mine = torch.tensor([int(number) for number in numbers], dtype=torch.int64).to(gather_device(group))
+    return [row.tolist() for row in _all_gather(what, mine, group, timeout_s)]
