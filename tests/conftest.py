@@ -12,6 +12,7 @@ import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from command_runs import package_logger_kept  # noqa: E402
 
 from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer  # noqa: E402
 
@@ -36,12 +37,8 @@ def corpus_path() -> Path:
 @pytest.fixture
 def restore_package_logger():
     """A command's ``main`` configures the package logger (own handler, no propagation); undo that after the test."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    yield
-    logger.setLevel(saved[0])
-    logger.propagate = saved[1]
-    logger.handlers[:] = saved[2]
+    with package_logger_kept():
+        yield
 
 
 @pytest.fixture

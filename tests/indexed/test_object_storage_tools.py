@@ -5,9 +5,9 @@ pair on a local disk, and write their outputs locally."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
+from command_runs import run_command
 from object_storage_server import BUCKET, s3_server  # noqa: F401 - the fixture
 
 from hyper_parallel.data.errors import DataFileError
@@ -32,26 +32,12 @@ def pairs(s3_server, tmp_path_factory):  # noqa: F811
     return local, [upload(s3_server, prefix, f"tools/{prefix.rsplit('/', 1)[1]}") for prefix in local]
 
 
-def run(tool, capsys, *argv) -> tuple[int, str, str]:
-    """Run a command; undo its logging set-up (own handler, no propagation) so that caplog keeps working."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    try:
-        code = tool.main([str(a) for a in argv])
-    finally:
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-        logger.handlers[:] = saved[2]
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.mark.parametrize("extension", ["", ".idx"])
 def test_inspect_summarises_verifies_and_decodes_a_url_prefix_as_the_local_pair(pairs, capsys, extension):
     options = ["--verify", "--tokenizer", BUNDLED_TOKENIZER_PATH, "--decode", "0,-1", "--show-ids", "--json"]
     reports = []
     for prefix in (pairs[0][0], pairs[1][0] + extension):
-        code, out, _ = run(read_indexed_dataset, capsys, prefix, *options)
+        code, out, _ = run_command(read_indexed_dataset.main, capsys, prefix, *options)
         assert code == 0
         reports.append(json.loads(out))
     local, remote = reports
@@ -60,7 +46,7 @@ def test_inspect_summarises_verifies_and_decodes_a_url_prefix_as_the_local_pair(
 
 
 def test_inspect_names_a_missing_url_prefix(pairs, capsys):
-    code, _, err = run(read_indexed_dataset, capsys, pairs[1][0] + "_absent")
+    code, _, err = run_command(read_indexed_dataset.main, capsys, pairs[1][0] + "_absent")
     assert code == 2 and f"{pairs[1][0]}_absent.bin does not exist" in err
 
 
@@ -70,7 +56,7 @@ def test_sequences_per_dataset_reads_the_url_headers(pairs, capsys, tmp_path):
     for name, prefixes in (("local", local), ("remote", remote)):
         out = tmp_path / f"{name}.json"
         argv = ["--data-path", "30", prefixes[0], "70", prefixes[1], "--per-dataset-sequences-path", out]
-        assert run(build_sequences_per_dataset, capsys, *argv)[0] == 0
+        assert run_command(build_sequences_per_dataset.main, capsys, *argv)[0] == 0
         counts.append(json.loads(out.read_text()))
     assert list(counts[1]) == remote and list(counts[1].values()) == list(counts[0].values())
 
@@ -82,7 +68,7 @@ def test_a_sequences_file_at_a_url_is_written_and_read_as_a_local_one(pairs, cap
     local = tmp_path / "sequences.json"
     for out in (url, local):
         argv = ["--data-path", "30", remote[0], "70", remote[1], "--per-dataset-sequences-path", out]
-        assert run(build_sequences_per_dataset, capsys, *argv)[0] == 0
+        assert run_command(build_sequences_per_dataset.main, capsys, *argv)[0] == 0
     assert s3_server.cat_file(url) == local.read_bytes()
     loaded = IndexedDataConfig(seq_length=32, per_dataset_sequences_path=url).load_sequences_per_dataset()
     assert (
@@ -100,7 +86,7 @@ def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, log
     blend = ["30", remote[0], "70", remote[1]]
     argv = ["--split", SETTINGS["split"], "--seq-length", SETTINGS["seq_length"], "--seed", SETTINGS["random_seed"]]
     argv += ["--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH, "--data-cache-path", cache, *SCHEDULE]
-    code, out, _ = run(prepare_cache, capsys, "--data-path", *blend, *argv)
+    code, out, _ = run_command(prepare_cache.main, capsys, "--data-path", *blend, *argv)
     assert code == 0 and any(path.suffix == ".npy" for path in cache.iterdir())
 
     sizes = [80, 24, 8]
@@ -118,5 +104,7 @@ def test_prepare_cache_of_url_prefixes_is_what_training_loads(pairs, capsys, log
 def test_prepare_cache_names_a_missing_url_prefix(pairs, capsys, tmp_path):
     missing = pairs[1][0] + "_absent"
     argv = ["--data-path", missing, "--split", "1,0,0", "--seq-length", "32", "--data-cache-path", tmp_path]
-    code, _, err = run(prepare_cache, capsys, *argv, "--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH, *SCHEDULE)
+    code, _, err = run_command(
+        prepare_cache.main, capsys, *argv, "--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH, *SCHEDULE
+    )
     assert code == 2 and f"{missing}.bin does not exist" in err

@@ -8,6 +8,7 @@ import os
 
 import pytest
 from batching.test_get_batch import EOD, indexed_batches
+from command_runs import package_logger_kept
 
 from hyper_parallel.data.batching import ParallelBatch
 from hyper_parallel.data.dataset_logging import enable_dataset_logging, get_logger
@@ -17,12 +18,8 @@ from parallel.test_get_batch import grid_context
 
 @pytest.fixture
 def package_logger():
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    yield logger
-    logger.setLevel(saved[0])
-    logger.propagate = saved[1]
-    logger.handlers[:] = saved[2]
+    with package_logger_kept() as logger:
+        yield logger
 
 
 def log_on_chosen_ranks(rank: int, world_size: int) -> dict:

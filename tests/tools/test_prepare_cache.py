@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from command_runs import run_command
 from indexed.test_index_cache import assert_same_datasets, building_messages, write_corpus
 
 from hyper_parallel.data.errors import DataConfigError
@@ -39,20 +40,6 @@ def _data_path(corpora, kind: str) -> list[str]:
     return {"prefix": [a], "blend": ["30", a, "70", b]}[kind]
 
 
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    """Run the command; undo its logging set-up (own handler, no propagation) so that caplog keeps working."""
-    logger = logging.getLogger("hyper_parallel.data")
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    try:
-        code = main([str(a) for a in argv])
-    finally:
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-        logger.handlers[:] = saved[2]
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _cli_argv(data_path: list[str], cache, *extra) -> list[str]:
     return [
         "--data-path",
@@ -79,7 +66,7 @@ def _cli_argv(data_path: list[str], cache, *extra) -> list[str]:
 def test_training_after_prepare_cache_builds_nothing(tmp_path, corpora, tokenizer, capsys, caplog, kind, defer):
     """After the command, training with fast loading builds nothing and gets the datasets of a normal build."""
     data_path, cache = _data_path(corpora, kind), tmp_path / "cache"
-    code, out, err = _run(capsys, *_cli_argv(data_path, cache, *SCHEDULE))
+    code, out, err = run_command(main, capsys, *_cli_argv(data_path, cache, *SCHEDULE))
     assert code == 0, err
     assert f"cache directory {cache}: " in out and "-GPTDataset-train-description.txt" in out
 
@@ -104,7 +91,7 @@ def test_weighted_blend_report(tmp_path, corpora, capsys):
     """The command prints the effective values, each split's type and length with its sources, and the files."""
     a, b = corpora
     cache = tmp_path / "cache"
-    code, out, _ = _run(capsys, *_cli_argv(["30", a, "70", b], cache, *SCHEDULE))
+    code, out, _ = run_command(main, capsys, *_cli_argv(["30", a, "70", b], cache, *SCHEDULE))
 
     assert code == 0
     assert f"data_path                              30 {a} 70 {b}" in out
@@ -120,7 +107,7 @@ def test_weighted_blend_report(tmp_path, corpora, capsys):
     assert all(f"  {name}\n" in out for name in written)
     assert len([n for n in written if n.endswith("-description.txt")]) == 9  # 3 splits x (2 sources + blend)
 
-    code, out, _ = _run(capsys, *_cli_argv(["30", a, "70", b], cache, *SCHEDULE))
+    code, out, _ = run_command(main, capsys, *_cli_argv(["30", a, "70", b], cache, *SCHEDULE))
     assert code == 0 and "nothing written, every index was cached already" in out
 
 
@@ -203,7 +190,7 @@ def test_cli_derives_the_global_batch_from_micro_batch_and_world_size(tmp_path, 
     """Without --global-batch-size: micro batch 2 x data-parallel size 4 (world size 8, tensor parallel 2)."""
     schedule = ["--micro-batch-size", "2", "--prepare-cache-world-size", "8", "--tensor-model-parallel-size", "2"]
     schedule += ["--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]
-    code, out, err = _run(capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", *schedule))
+    code, out, err = run_command(main, capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", *schedule))
 
     assert code == 0, err
     assert "8 (micro batch 2 x data-parallel size 4)" in out
@@ -222,7 +209,9 @@ def test_cli_derives_the_global_batch_from_micro_batch_and_world_size(tmp_path, 
     ],
 )
 def test_refuses_what_builds_no_cache(tmp_path, corpora, capsys, flag, message):
-    code, out, err = _run(capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", flag, *SCHEDULE))
+    code, out, err = run_command(
+        main, capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", flag, *SCHEDULE)
+    )
 
     assert code == 2
     assert err.startswith(message) and "Traceback" not in err
@@ -231,7 +220,7 @@ def test_refuses_what_builds_no_cache(tmp_path, corpora, capsys, flag, message):
 
 def test_missing_data_cache_path_is_refused(corpora, capsys):
     argv = ["--data-path", corpora[0], "--seq-length", "32", "--tokenizer-name-or-path", BUNDLED_TOKENIZER_PATH]
-    code, _, err = _run(capsys, *argv, *SCHEDULE)
+    code, _, err = run_command(main, capsys, *argv, *SCHEDULE)
 
     assert code == 2
     assert err.startswith("error: data_cache_path (--data-cache-path) is required")
@@ -241,17 +230,19 @@ def test_unwritable_cache_directory_is_refused(tmp_path, corpora, capsys):
     """Preparing into a directory that cannot be created or written is an error, not an in-memory build."""
     (tmp_path / "file").write_text("not a directory")
     cache = tmp_path / "file" / "cache"
-    code, _, err = _run(capsys, *_cli_argv(_data_path(corpora, "prefix"), cache, *SCHEDULE))
+    code, _, err = run_command(main, capsys, *_cli_argv(_data_path(corpora, "prefix"), cache, *SCHEDULE))
 
     assert code == 2
     assert err.startswith(f"error: data_cache_path {cache} is not a writable directory")
 
 
 def test_missing_sample_counts_and_data_files_exit_2(tmp_path, corpora, capsys):
-    code, _, err = _run(capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", "--eval-iters", "2"))
+    code, _, err = run_command(
+        main, capsys, *_cli_argv(_data_path(corpora, "prefix"), tmp_path / "cache", "--eval-iters", "2")
+    )
     assert code == 2 and "the number of train samples is unknown" in err
 
-    code, _, err = _run(capsys, *_cli_argv([str(tmp_path / "missing")], tmp_path / "cache", *SCHEDULE))
+    code, _, err = run_command(main, capsys, *_cli_argv([str(tmp_path / "missing")], tmp_path / "cache", *SCHEDULE))
     assert code == 2 and f"indexed dataset '{tmp_path / 'missing'}': missing" in err
 
 
