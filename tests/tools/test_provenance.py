@@ -17,6 +17,7 @@ from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.mixture.mixture_stream import StreamMixture
 from hyper_parallel.data.tools.cli import main as hp_data
 from hyper_parallel.data.tools.provenance import batch_provenance, step_provenance
 
@@ -470,7 +471,7 @@ def test_a_mixture_with_a_stream_names_each_sequences_source_and_its_record(tmp_
     online = {"stream": (str(stream_path), lambda p: stream_lines[2 * p + 1]), "passages": (path, lines.__getitem__)}
     ranks = {"micro_batch_size": 2, "dp_rank": 1, "dp_size": 2}
     loaders, batches = _delivered(config, tokenizer, **ranks)
-    assert type(loaders.datasets[0]).__name__ == "StreamMixture"
+    assert isinstance(loaders.datasets[0], StreamMixture)
     transform = loaders.datasets[0].sources[1].dataset.transform  # the Online sources transform alike
     traced = step_provenance(config, step=0, num_micro_batches=len(batches), tokenizer=tokenizer, **ranks)
     for sequences, batch in zip(traced, batches, strict=True):
