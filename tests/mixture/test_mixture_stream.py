@@ -2,7 +2,7 @@
 worker count, the realised shares, each source's records once per pass, the tally, what a source's end does, and
 a changed mixture (new weights, a source added, removed and added back, each source continuing its own order, the
 new weights from the resume point), and what is refused (a changed source or setting, a change without the opt-in,
-epochs of a stream, provenance, merging for another DP size)."""
+epochs of a stream, merging for another DP size)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.mixture import build_mixture_dataset
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
-from hyper_parallel.data.tools.provenance import batch_provenance
 
 SEQ_LENGTH = 64
 TRANSFORM = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 256}
@@ -585,9 +584,3 @@ def test_the_pipeline_builds_a_stream_mixture_under_the_packing_scheduler(built,
     delivered = Counter(sequence for batch in loaders.train for sequence in sequences(batch))
     expected = source_tokens(built)
     assert delivered == expected["stream"] + expected["mapping"]
-
-
-def test_provenance_of_a_stream_mixture_is_refused_with_the_reason(built, online_paths, tmp_path):
-    config = pipeline_config(online_paths, tmp_path)
-    with pytest.raises(DataConfigError, match="mixture with a streaming source.*provenance cannot name"):
-        batch_provenance(config, batch=0, tokenizer=built["tokenizer"], micro_batch_size=2, global_batch_size=2)

@@ -17,6 +17,7 @@ from hyper_parallel.data.batching.dataloader import build_dataloaders
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.mixture.mixture_stream import StreamMixture
 from hyper_parallel.data.tools.cli import main as hp_data
 from hyper_parallel.data.tools.provenance import batch_provenance, step_provenance
 
@@ -46,8 +47,8 @@ def _indexed_config(data_path, tmp_path) -> dict:
     }
 
 
-def _jsonl(tmp_path, records: int = 40):
-    rng = np.random.default_rng(3)
+def _jsonl(tmp_path, records: int = 40, seed: int = 3):
+    rng = np.random.default_rng(seed)
     lines = [{"text": " ".join(rng.choice(WORDS, size=int(rng.integers(5, 150))))} for _ in range(records)]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -201,9 +202,9 @@ def test_online_fixed_loader(tmp_path, tokenizer):
         _check_online(sequences, batches[number], transform, lines)
 
 
-def _resumed(config, tokenizer, tmp_path, consumed: int):
+def _resumed(config, tokenizer, tmp_path, consumed: int, **options):
     """The loaders, their state saved as JSON after ``consumed`` micro-batches, and the micro-batches after it."""
-    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0])
+    loaders = build_dataloaders(config, tokenizer=tokenizer, train_valid_test_num_samples=[None, 0, 0], **options)
     iterator = iter(loaders.train)
     for _ in range(consumed):
         next(iterator)
@@ -328,15 +329,24 @@ def _check_mixture(sequences, batch, loaders, lines, prefix, path) -> None:
     """Every sequence's tokens, read from the ``.bin`` or by tokenizing its JSON line again, are the delivered ones
     at its span, and the spans start where ``cu_seq_lens`` starts the batch's sequences."""
     transform = loaders.datasets[0].sources[0].dataset.transform
+    _check_sources(sequences, batch, transform, {"passages": (path, lines.__getitem__)}, prefix)
+
+
+def _check_sources(sequences, batch, transform, online: dict, prefix: str) -> None:
+    """``_check_mixture`` for Online sources named in ``online`` (name: its file, and the JSON line of a record) and
+    the Indexed source ``corpus``; a sample a saved state buffered (record None) is named by its source and file."""
     row = batch.input_ids[0]
     for sequence in sequences:
+        path = prefix if sequence.source == "corpus" else online[sequence.source][0]
+        assert sequence.path == path
+        if sequence.record is None:  # the state keeps its tokens, not its record
+            assert sequence.tokens is None
+            continue
         start, end = sequence.tokens
         if sequence.source == "corpus":
-            assert sequence.path == prefix
             expected = IndexedDataReader(prefix).get(sequence.record, offset=start, length=end - start).tolist()
         else:
-            assert (sequence.source, sequence.path) == ("passages", path)
-            windows = transform(lines[sequence.record])
+            windows = transform(online[sequence.source][1](sequence.record))
             expected = np.concatenate([window["input_ids"] for window in windows])[start:end].tolist()
         assert row[sequence.span[0] : sequence.span[1]].tolist() == expected
     assert [sequence.span[0] for sequence in sequences] == batch.cu_seq_lens[: len(sequences)].tolist()
@@ -445,3 +455,38 @@ def test_a_mixture_keeps_its_online_source_s_lengths_in_the_source_s_cache(tmp_p
     written = cache.stat().st_mtime_ns
     assert batch_provenance(config, batch=len(batches) - 1, tokenizer=tokenizer) == last
     assert cache.stat().st_mtime_ns == written  # every Online length came from the cache: nothing new to write
+
+
+@pytest.mark.parametrize("loader", ["DynamicBatchDataLoader", "FixedBatchDataLoader"])
+def test_a_mixture_with_a_stream_names_each_sequences_source_and_its_record(tmp_path, tokenizer, loader):
+    """A stream, an Online mapping source and an Indexed one, read in order (``StreamMixture``), on DP rank 1 of 2,
+    from the start and from a saved state."""
+    (tmp_path / "stream").mkdir()
+    stream_path, stream_lines = _jsonl(tmp_path / "stream", seed=5)
+    config, lines, prefix, path = _mixture_config(tmp_path, tokenizer, loader=loader, weights=(2, 1))
+    max_seq_len = config["dataset"]["sources"][0]["dataset"]["data_transform"]["max_seq_len"]
+    stream = _online_config(stream_path, tmp_path, dataset_type="iterable", max_seq_len=max_seq_len)["dataset"]
+    config["dataset"]["sources"].insert(0, {"name": "stream", "weight": 3, "dataset": stream})
+    # Hugging Face splits one file by every world-th record: position p of DP rank 1 of 2 is line 2 * p + 1
+    online = {"stream": (str(stream_path), lambda p: stream_lines[2 * p + 1]), "passages": (path, lines.__getitem__)}
+    ranks = {"micro_batch_size": 2, "dp_rank": 1, "dp_size": 2}
+    loaders, batches = _delivered(config, tokenizer, **ranks)
+    assert isinstance(loaders.datasets[0], StreamMixture)
+    transform = loaders.datasets[0].sources[1].dataset.transform  # the Online sources transform alike
+    traced = step_provenance(config, step=0, num_micro_batches=len(batches), tokenizer=tokenizer, **ranks)
+    for sequences, batch in zip(traced, batches, strict=True):
+        _check_sources(sequences, batch, transform, online, prefix)
+    assert {sequence.source for sequences in traced for sequence in sequences} == {"stream", "passages", "corpus"}
+    assert None not in {sequence.record for sequences in traced for sequence in sequences}
+
+    placed = {"micro_batch_size": 2, "dp_rank": 1, "dp_world_size": 2}
+    _, state, after = _resumed(config, tokenizer, tmp_path, 4, **placed)
+    traced = step_provenance(config, step=0, num_micro_batches=len(after), state=state, tokenizer=tokenizer, **ranks)
+    for sequences, batch in zip(traced, after, strict=True):
+        _check_sources(sequences, batch, transform, online, prefix)
+    unknown = {sequence.source for sequences in traced for sequence in sequences if sequence.record is None}
+    if loader == "DynamicBatchDataLoader":  # the buffered samples (their tokens only; an Indexed row's documents)
+        assert json.loads(state.read_text())["splits"]["train"]["buffered_samples"] > 0
+        assert unknown == {"stream", "corpus"}
+    else:  # the records read again
+        assert not unknown

@@ -20,10 +20,12 @@ micro-batch is read. Online answers replay the loader's choices over the records
 record once; a mapping source keeps those lengths in a cache beside its Arrow cache, so a second query tokenizes
 nothing it has seen. A mixture's sample numbers are located in its sources by its plan (``MixtureDataset.locate``),
 each sequence named by its source: an Indexed row packed among Online records is one window of its row length
-(known without reading it), cut into its documents as the collator cuts it. The loaders are built exactly as a
-trainer builds them (``batching.dataloader.build_dataloaders``), in this process. Not responsible for:
-delivering batches (the loaders) or the packing scheduler's own delivery (``scheduled_provenance`` plans a step
-as every rank does, from the traced lengths).
+(known without reading it), cut into its documents as the collator cuts it. A mixture with a streaming source
+(``StreamMixture``) is replayed like a stream, from its cursor: its keys name their source and that source's record
+(a stream's position, a mapping source's row, an Indexed sample); a sample a state buffered keeps only its source
+and tokens. The loaders are built exactly as a trainer builds them (``batching.dataloader.build_dataloaders``), in
+this process. Not responsible for: delivering batches (the loaders) or the packing scheduler's own delivery
+(``scheduled_provenance`` plans a step as every rank does, from the traced lengths).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class SequenceProvenance:
             name.
         path: the ``.bin`` prefix or the data file that holds the tokens.
         record: the document of the ``.bin`` (Indexed), the row of a mapping source or the position in this DP
-            rank's stream (Online); None for a stream sample restored from a state (the state keeps its tokens).
+            rank's stream (Online); None for a stream sample restored from a state, or any sample of a mixture with a
+            streaming source restored from one (the state keeps its tokens).
         tokens: ``[start, end)`` within that document, or within the record's tokens (EOS appended) as the
             transform makes them; None where the record is None.
         span: ``[start, end)`` of the sequence's tokens within the micro-batch's rows flattened one after another
@@ -172,12 +175,6 @@ def _provenance(config, first, count, split, dp_rank, dp_size, state, micro_batc
 
 
 def _tracer(loader, split: str):
-    if isinstance(loader.dataset, StreamMixture):
-        raise DataConfigError(
-            f"the {split} split is a mixture with a streaming source, whose samples are known only as its streams "
-            "are read (a state keeps the tokens of buffered samples, not their records), so provenance cannot name "
-            "them; ask it of a mixture of mapping (dataset_type: mapping) and Indexed sources"
-        )
     if isinstance(loader, DynamicBatchDataLoader):
         return _DynamicTracer(loader)
     if isinstance(loader, FixedBatchDataLoader):
@@ -376,6 +373,15 @@ def _indexed_pieces(dataset, index: int) -> list[tuple[str, int, int, int]]:
     return pieces
 
 
+def _indexed_path(dataset) -> str:
+    """The prefix of an Indexed dataset; a blend's prefixes, comma-separated."""
+    if isinstance(dataset, LazyDatasetProxy):
+        dataset = dataset.dataset
+    if isinstance(dataset, BlendedDataset):
+        return ", ".join(_indexed_path(inner) for inner in dataset.datasets)
+    return str(dataset.dataset_path)
+
+
 def _sample_pieces(dataset, index: int) -> list[tuple[str, str, int, int, int]]:
     """``(source, path, document, start, end)`` of each piece of Indexed sample ``index``; a mixture's sample is
     its source's record, named by the source."""
@@ -441,6 +447,15 @@ class _RecordLengths:
             self._new = True
         return [self._lengths[key] for key in keys]
 
+    @staticmethod
+    def record(key) -> int:
+        return _record_key(key)
+
+    def restored(self, key, sample) -> list:
+        """``[((record, token start), length)]`` of a policy entry a restored state holds: a mapping source's
+        ``(record, window)``; a stream's None, whose record the state does not keep."""
+        return [((None, 0), len(sample["input_ids"]))] if key is None else [_restored_window(key, self)]
+
     def save(self) -> None:
         if not self._new:
             return
@@ -455,25 +470,59 @@ class _RecordLengths:
 
 
 class _MixtureLengths:
-    """The window lengths of a mixture's sample numbers: an Indexed sample is one window of its row length (known
-    without reading it), an Online sample its source record's windows (``_RecordLengths``, cached per source)."""
+    """The window lengths of a mixture's samples: an Indexed sample is one window of its row length (known without
+    reading it), an Online sample its source record's windows (``_RecordLengths``, cached per mapping source).
 
-    def __init__(self, mixture: MixtureDataset) -> None:
+    A planned mixture's keys are its sample numbers, located by its plan; a ``StreamMixture``'s are its
+    ``(n, payload)`` keys, which name their source and its record (a stream's ``(position, record)``, read here).
+    """
+
+    def __init__(self, mixture: MixtureDataset | StreamMixture) -> None:
         self._mixture = mixture
+        streams = getattr(mixture, "streams", [None] * len(mixture.sources))
         self._sources = [
-            _RecordLengths(source.dataset, _cache_path(source.dataset, _source_identities(source.dataset)))
-            if _is_online(source.dataset)
-            else [_seq_length(source.dataset)]
-            for source in mixture.sources
+            [_seq_length(source.dataset)]
+            if not _is_online(source.dataset)
+            else _RecordLengths(source.dataset.record_reading().records, None)
+            if stream is not None
+            else _RecordLengths(source.dataset, _cache_path(source.dataset, _source_identities(source.dataset)))
+            for source, stream in zip(mixture.sources, streams, strict=True)
         ]
 
+    def _located(self, keys: list) -> tuple[np.ndarray, list]:
+        """Each key's source id and the key its source reads it by."""
+        if isinstance(self._mixture, MixtureDataset):
+            sources, records = self._mixture.locate(keys)
+            return sources, records.tolist()
+        inner = [(p["position"], p["record"]) if "record" in p else p["index"] for _, p in keys]
+        return self._mixture.sources_of(keys), inner
+
+    def record(self, key) -> int | tuple[int, int]:
+        """What a sequence's ``record`` is found from: a planned mixture's sample number, or a ``StreamMixture``
+        key's ``(source id, record)`` (a stream's record is its position in this rank's stream)."""
+        if isinstance(self._mixture, MixtureDataset):
+            return int(key)
+        (source,), (inner,) = self._located([key])
+        return int(source), _record_key(inner)
+
+    def restored(self, key, sample) -> list:
+        """``((record, token start), length)`` of each sequence of a policy entry a restored state holds: a planned
+        mixture's ``(sample, window)``; a ``StreamMixture``'s ``((n, source name), window)``, whose record the state
+        does not keep (an Indexed row's documents, each a sequence, are known by their lengths alone)."""
+        if isinstance(self._mixture, MixtureDataset):
+            return [_restored_window(key, self)]
+        (_, name), _ = key
+        source = self._mixture.names.index(name)
+        sizes = sample.get("document_lengths", [len(sample["input_ids"])])
+        return [(((source, None), 0), int(size)) for size in sizes]
+
     def of(self, keys: list) -> list[list[int]]:
-        sources, records = self._mixture.locate(keys)
+        sources, records = self._located(keys)
         lengths: list = [None] * len(keys)
         for source in np.unique(sources).tolist():
             chosen = np.flatnonzero(sources == source).tolist()
             of_source = self._sources[source]
-            found = of_source.of(records[chosen].tolist()) if isinstance(of_source, _RecordLengths) else None
+            found = of_source.of([records[k] for k in chosen]) if isinstance(of_source, _RecordLengths) else None
             for slot, position in enumerate(chosen):
                 lengths[position] = of_source if found is None else found[slot]
         return lengths
@@ -493,8 +542,14 @@ def _source_identities(dataset) -> list:
     return [dataset_identity(dataset), transform_identity(dataset.record_reading().transform)]
 
 
+def _restored_window(key, lengths) -> tuple:
+    """``((record, token start), length)`` of window ``window`` of a restored ``(record, window)`` key."""
+    record, window = key
+    return _windows(lengths.record(record), lengths.of([record])[0])[window]
+
+
 def _window_lengths(loader) -> _RecordLengths | _MixtureLengths:
-    if isinstance(loader.dataset, MixtureDataset):
+    if isinstance(loader.dataset, MixtureDataset | StreamMixture):
         return _MixtureLengths(loader.dataset)
     mapping = isinstance(loader._source, MappingKeys)
     cache = _cache_path(loader.dataset, [*loader._source.identities]) if mapping else None
@@ -532,16 +587,24 @@ def _cache_path(dataset, identities: list) -> Path | None:
 def _window_pieces(dataset):
     """What a packed window ``(record, token start, length)`` of the loader's dataset holds: a list of
     ``(source, path, record, tokens, length)``, one per sequence the collator makes of it."""
-    if not isinstance(dataset, MixtureDataset):
+    if not isinstance(dataset, MixtureDataset | StreamMixture):
         path = str(dataset.description)
         return lambda record, start, length: [
             (path, path, record, None if record is None else (start, start + length), length)
         ]
 
-    def pieces(number: int, start: int, length: int) -> list:
-        (source,), (record,) = dataset.locate([number])
+    def pieces(record, start: int, length: int) -> list:
+        """A planned mixture's record is its sample number, a ``StreamMixture``'s ``(source id, record)``."""
+        if isinstance(dataset, MixtureDataset):
+            (source,), (record,) = dataset.locate([record])
+        else:
+            source, record = record
         inner = dataset.sources[int(source)]
-        if _is_online(inner.dataset):
+        online = _is_online(inner.dataset)
+        if record is None:  # a sample a restored state buffered: its tokens only (of an Indexed row, one document)
+            path = str(inner.dataset.description) if online else _indexed_path(inner.dataset)
+            return [(inner.name, path, None, None, length)]
+        if online:
             path = str(inner.dataset.description)
             return [(inner.name, path, int(record), (start, start + length), length)]
         # An Indexed row enters whole and is cut into its documents (``document_lengths``): one sequence each.
@@ -567,17 +630,17 @@ def _record_key(key) -> int:
     return key[0] if isinstance(key, tuple | list) else int(key)  # a stream's (position, record), a mapping's index
 
 
-def _windows(key, lengths: list[int]) -> list[tuple[tuple[int, int], int]]:
+def _windows(record, lengths: list[int]) -> list[tuple[tuple, int]]:
     """``((record, token start), length)`` of a record's windows: consecutive ranges of its tokens."""
     starts = np.cumsum([0, *lengths[:-1]]).tolist()
-    return [((_record_key(key), start), length) for start, length in zip(starts, lengths, strict=True)]
+    return [((record, start), length) for start, length in zip(starts, lengths, strict=True)]
 
 
 @dataclass(frozen=True)
 class _Window:
     """The key of a stand-in sample in the dynamic loader's policy: its record and first token."""
 
-    record: int
+    record: int | tuple[int, int]  # a StreamMixture's (source id, record)
     start: int
 
 
@@ -606,7 +669,7 @@ class _FixedTracer:
                         f"{self._source.dataset.where(key)} gave {len(windows)} samples, but FixedBatchDataLoader "
                         "takes exactly one sample per record; use DynamicBatchDataLoader or raise max_seq_len"
                     )
-                entries += _windows(key, windows)
+                entries += _windows(lengths.record(key), windows)
             if not entries:  # every record of the batch was skipped: the loader delivers no batch for it
                 continue
             if number >= first:
@@ -645,15 +708,12 @@ class _DynamicTracer:
         self._pieces = _window_pieces(loader.dataset)
 
     @staticmethod
-    def _window(key, lengths: _RecordLengths | _MixtureLengths) -> tuple[int | None, int]:
-        """``(record, token start)`` of a policy entry: one put here, or one a restored state holds (a mapping
-        source's ``(record, window)``; a stream's None, whose record the state does not keep)."""
+    def _entries(key, sample, lengths: _RecordLengths | _MixtureLengths) -> list:
+        """``((record, token start), length)`` of each sequence of a policy entry: one put here, or one a restored
+        state holds."""
         if isinstance(key, _Window):
-            return key.record, key.start
-        if key is None:
-            return None, 0
-        record, window = key
-        return _windows(record, lengths.of([record])[0])[window][0]
+            return [((key.record, key.start), len(sample["input_ids"]))]
+        return lengths.restored(key, sample)
 
     def micro_batches(self, first: int, count: int) -> list[list]:
         loader, policy = self.loader, self.loader.policy
@@ -662,7 +722,7 @@ class _DynamicTracer:
 
         def take() -> bool:
             nonlocal number
-            chosen = [(self._window(key, lengths), len(sample["input_ids"])) for key, sample in policy.pop()]
+            chosen = [entry for key, sample in policy.pop() for entry in self._entries(key, sample, lengths)]
             if number >= first:
                 found.append(_online_sequences(chosen, self._pieces, self._pad))
             number += 1
@@ -678,7 +738,7 @@ class _DynamicTracer:
                 if pulled is None:
                     break
                 for key, windows in zip(pulled.keys, lengths.of(pulled.keys), strict=True):
-                    for entry_key, length in _windows(key, windows):
+                    for entry_key, length in _windows(lengths.record(key), windows):
                         stand_in = np.zeros(length, np.int64)
                         policy.put(_Window(*entry_key), {"input_ids": stand_in, "labels": stand_in})
                     while policy.ready() and not done:
