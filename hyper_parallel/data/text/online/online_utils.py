@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
 from hyper_parallel.data.indexed.indexed_data_reader import is_object_url
 from hyper_parallel.data.indexed.object_storage import ObjectFile
@@ -33,6 +34,8 @@ from hyper_parallel.data.text.records import (
 )
 
 __all__ = ["open_hf_dataset", "refuse_cache_symlinks", "refuse_loading_scripts"]
+
+logger = get_logger(__name__)
 
 # Our format name -> the Hugging Face ``datasets`` builder that reads it (the names happen to agree).
 _HF_BUILDERS = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow", "text": "text"}
@@ -139,8 +142,7 @@ def open_hf_dataset(
         The dataset and a short description of where it comes from, for messages.
 
     Raises:
-        DataConfigError: a directory of the data holds a Python file (a loading script), or a compressed object is
-            to be streamed.
+        DataConfigError: a directory of the data holds a Python file (a loading script).
         DataFileError: the files cannot be read, or a symbolic link sits where the Arrow cache is written.
     """
     entries = data_path_entries(data_path)
@@ -157,20 +159,24 @@ def open_hf_dataset(
         if not is_object_url(entry):
             refuse_loading_scripts(Path(entry).expanduser(), recursive=False)
     refuse_cache_symlinks(cache_dir, _HF_BUILDERS[fmt])
-    objects = [file for file in files if isinstance(file, ObjectFile)]
-    compressed = next((file for file in objects if file.name.lower().endswith(".gz")), None)
-    if streaming and compressed is not None:
-        # datasets passes HTTP client options to every file system under its decompression, which s3fs refuses
-        raise DataConfigError(
-            f"{compressed}: compressed objects cannot be streamed (dataset_type iterable); use dataset_type mapping, "
-            "which copies them to the local cache, or upload them uncompressed"
-        )
+    # A mapping source reads local copies of its objects; a stream reads them where they are, but for compressed
+    # ones: datasets passes HTTP client options to the file system under its decompression, which s3fs refuses.
+    copied = [
+        file for file in files if isinstance(file, ObjectFile) and (not streaming or file.name.lower().endswith(".gz"))
+    ]
     from datasets import load_dataset
 
     description = str(files[0]) if len(files) == 1 else f"{len(files)} {fmt} files matching {', '.join(entries)}"
-    if objects and not streaming:
+    if copied:
         refuse_cache_symlinks(cache_dir, _OBJECTS_DIR)
-        files = _local_copies(files, cache_dir)
+        if streaming:
+            logger.info(
+                "%s: streaming %d compressed object(s) from local copies in the cache (%s bytes)",
+                description,
+                len(copied),
+                f"{sum(file.size for file in copied):,}",
+            )
+        files = _local_copies(files, copied, cache_dir)
     try:
         dataset = load_dataset(
             _HF_BUILDERS[fmt],
@@ -185,9 +191,10 @@ def open_hf_dataset(
     return dataset, description
 
 
-def _local_copies(files: Sequence, cache_dir: str | os.PathLike | None) -> list:
-    """``files`` with each object replaced by its local copy, made unless there already; a copy lives in a folder
-    of the cache named by the object's URL, size and identity, and is written under a temporary name, then renamed."""
+def _local_copies(files: Sequence, copied: Sequence[ObjectFile], cache_dir: str | os.PathLike | None) -> list:
+    """``files`` with each object of ``copied`` replaced by its local copy, made unless there already; a copy lives
+    in a folder of the cache named by the object's URL, size and identity, and is written under a temporary name,
+    then renamed."""
     if cache_dir is None:
         from datasets import config
 
@@ -195,7 +202,7 @@ def _local_copies(files: Sequence, cache_dir: str | os.PathLike | None) -> list:
     root = Path(cache_dir).expanduser() / _OBJECTS_DIR
     copies, missing = [], []
     for file in files:
-        if isinstance(file, ObjectFile):
+        if file in copied:
             file_copy = root / stable_hash([file.url, file.size, file.identity])[:32] / file.name
             if not (file_copy.is_file() and file_copy.stat().st_size == file.size):
                 missing.append((file, file_copy))
