@@ -10,7 +10,10 @@ import pytest
 from batching.conftest import paragraphs, write_jsonl
 
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
+from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
+
+SEQ_LENGTH = 64  # the Indexed rows' length
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +42,9 @@ def indexed_prefix(tmp_path_factory, novel_paragraphs, tokenizer) -> Path:
         builder.add_document(np.asarray(ids, dtype=np.int32), [len(ids)])
     builder.finalize(f"{prefix}.idx")
     return prefix
+
+
+def indexed_train_split(indexed_prefix: Path, tokenizer, cache_dir: Path):
+    """The Indexed pair as one train split of ``SEQ_LENGTH``-token rows."""
+    config = {"seq_length": SEQ_LENGTH, "split": "100, 0, 0", "data_cache_path": str(cache_dir)}
+    return build_indexed_text_dataset(str(indexed_prefix), config, tokenizer=tokenizer, synchronize=False)[0]

@@ -19,7 +19,7 @@ from hyper_parallel.data.mixture import MixtureSource, build_mixture_dataset
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
 
-SEQ_LENGTH = 64
+from .conftest import SEQ_LENGTH, indexed_train_split
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,7 @@ def sources(online_paths, indexed_prefix, tokenizer, tmp_path_factory) -> dict:
         transform = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 256}
         return build_online_text_dataset(path, transform, {"cache_dir": str(cache)}, tokenizer=tokenizer)
 
-    indexed = build_indexed_text_dataset(
-        str(indexed_prefix),
-        {"seq_length": SEQ_LENGTH, "split": "100, 0, 0", "data_cache_path": str(tmp_path_factory.mktemp("cache"))},
-        tokenizer=tokenizer,
-        synchronize=False,
-    )[0]
+    indexed = indexed_train_split(indexed_prefix, tokenizer, tmp_path_factory.mktemp("cache"))
     return {"first": online(online_paths[0]), "second": online(online_paths[1]), "indexed": indexed}
 
 

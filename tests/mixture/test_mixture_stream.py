@@ -19,9 +19,10 @@ from hyper_parallel.data.batching.elastic import merge_rank_states
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.mixture import build_mixture_dataset
-from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset, build_online_text_dataset
+from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 
-SEQ_LENGTH = 64
+from .conftest import indexed_train_split
+
 TRANSFORM = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 256}
 
 
@@ -30,12 +31,7 @@ def built(online_paths, indexed_prefix, tokenizer, tmp_path_factory) -> dict:
     """What the sources are built from: a streaming source of 40 records (buffer-shuffled), a mapping source of
     60 and the Indexed train split of 140 rows."""
     cache = tmp_path_factory.mktemp("hf_cache")
-    indexed = build_indexed_text_dataset(
-        str(indexed_prefix),
-        {"seq_length": SEQ_LENGTH, "split": "100, 0, 0", "data_cache_path": str(tmp_path_factory.mktemp("cache"))},
-        tokenizer=tokenizer,
-        synchronize=False,
-    )[0]
+    indexed = indexed_train_split(indexed_prefix, tokenizer, tmp_path_factory.mktemp("cache"))
     mapping = build_online_text_dataset(online_paths[1], TRANSFORM, {"cache_dir": str(cache)}, tokenizer=tokenizer)
     return {"paths": online_paths, "tokenizer": tokenizer, "indexed": indexed, "mapping": mapping}
 

@@ -556,8 +556,15 @@ def build_mixture_dataset(
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise DataConfigError(f"sources names {duplicates} more than once; give every source its own name")
+    settings = {
+        "seed": seed,
+        "shuffle": shuffle,
+        "log_every": log_every,
+        "num_samples": num_samples,
+        "mixture_change": mixture_change,
+    }
     if any(stream_of(source.dataset) is not None for source in checked):
-        return _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples, mixture_change)
+        return _stream_mixture(checked, strategy, on_exhausted, settings)
     budgets = [source.budget for source in checked]
     order = MixtureOrder(
         [source.weight for source in checked],
@@ -567,15 +574,7 @@ def build_mixture_dataset(
         seed=seed,
         num_samples=num_samples,
     )
-    dataset = MixtureDataset(
-        checked,
-        order,
-        seed=seed,
-        shuffle=shuffle,
-        log_every=log_every,
-        num_samples=num_samples,
-        mixture_change=mixture_change,
-    )
+    dataset = MixtureDataset(checked, order, **settings)
     logger.info(
         "%r: %s; sources run out at %s",
         dataset,
@@ -585,21 +584,13 @@ def build_mixture_dataset(
     return dataset
 
 
-def _stream_mixture(checked, strategy, on_exhausted, seed, shuffle, log_every, num_samples, mixture_change):
-    """The mixture of sources of which at least one is a stream, read in order (``mixture_stream``)."""
+def _stream_mixture(checked, strategy: str, on_exhausted: str, settings: dict):
+    """The mixture of sources of which at least one is a stream, read in order (``mixture_stream``); ``settings``
+    are the keywords both mixtures take."""
     from hyper_parallel.data.mixture.mixture_stream import StreamMixture  # it builds on MixedSources, defined here
 
-    draws = SourceDraws([source.weight for source in checked], strategy, seed)
-    dataset = StreamMixture(
-        checked,
-        draws,
-        on_exhausted=on_exhausted,
-        seed=seed,
-        shuffle=shuffle,
-        log_every=log_every,
-        num_samples=num_samples,
-        mixture_change=mixture_change,
-    )
+    draws = SourceDraws([source.weight for source in checked], strategy, settings["seed"])
+    dataset = StreamMixture(checked, draws, on_exhausted=on_exhausted, **settings)
     logger.info(
         "%r: read in order, each stream from its own cursor; %s",
         dataset,
