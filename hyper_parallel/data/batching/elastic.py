@@ -63,6 +63,8 @@ from hyper_parallel.data.parallel.batch_sampler import (
     remaining_bitmap,
 )
 from hyper_parallel.data.resume_checks import check_same_data, check_state_type, state_field
+from hyper_parallel.data.text.online.online_iterable_dataset import handover_cursor
+from hyper_parallel.data.text.online.stream_handover import checked_cursor, cursor_at_start, merged_handover
 
 __all__ = ["ELASTIC_VERSION", "DecodedSamples", "is_elastic", "merge_rank_states", "rank_state"]
 
@@ -224,8 +226,16 @@ def _stream_source_state(merged: Mapping, source, layout, epoch: int) -> tuple[d
                 f"cannot resume the stream of {stream.description}: the elastic state has {key}={saved[key]!r} but "
                 f"this run has {getattr(stream, key)!r}; resume with the same value, or start without the state"
             )
-    shares, levels = state_field(saved, "shares", list, where), state_field(saved, "levels", list, where)
-    position = stream.handover_state(epoch, shares, state_field(saved, "base_world_size", int, where), levels)
+    position = handover_cursor(
+        epoch=epoch,
+        dp_rank=layout.dp_rank,
+        dp_world_size=layout.dp_world_size,
+        seed=stream.seed,
+        shuffle_buffer_size=stream.shuffle_buffer_size,
+        shares=state_field(saved, "shares", list, where),
+        base_world_size=state_field(saved, "base_world_size", int, where),
+        levels=state_field(saved, "levels", list, where),
+    )
     records = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
     size = layout.micro_batch_size
     keys = [[index, record] for index, record in enumerate(records)]
@@ -344,9 +354,7 @@ def _merge_mapping(states: list[dict]) -> dict:
     )
     left, replay = [], []
     for rank, (state, sampler) in enumerate(zip(states, samplers, strict=True)):
-        source = state["source"]
-        if source["replay"] and source["replay_epoch"] == epoch:
-            replay += [index for keys in source["replay"] for index in keys]
+        replay += [index for keys in _replayed_in(state, epoch) for index in keys]
         if sampler["epoch"] == epoch:
             left.append(
                 pending_positions(
@@ -368,88 +376,35 @@ def _merge_streams(states: list[dict]) -> dict:
     had read but not delivered (the replayed ones, the cursor's current block and shuffle buffer), in rank order."""
     cursors = []
     for rank, state in enumerate(states):
-        where = f"DP rank {rank}'s loader state['source']['position']"
-        cursor = state_field(state["source"], "position", Mapping, f"DP rank {rank}'s loader state['source']")
-        for key in ("epoch", "position", "dp_rank", "dp_world_size", "seed", "shuffle_buffer_size"):
-            state_field(cursor, key, int, where)
-        if (cursor["dp_rank"], cursor["dp_world_size"]) != (rank, state["dp_world_size"]):
-            raise ResumeStateError(f"{where} is the stream cursor of another DP rank; the state is damaged")
-        first = states[0]["source"]["position"]
-        if (cursor["seed"], cursor["shuffle_buffer_size"]) != (first.get("seed"), first.get("shuffle_buffer_size")):
-            raise ResumeStateError(
-                f"the stream seed or shuffle_buffer_size of DP rank {rank} differ from DP rank 0's: the states are "
-                "not of one run"
+        where = f"DP rank {rank}'s loader state['source']"
+        cursor = state_field(state["source"], "position", Mapping, where)
+        cursors.append(
+            checked_cursor(
+                cursor, rank, state["dp_world_size"], cursors[0] if cursors else None, f"{where}['position']"
             )
-        if cursor.get("handover") is not None:
-            handover = state_field(cursor, "handover", Mapping, where)
-            state_field(handover, "share", int, f"{where}['handover']")
-            dealt = state_field(handover, "dealt", list, f"{where}['handover']")
-            if not dealt or not all(isinstance(count, int) for count in dealt):
-                raise ResumeStateError(f"{where}['handover']['dealt'] must be a list of counts; the state is damaged")
-        state_field(cursor, "source_exhausted", bool, where)
-        state_field(cursor, "source_state", (Mapping, None), where)
-        for key in ("buffer", "block"):
-            for index, record in enumerate(state_field(cursor, key, list, where) if key in cursor else []):
-                check_state_type(record, Mapping, f"{where}['{key}'][{index}]")
-        for keys in _replay(state, rank):
-            for index, key in enumerate(keys):
-                check_state_type(key, (list, tuple), f"DP rank {rank}'s replayed key {index}")
-                if len(key) != 2 or not isinstance(key[1], Mapping):
-                    raise ResumeStateError(f"DP rank {rank}'s replayed key {index} is not a (position, record) pair")
-        cursors.append(cursor)
-    at_start = [
-        c["position"] == 0 and c["source_state"] is None and not c["buffer"] and not c.get("block") for c in cursors
-    ]
-    epoch = _merged_epoch(states, [(c["epoch"], fresh) for c, fresh in zip(cursors, at_start, strict=True)])
-    records = []
-    for state, cursor in zip(states, cursors, strict=True):
-        source = state["source"]
-        if source["replay"] and source["replay_epoch"] == epoch:
-            records += [record for keys in source["replay"] for _, record in keys]
-        if cursor["epoch"] == epoch:
-            # A handover's block holds records not yet dealt, which the next level deals again: not handed over.
-            records += [*(cursor.get("block", []) if cursor.get("handover") is None else []), *cursor["buffer"]]
-    handovers = [c["handover"] for c in cursors if c["epoch"] == epoch and c.get("handover") is not None]
-    reading = [c for c in cursors if c["epoch"] == epoch]
-    if handovers and len(handovers) != len(reading):
-        raise ResumeStateError(
-            f"some ranks' streams read epoch {epoch} as handed over by a DP change and others as their own share: "
-            "the states are not of one run at one step"
         )
-    stream = {key: cursors[0][key] for key in ("seed", "shuffle_buffer_size")}
-    if handovers:
-        stream.update(_next_level(handovers[0], cursors, epoch))
-    else:
-        shares = []
-        for cursor in cursors:
-            if cursor["epoch"] == epoch:
-                shares.append({"source_state": cursor["source_state"], "done": cursor["source_exhausted"]})
-            else:
-                shares.append({"source_state": None, "done": True})
-        stream.update(base_world_size=len(cursors), shares=shares, levels=[])
+        _check_replayed_pairs(state, rank)
+    epoch = _merged_epoch(states, [(c["epoch"], cursor_at_start(c)) for c in cursors])
+    stream, unread = merged_handover(cursors, epoch)
+    records = []
+    for state, rank_unread in zip(states, unread, strict=True):
+        records += [record for keys in _replayed_in(state, epoch) for _, record in keys] + rank_unread
     return {"source_kind": "iterable", "epoch": epoch, "stream": stream, "records": records}
 
 
-def _next_level(handover: Mapping, cursors: list[Mapping], epoch: int) -> dict:
-    """A handover of a handover: the same old shares, and one more level whose frontiers say, per share and per rank
-    of the current DP size, how many of the records dealt to that rank it had read (None: all of them)."""
-    frontiers = []
-    for share in range(handover["base_world_size"]):
-        counts = []
-        for cursor in cursors:
-            if cursor["epoch"] != epoch:  # the rank has read its whole part of the handed-over epoch
-                counts.append(None)
-                continue
-            current = cursor["handover"]
-            reached = current["share"]
-            counts.append(None if share < reached else current["dealt"][-1] if share == reached else 0)
-        frontiers.append(counts)
-    level = {"deal_world_size": len(cursors), "frontiers": frontiers}
-    return {
-        "base_world_size": handover["base_world_size"],
-        "shares": handover["shares"],
-        "levels": [*handover["levels"], level],
-    }
+def _check_replayed_pairs(state: Mapping, rank: int) -> None:
+    """A stream rank's replayed keys: (position or sample number, record or payload) pairs."""
+    for keys in _replay(state, rank):
+        for index, key in enumerate(keys):
+            check_state_type(key, (list, tuple), f"DP rank {rank}'s replayed key {index}")
+            if len(key) != 2 or not isinstance(key[1], Mapping):
+                raise ResumeStateError(f"DP rank {rank}'s replayed key {index} is not a (position, record) pair")
+
+
+def _replayed_in(state: Mapping, epoch: int) -> list[list]:
+    """The key batches a rank had read but not delivered in ``epoch``."""
+    source = state["source"]
+    return source["replay"] if source["replay"] and source["replay_epoch"] == epoch else []
 
 
 def _sampler_settings(sampler: Mapping) -> dict:

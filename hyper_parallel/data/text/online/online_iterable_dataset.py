@@ -39,7 +39,7 @@ from hyper_parallel.data.errors import DataFileError, ResumeStateError
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.records import data_file_entries
 
-__all__ = ["OnlineIterableDataset"]
+__all__ = ["OnlineIterableDataset", "handover_cursor"]
 
 logger = get_logger(__name__)
 
@@ -236,31 +236,6 @@ class OnlineIterableDataset:
                 f"{self.dp_rank} (epoch {self.epoch}): {error}. Fix or remove the malformed record"
             ) from error
 
-    def handover_state(self, epoch: int, shares: list[dict], base_world_size: int, levels: list[dict]) -> dict:
-        """The cursor of this rank at the start of a handover of ``epoch``: ``shares`` (one per rank of the old
-        split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from the start, "done":
-        whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the same epoch
-        (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for all}``)."""
-        fresh = np.random.default_rng([self.seed, epoch, self.dp_rank]).bit_generator.state
-        return {
-            **self.state_dict(),
-            "epoch": epoch,
-            "position": 0,
-            "source_state": None,
-            "source_exhausted": False,
-            "block": [],
-            "block_records": _BLOCK_RECORDS,
-            "buffer": [],
-            "rng": fresh,
-            "handover": {
-                "base_world_size": base_world_size,
-                "shares": shares,
-                "levels": levels,
-                "share": 0,
-                "dealt": [0] * (len(levels) + 1),
-            },
-        }
-
     @property
     def handing_over(self) -> bool:
         """Whether the current epoch is read from the old split's shares, after a DP change."""
@@ -420,6 +395,46 @@ class OnlineIterableDataset:
             f"OnlineIterableDataset({self.description}, dp {self.dp_rank}/{self.dp_world_size}, "
             f"shuffle buffer {self.shuffle_buffer_size}, epoch {self.epoch})"
         )
+
+
+def handover_cursor(
+    *,
+    epoch: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int,
+    shuffle_buffer_size: int,
+    shares: list[dict],
+    base_world_size: int,
+    levels: list[dict],
+) -> dict:
+    """The cursor of DP rank ``dp_rank`` of ``dp_world_size`` at the start of a handover of ``epoch``: ``shares``
+    (one per rank of the old split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from
+    the start, "done": whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the
+    same epoch (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for
+    all}``)."""
+    return {
+        "version": _STATE_VERSION,
+        "epoch": epoch,
+        "position": 0,
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        "seed": seed,
+        "shuffle_buffer_size": shuffle_buffer_size,
+        "source_state": None,
+        "source_exhausted": False,
+        "block": [],
+        "block_records": _BLOCK_RECORDS,
+        "buffer": [],
+        "rng": np.random.default_rng([seed, epoch, dp_rank]).bit_generator.state,
+        "handover": {
+            "base_world_size": base_world_size,
+            "shares": shares,
+            "levels": levels,
+            "share": 0,
+            "dealt": [0] * (len(levels) + 1),
+        },
+    }
 
 
 def _check_block(state: Mapping, where: str) -> None:
