@@ -5,16 +5,30 @@ rows read it with ``FixedBatchDataLoader`` (micro-batches of 8, no workers, the 
 through a mixture of the same dataset under two names, 0.7 : 0.3, ``on_exhausted: restart`` over as many samples:
 reads in the same order (``shuffle: false``), plus the plan, the reads split by source and the tally. A mixed
 batch is checked to hold rows of the source. The planning row times ``MixtureOrder`` built and planned over a
-whole mixture against drawing as many Philox uniforms alone (the draw it is built on).
+whole mixture against drawing as many Philox uniforms alone (the draw it is built on). The elastic row times the
+resume of a mixture with a streaming source at another DP size (merge, load, first batch) against a fresh loader's
+first batch at that size.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from benchmarks.bench_indexed_dataset import BenchTokenizer
+from benchmarks.bench_online import (
+    ELASTIC_SIZES,
+    RESUME_GOAL,
+    RESUME_REPEATS_FACTOR,
+    corpus_texts,
+    dynamic_loader,
+    write_jsonl,
+)
+from benchmarks.bench_online import MICRO_BATCH as ONLINE_MICRO_BATCH
 from benchmarks.common import BenchContext, Row, log, measure
 from hyper_parallel.data.batching import FixedBatchDataLoader
+from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.mixture import build_mixture_dataset
 from hyper_parallel.data.mixture.mixture_order import MixtureOrder
@@ -29,6 +43,7 @@ SEED = 1234
 DOCUMENTS = {False: 40_000, True: 8_000}
 PLANNED = {False: 10_000_000, True: 1_000_000}
 VOCAB = 50_000
+STREAM_TOKENS = {False: 400_000, True: 100_000}  # of the streamed source of the elastic row
 
 
 def _source(context: BenchContext):
@@ -99,4 +114,86 @@ def run(context: BenchContext) -> list[Row]:
             note="MixtureOrder built and planned over a mixture of 3 weighted sources, against the uniforms alone",
         )
     )
+    rows.append(_elastic_stream_row(context, source))
     return rows
+
+
+def _sequences(batches) -> Counter:
+    """The token sequences of packed batches that carry a loss (the collator's padding left out), as a multiset."""
+    found = Counter()
+    for batch in batches:
+        for ids, labels in batch.sequences():
+            if (labels != IGNORE_INDEX).any():
+                found[tuple(ids.tolist())] += 1
+    return found
+
+
+def _elastic_stream_row(context: BenchContext, indexed) -> Row:
+    """A mixture of a stream of corpus paragraphs and the Indexed rows (``reweight``: an epoch is one pass of each):
+    merge + load + first batch at the new DP size against a fresh first batch there; the old ranks' batches and the
+    new ranks' rest of the epoch are asserted to hold the epoch of one rank alone, each sequence once."""
+    import copy
+
+    from hyper_parallel.data.batching import merge_rank_states
+    from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+    from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
+
+    tokenizer = build_tokenizer(BUNDLED_TOKENIZER_PATH)
+    jsonl = context.workdir / "mixture_stream.jsonl"
+    write_jsonl(corpus_texts(tokenizer.backend, STREAM_TOKENS[context.quick]), jsonl)
+    transform = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": SEQ_LENGTH * 2}
+    data_config = {"dataset_type": "iterable", "shuffle_buffer_size": 1000}
+    rows = min(len(indexed), 2_000)  # of the Indexed source per pass, about as many tokens as the stream
+
+    def rank_loader(rank: int, size: int):
+        streamed = build_online_text_dataset(
+            str(jsonl), transform, data_config, tokenizer=tokenizer, dp_rank=rank, dp_world_size=size
+        )
+        entries = [
+            {"name": "stream", "weight": 0.5, "dataset": streamed},
+            {"name": "rows", "weight": 0.5, "dataset": indexed, "max_samples": rows},
+        ]
+        mixture = build_mixture_dataset(entries, on_exhausted="reweight", seed=SEED)
+        return dynamic_loader(mixture, dp_rank=rank, dp_world_size=size, global_batch_size=ONLINE_MICRO_BATCH * size)
+
+    old_size, new_size = ELASTIC_SIZES
+    uninterrupted = _sequences(list(rank_loader(0, 1)))
+    delivered, states = [], []
+    for rank in range(old_size):
+        loader = rank_loader(rank, old_size)
+        batches = iter(loader)
+        delivered += [next(batches) for _ in range(20)]
+        states.append(copy.deepcopy(loader.state_dict()))
+        del batches, loader
+    loaders = {}
+
+    def before(name: str) -> None:
+        loaders[name] = rank_loader(0, new_size)
+        loaders["states"] = copy.deepcopy(states)  # new copies, as if read back from the checkpoints
+
+    def resumed():
+        loader = loaders["resumed"]
+        loader.load_state_dict(merge_rank_states(loaders["states"]))
+        return next(iter(loader))
+
+    cases = {"fresh": lambda: next(iter(loaders["fresh"])), "resumed": resumed}
+    timings = measure(cases, context.repeats * RESUME_REPEATS_FACTOR, before)
+    merged = merge_rank_states(copy.deepcopy(states))
+    for rank in range(new_size):
+        loader = rank_loader(rank, new_size)
+        loader.load_state_dict(merged)
+        delivered += list(loader)
+    assert _sequences(delivered) == uninterrupted, "the elastic resume of the stream mixture lost or repeated records"
+    return Row.compare(
+        f"elastic resume of a stream mixture {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",
+        timings["resumed"].best * 1e3,
+        timings["fresh"].best * 1e3,
+        "ms",
+        RESUME_GOAL,
+        f"a stream of {STREAM_TOKENS[context.quick]:,} tokens of paragraphs (shuffle buffer 1,000) and {rows:,} "
+        f"Indexed rows mixed 0.5 : 0.5 (reweight), DynamicBatchDataLoader as in the online group, the states of "
+        f"{old_size} ranks saved after 20 batches; ours: merge_rank_states + load_state_dict on rank 0 of "
+        f"{new_size} + its first batch; ref: a fresh rank 0 of {new_size}'s first batch; construction untimed; every "
+        "sequence of the epoch asserted delivered once over the old and the new ranks",
+        higher_is_better=False,
+    )

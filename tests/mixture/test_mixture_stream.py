@@ -15,7 +15,6 @@ from batching.resume_check import plain, roundtrip, take
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader
 from hyper_parallel.data.batching.dataloader import build_dataloaders
-from hyper_parallel.data.batching.elastic import merge_rank_states
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import DataConfigError, ResumeStateError
 from hyper_parallel.data.mixture import build_mixture_dataset
@@ -523,21 +522,6 @@ def test_epochs_of_a_stream_are_refused_with_the_fix(built):
 def test_restart_without_num_samples_is_refused(built):
     with pytest.raises(DataConfigError, match="no end.*num_samples"):
         mixture(built, {"stream": 1, "mapping": 1}, on_exhausted="restart")
-
-
-def test_states_over_a_stream_mixture_are_not_merged_for_another_dp_size(built):
-    states = []
-    for dp_rank in range(2):
-        loader = FixedBatchDataLoader(
-            mixture(built, {"stream": 1, "mapping": 1}, dp_rank, 2),
-            micro_batch_size=2,
-            dp_rank=dp_rank,
-            dp_world_size=2,
-        )
-        take(loader, 1)
-        states.append(loader.state_dict())
-    with pytest.raises(ResumeStateError, match="streaming source.*cannot be merged"):
-        merge_rank_states(states)
 
 
 def pipeline_config(online_paths, cache) -> dict:

@@ -25,6 +25,11 @@ and for a stream (old rank ``s`` streamed ``split_dataset_by_node(s, D)``)::
     delivered      shuffle buffer), in rank order, dealt round-robin: record i to new rank i mod D', read first
     buffered       as for a mapping source (the samples' tokens)
 
+and for a mixture with a streaming source, source by source (``mixture.mixture_handover``): each stream hands over
+its pass as above, each mapping or Indexed source the offsets of its pass no old rank gave, the draws continue from
+the furthest old rank's sample number, and the keys the loaders had read but not delivered are dealt round-robin as
+whole keys, read first.
+
 So the order after the change depends only on ``(D, D', states)``. The elastic state is compact: the positions left
 as a bitmap of the records (one bit each), the replayed records and the buffered samples as short lists; for a
 stream, one Hugging Face state per old rank and the records read but not delivered.
@@ -38,6 +43,8 @@ Layout::
      iterable: "stream": {"seed", "shuffle_buffer_size", "base_world_size", "shares": [{"source_state", "done"}]
                per rank of the first split, "levels": the frontiers of each later change},
                "records": the records read but not delivered,
+     iterable over a mixture: "mixture_stream": the ranks' mixture cursors merged (``mixture_handover``),
+               "records": the keys read but not delivered,
      dynamic loader only: "packing": the packing policy's settings with every old rank's ``buffer``, in rank
      order, and their ``buffer_tokens``,
      over a mixture: "mixture": the ranks' plan (the same on every rank) and their tallies summed, which new rank 0
@@ -56,6 +63,7 @@ import numpy as np
 
 from hyper_parallel.data.batching.loader_state import envelope, migrate_loader_state
 from hyper_parallel.data.errors import ResumeStateError
+from hyper_parallel.data.mixture.mixture_handover import merged_cursors, rank_cursor
 from hyper_parallel.data.parallel.batch_sampler import (
     bitmap_positions,
     epoch_length,
@@ -90,7 +98,8 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
     Raises:
         ResumeStateError: not exactly one state of each rank ``0..D-1``; states of another loader kind, DP size,
             data, transform, sampler, stream or packing settings or mixture plan than the others; ranks in epochs
-            that do not meet (one mid-epoch, another past its end); data sharding; a mixture with a streaming source.
+            that do not meet (one mid-epoch, another past its end); data sharding; over a mixture with a streaming
+            source, what ``mixture_handover.merged_cursors`` refuses.
     """
     if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
         raise ResumeStateError(
@@ -99,18 +108,16 @@ def merge_rank_states(states: Sequence[Mapping]) -> dict:
         )
     states = [migrate_loader_state(state, "merge_rank_states") for state in states]
     first = _common_envelope(states)
-    if "mixture" in first and first["source"]["kind"] != "mapping":
-        raise ResumeStateError(
-            "the states were saved over a mixture with a streaming source, whose order depends on the DP size (every "
-            "rank reads its own share of each source), so they cannot be merged for another DP size; resume each "
-            "rank's own state with the saved DP size, or start the new DP size without the states"
-        )
     by_rank = _states_by_rank(states, first["dp_world_size"])
+    if first["source"]["kind"] == "mapping":
+        source = _merge_mapping(by_rank)
+    else:
+        source = _merge_mixture_streams(by_rank) if "mixture" in first else _merge_streams(by_rank)
     merged = {
         "version": ELASTIC_VERSION,
         "kind": "elastic",
         **{key: first[key] for key in ("loader", "dp_world_size", "micro_batch_size", "data", "transform")},
-        **(_merge_mapping(by_rank) if first["source"]["kind"] == "mapping" else _merge_streams(by_rank)),
+        **source,
     }
     if first["loader"] == "DynamicBatchDataLoader":
         merged["packing"] = _merged_packing(by_rank)
@@ -145,6 +152,8 @@ def rank_state(merged: Mapping, source, layout, policy=None) -> tuple[dict, Deco
     epoch = state_field(merged, "epoch", int, _WHERE)
     if source.kind == "mapping":
         source_state, reads_on = _mapping_source_state(merged, source, epoch)
+    elif "mixture_stream" in merged:
+        source_state, reads_on = _mixture_stream_source_state(merged, layout, epoch)
     else:
         source_state, reads_on = _stream_source_state(merged, source, layout, epoch)
     state = {
@@ -237,16 +246,22 @@ def _stream_source_state(merged: Mapping, source, layout, epoch: int) -> tuple[d
         levels=state_field(saved, "levels", list, where),
     )
     records = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
+    return _read_again_first(position, [[index, record] for index, record in enumerate(records)], layout, epoch), True
+
+
+def _mixture_stream_source_state(merged: Mapping, layout, epoch: int) -> tuple[dict, bool]:
+    """A mixture stream's state for this rank: its cursor over every source's handed-over pass
+    (``mixture_handover``), and its share of the keys the old ranks had read but not delivered, read again first."""
+    position = rank_cursor(state_field(merged, "mixture_stream", Mapping, _WHERE), layout.dp_rank, layout.dp_world_size)
+    keys = state_field(merged, "records", list, _WHERE)[layout.dp_rank :: layout.dp_world_size]
+    return _read_again_first(position, keys, layout, epoch), True
+
+
+def _read_again_first(position: dict, keys: list, layout, epoch: int) -> dict:
+    """A stream's source state: its cursor, and ``keys`` to read again first, in micro-batches."""
     size = layout.micro_batch_size
-    keys = [[index, record] for index, record in enumerate(records)]
     replay = [keys[start : start + size] for start in range(0, len(keys), size)]
-    source_state = {
-        "kind": source.kind,
-        "position": position,
-        "replay": replay,
-        "replay_epoch": epoch if replay else None,
-    }
-    return source_state, True
+    return {"kind": "iterable", "position": position, "replay": replay, "replay_epoch": epoch if replay else None}
 
 
 # Merging ---------------------------------------------------------------------------------------------------------
@@ -390,6 +405,26 @@ def _merge_streams(states: list[dict]) -> dict:
     for state, rank_unread in zip(states, unread, strict=True):
         records += [record for keys in _replayed_in(state, epoch) for _, record in keys] + rank_unread
     return {"source_kind": "iterable", "epoch": epoch, "stream": stream, "records": records}
+
+
+def _merge_mixture_streams(states: list[dict]) -> dict:
+    """The part of an elastic state over a mixture with a streaming source: the ranks' mixture cursors merged
+    source by source (``mixture_handover``), and the keys they had read but not delivered, in rank order."""
+    cursors = []
+    for rank, state in enumerate(states):
+        cursors.append(state_field(state["source"], "position", Mapping, f"DP rank {rank}'s loader state['source']"))
+        _check_replayed_pairs(state, rank)
+        state_field(cursors[-1], "epoch", int, f"DP rank {rank}'s mixture stream cursor")
+        state_field(cursors[-1], "position", int, f"DP rank {rank}'s mixture stream cursor")
+    epoch = _merged_epoch(states, [(cursor["epoch"], cursor["position"] == 0) for cursor in cursors])
+    plan = state_field(state_field(states[0], "mixture", Mapping, "DP rank 0's loader state"), "plan", Mapping, _WHERE)
+    keys = [key for state in states for batch in _replayed_in(state, epoch) for key in batch]
+    return {
+        "source_kind": "iterable",
+        "epoch": epoch,
+        "mixture_stream": merged_cursors(cursors, plan, epoch),
+        "records": keys,
+    }
 
 
 def _check_replayed_pairs(state: Mapping, rank: int) -> None:

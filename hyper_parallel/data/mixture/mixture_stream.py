@@ -38,7 +38,10 @@ Cursor (``state['source']['position']`` of a loader state)::
      "phase_start": where the draws' phase began, "active": the sources it draws,
      "sources": {name: {"taken": samples given in its pass, "passes": passes ended, "ended": its stream's share
                         has ended (after the records still waiting), "pending": [{"position", "record"}] read ahead,
-                        "stream": its stream's cursor (None for a mapping source)}},
+                        "stream": its stream's cursor (None for a mapping source),
+                        "handed_over": true when its pass was handed over by a DP change (only then), "left": a
+                        mapping source's handed-over offsets, a bitmap over its budget, of which this rank gives
+                        every dp_world_size-th}},
      "retired": {name: the entry of a source mixed before and no longer (only after such a change)}}
 """
 
@@ -56,6 +59,7 @@ from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeSta
 from hyper_parallel.data.mixture.build_mixture import MixedSources, MixtureSource
 from hyper_parallel.data.mixture.mixture_order import SourceDraws, ranks_within
 from hyper_parallel.data.mixture.mixture_plan import check_change, check_reading, check_settings, mixture_differences
+from hyper_parallel.data.parallel.batch_sampler import bitmap_positions
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.transform_dataset import RecordReading
 
@@ -268,7 +272,6 @@ class MixtureStream:
     """
 
     mixed = True  # its keys name their source: the loaders read it with ``key_sources.MixtureStreamKeys``
-    handing_over = False  # an elastic handover of a mixture stream is refused (``merge_rank_states``)
 
     def __init__(self, mixture: StreamMixture) -> None:
         self.mixture = mixture
@@ -293,6 +296,12 @@ class MixtureStream:
         self._passes = [0] * count
         self._ended = [False] * count
         self._pending: list[deque] = [deque() for _ in range(count)]
+        # A pass handed over by a DP change (``mixture_handover``) may give this rank nothing; for a mapping
+        # source, the offsets the old ranks left (a bitmap over its budget) and this rank's share of them, every
+        # dp_world_size-th (None: its own share).
+        self._handed_over = [False] * count
+        self._left: list[bytes | None] = [None] * count
+        self._left_share: list[np.ndarray | None] = [None] * count
         self._retired: dict[str, dict] = {}  # the entries of sources mixed before and no longer
         self._fresh_streams = [None if stream is None else stream.state_dict() for stream in self._streams]
         self._start_epoch(0)
@@ -343,7 +352,7 @@ class MixtureStream:
         for source, need in zip(*np.unique(drawn, return_counts=True), strict=True):
             source, need = int(source), int(need)
             if self._budgets[source] is not None:
-                need = min(need, self._pass_sizes[source] - self._taken[source])
+                need = min(need, self._pass_size(source) - self._taken[source])
             if self._streams[source] is not None:
                 fetched[source] = self._stream_records(source, need)
                 need = len(fetched[source])
@@ -363,9 +372,10 @@ class MixtureStream:
                         {"source": name_of[source], "position": position, "record": record},
                     )
             elif len(slots):
-                counts = self._passes[source] * self._budgets[source] + (
-                    (self._taken[source] + np.arange(len(slots))) * self.dp_world_size + self.dp_rank
-                )
+                within = self._taken[source] + np.arange(len(slots))
+                share = self._left_share[source]
+                offsets = within * self.dp_world_size + self.dp_rank if share is None else share[within]
+                counts = self._passes[source] * self._budgets[source] + offsets
                 for slot, index in zip(slots.tolist(), self.mixture.records_of(source, counts).tolist(), strict=True):
                     keys[slot] = (self.sample + slot, {"source": name_of[source], "index": index})
             self._taken[source] += len(slots)
@@ -392,7 +402,7 @@ class MixtureStream:
 
     def _source_ended(self, source: int) -> None:
         """A source's pass has ended: it begins its next pass, and ``on_exhausted`` says what the mixture does."""
-        if not self._taken[source]:
+        if not self._taken[source] and not self._handed_over[source]:
             name = self.mixture.names[source]
             raise DataFileError(
                 f"the mixture source {name!r} gave no sample in its pass {self._passes[source]} on DP rank "
@@ -403,6 +413,8 @@ class MixtureStream:
         if stream is not None and not self._ended[source]:  # it gave max_samples: its pass is cut there
             stream.set_epoch(stream.epoch + 1)
         self._ended[source], self._taken[source] = False, 0
+        self._handed_over[source] = False
+        self._left[source] = self._left_share[source] = None
         self._passes[source] += 1
         mode = self.mixture.on_exhausted
         if mode == "stop":
@@ -410,6 +422,20 @@ class MixtureStream:
         elif mode == "reweight":
             self._draw_from(self.sample, [active for active in self._active if active != source])
             self._epoch_over = not self._active
+
+    def _pass_size(self, source: int) -> int | None:
+        """The samples this rank gives of ``source`` in its current pass (None: a stream's share, to its end)."""
+        share = self._left_share[source]
+        return self._pass_sizes[source] if share is None else len(share)
+
+    def _share_of(self, left: bytes, source: int) -> np.ndarray:
+        """This rank's share of the offsets a DP change left of a mapping source's pass: every D-th of them."""
+        return bitmap_positions(left, self._budgets[source])[self.dp_rank :: self.dp_world_size]
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether a source reads a pass handed over by a DP change (``mixture_handover``)."""
+        return any(self._handed_over)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` where the mixture is (every source continues), unless it is already in it."""
@@ -437,6 +463,8 @@ class MixtureStream:
                     "ended": self._ended[source],
                     "pending": [{"position": position, "record": record} for position, record in self._pending[source]],
                     "stream": None if stream is None else stream.state_dict(),
+                    **({"handed_over": True} if self._handed_over[source] else {}),
+                    **({} if self._left[source] is None else {"left": self._left[source]}),
                 }
                 for source, (name, stream) in enumerate(zip(names, self._streams, strict=True))
             },
@@ -489,6 +517,15 @@ class MixtureStream:
     def _check_source(self, entry: Mapping, source: int, where: str) -> None:
         taken = state_field(entry, "taken", int, where)
         most = self._pass_sizes[source]
+        handed_over = state_field(entry, "handed_over", bool, where) if "handed_over" in entry else False
+        if handed_over and self._streams[source] is None or "left" in entry:
+            left = state_field(entry, "left", bytes, where) if handed_over else None
+            if self._streams[source] is not None or left is None or len(left) != -(-self._budgets[source] // 8):
+                raise ResumeStateError(
+                    f"{where}['left'] must be, with 'handed_over', a bitmap of this mapping source's "
+                    f"{self._budgets[source]} samples per pass; the state is damaged"
+                )
+            most = len(self._share_of(left, source))
         if state_field(entry, "passes", int, where) < 0 or taken < 0 or (most is not None and taken > most):
             raise ResumeStateError(f"{where}['taken'] or ['passes'] is out of range; the state is damaged")
         state_field(entry, "ended", bool, where)
@@ -520,6 +557,9 @@ class MixtureStream:
             self._taken[source], self._passes[source] = entry["taken"], entry["passes"]
             self._ended[source] = entry["ended"]
             self._pending[source] = deque((waiting["position"], waiting["record"]) for waiting in entry["pending"])
+            self._handed_over[source] = entry.get("handed_over", False)
+            self._left[source] = entry.get("left")
+            self._left_share[source] = None if "left" not in entry else self._share_of(entry["left"], source)
             if self._streams[source] is not None:
                 self._streams[source].load_state_dict(entry["stream"])
         self._retired = copy.deepcopy(dict(state.get("retired", {})))

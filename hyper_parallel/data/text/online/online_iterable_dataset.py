@@ -39,7 +39,7 @@ from hyper_parallel.data.errors import DataFileError, ResumeStateError
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.records import data_file_entries
 
-__all__ = ["OnlineIterableDataset", "handover_cursor"]
+__all__ = ["OnlineIterableDataset", "epoch_start_cursor", "handover_cursor"]
 
 logger = get_logger(__name__)
 
@@ -397,22 +397,9 @@ class OnlineIterableDataset:
         )
 
 
-def handover_cursor(
-    *,
-    epoch: int,
-    dp_rank: int,
-    dp_world_size: int,
-    seed: int,
-    shuffle_buffer_size: int,
-    shares: list[dict],
-    base_world_size: int,
-    levels: list[dict],
-) -> dict:
-    """The cursor of DP rank ``dp_rank`` of ``dp_world_size`` at the start of a handover of ``epoch``: ``shares``
-    (one per rank of the old split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from
-    the start, "done": whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the
-    same epoch (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for
-    all}``)."""
+def epoch_start_cursor(*, epoch: int, dp_rank: int, dp_world_size: int, seed: int, shuffle_buffer_size: int) -> dict:
+    """The cursor of DP rank ``dp_rank`` of ``dp_world_size`` at the start of ``epoch``, nothing read (what
+    ``state_dict()`` gives there)."""
     return {
         "version": _STATE_VERSION,
         "epoch": epoch,
@@ -427,14 +414,23 @@ def handover_cursor(
         "block_records": _BLOCK_RECORDS,
         "buffer": [],
         "rng": np.random.default_rng([seed, epoch, dp_rank]).bit_generator.state,
-        "handover": {
-            "base_world_size": base_world_size,
-            "shares": shares,
-            "levels": levels,
-            "share": 0,
-            "dealt": [0] * (len(levels) + 1),
-        },
     }
+
+
+def handover_cursor(*, shares: list[dict], base_world_size: int, levels: list[dict], **placement) -> dict:
+    """The cursor at the start of a handover of an epoch (``placement``: as for ``epoch_start_cursor``): ``shares``
+    (one per rank of the old split of ``base_world_size``: ``{"source_state": its Hugging Face state, or None from
+    the start, "done": whether the old rank had read all of it}``) and the ``levels`` of earlier handovers of the
+    same epoch (``{"deal_world_size", "frontiers": per share, per rank of that size, its count dealt, None for
+    all}``)."""
+    handover = {
+        "base_world_size": base_world_size,
+        "shares": shares,
+        "levels": levels,
+        "share": 0,
+        "dealt": [0] * (len(levels) + 1),
+    }
+    return {**epoch_start_cursor(**placement), "handover": handover}
 
 
 def _check_block(state: Mapping, where: str) -> None:

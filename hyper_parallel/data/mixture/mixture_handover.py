@@ -1,0 +1,287 @@
+"""Elastic resume of a mixture with a streaming source: the cursors of every old DP rank merged, source by source,
+and the cursor a rank of the new DP size continues from.
+
+Owns: checking the old ranks' mixture cursors (``MixtureStream.state_dict()``) against each other, merging them
+into what is left of every source's current pass, and the cursor of one new rank. Not responsible for: the loader's
+part of an elastic state (its records read but not delivered, its buffered samples, the tally: ``batching.elastic``),
+reading a stream's handover (``OnlineIterableDataset``) or a handed-over mapping pass (``MixtureStream``).
+
+What the new ranks continue, ``D`` old ranks to ``D'`` new ones. The promise is set semantics over each source's
+current pass: across the change no record of it is lost and none is given twice.
+
+    draws          from the furthest old rank's sample number on, with the weights and phase of the mixture (the
+                   sources still drawn: those that any old rank still in the epoch draws)
+    epoch          the old ranks' epoch (one may be at the very start of the next); its position is the furthest
+                   old rank's, so ``num_samples`` ends it no later than any old rank would have
+    stream source  its old ranks' shares handed over as a plain stream's are (``stream_handover``); the records
+                   they had read and not given out (those waiting for a draw, then the stream's current block and
+                   shuffle buffer), in rank order, dealt round-robin: record i waits on new rank i mod D'
+    mapping source the offsets of its pass that no old rank has given (rank r of D gives r, r + D, ...: those from
+                   its count on), kept as a bitmap over the pass; new rank r' gives every D'-th of them from the
+                   r'-th, in order, and its next pass is its own share again
+
+A source's pass on an old rank may be over already at the change only if nothing of the next pass was taken (its
+end is then this rank's share done). A streaming source with ``max_samples`` cuts each rank's share at that count,
+which a handover cannot cut again, so a mixture with one is not merged.
+
+Merged cursor (``mixture_stream`` of an elastic state)::
+
+    {"seed", "epoch", "position", "sample", "epoch_over", "active",
+     "sources" and "retired": {name: {"passes", "stream": null for a mapping source, else {"epoch", "seed",
+                                      "shuffle_buffer_size", "ended": no old rank reads its share any more,
+                                      "shares", "base_world_size", "levels" (not when ended)}, "records": [...]},
+                                      "left": a mapping source's bitmap}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from hyper_parallel.data.errors import ResumeStateError
+from hyper_parallel.data.parallel.batch_sampler import bitmap_positions, remaining_bitmap
+from hyper_parallel.data.resume_checks import check_state_type, state_field
+from hyper_parallel.data.text.online.online_iterable_dataset import epoch_start_cursor, handover_cursor
+from hyper_parallel.data.text.online.stream_handover import checked_cursor, cursor_at_start, merged_handover
+
+__all__ = ["merged_cursors", "rank_cursor"]
+
+_STATE_VERSION = 1  # of the cursors merged: ``MixtureStream``'s
+
+
+def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dict:
+    """The cursors of every old DP rank (rank order), saved at one step of ``epoch``, merged (module docstring).
+
+    Args:
+        cursors: each old rank's ``state['source']['position']``.
+        plan: their mixture plan (``state['mixture']['plan']``, the same on every rank): each source's budget.
+        epoch: the epoch the ranks are in (``batching.elastic``: a rank may be at the very start of the next).
+
+    Raises:
+        ResumeStateError: a malformed cursor, cursors of other ranks, seeds or sources, a source whose ranks are in
+            passes that do not meet, or a streaming source with ``max_samples``.
+    """
+    dp_world_size = len(cursors)
+    for rank, cursor in enumerate(cursors):
+        _check_cursor(cursor, rank, dp_world_size, cursors[0])
+    in_epoch = [cursor for cursor in cursors if cursor["epoch"] == epoch]
+    if not in_epoch:
+        raise ResumeStateError(f"no DP rank's mixture stream cursor is in epoch {epoch}, the epoch merged")
+    epoch_over = all(cursor["epoch_over"] for cursor in in_epoch)
+    names = list(cursors[0]["sources"])
+    drawn = {name for cursor in in_epoch if not cursor["epoch_over"] for name in cursor["active"]}
+    budgets = _budgets(plan)
+    merged = {
+        "seed": cursors[0]["seed"],
+        "epoch": epoch,
+        "position": max(cursor["position"] for cursor in in_epoch),
+        "sample": max(cursor["sample"] for cursor in cursors),
+        "epoch_over": epoch_over,
+        "active": [] if epoch_over else [name for name in names if name in drawn],
+    }
+    for part in ("sources", "retired"):
+        merged[part] = {
+            name: _merged_source(name, [cursor[part][name] for cursor in cursors], budgets, f"['{part}'][{name!r}]")
+            for name in cursors[0].get(part, {})
+        }
+    return merged
+
+
+def rank_cursor(merged: Mapping, dp_rank: int, dp_world_size: int) -> dict:
+    """The mixture cursor of new DP rank ``dp_rank`` of ``dp_world_size`` from a merged one (``merged_cursors``);
+    the loader checks it as any saved cursor."""
+    where = "the elastic state['mixture_stream']"
+    check_state_type(merged, Mapping, where)
+    active = state_field(merged, "active", list, where)
+    cursor = {
+        "version": _STATE_VERSION,
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        **{key: state_field(merged, key, int, where) for key in ("seed", "epoch", "position", "sample")},
+        "epoch_over": state_field(merged, "epoch_over", bool, where),
+        "active": active,
+        "phase_start": merged["sample"] if active else None,
+    }
+    for part in ("sources", "retired"):
+        entries = state_field(merged, part, Mapping, where)
+        cursor[part] = {
+            name: _rank_entry(entry, dp_rank, dp_world_size, f"{where}[{part!r}][{name!r}]")
+            for name, entry in entries.items()
+        }
+    if not cursor["retired"]:
+        del cursor["retired"]
+    return cursor
+
+
+# Merging ---------------------------------------------------------------------------------------------------------
+
+
+def _check_cursor(cursor, rank: int, dp_world_size: int, first) -> None:
+    where = f"DP rank {rank}'s mixture stream cursor"
+    check_state_type(cursor, Mapping, where)
+    if cursor.get("version") != _STATE_VERSION:
+        raise ResumeStateError(
+            f"{where} has version {cursor.get('version')!r}, not {_STATE_VERSION}; it was saved by an incompatible "
+            "release: resume with the saved DP size, or start without the states"
+        )
+    for key in ("dp_rank", "dp_world_size", "seed", "epoch", "position", "sample"):
+        state_field(cursor, key, int, where)
+    if (cursor["dp_rank"], cursor["dp_world_size"]) != (rank, dp_world_size) or cursor["seed"] != first["seed"]:
+        raise ResumeStateError(
+            f"{where} is of DP rank {cursor['dp_rank']} of {cursor['dp_world_size']} with seed {cursor['seed']}, not "
+            f"of rank {rank} of {dp_world_size} with DP rank 0's seed: the states are not of one run"
+        )
+    state_field(cursor, "epoch_over", bool, where)
+    state_field(cursor, "active", list, where)
+    for part in ("sources", "retired"):
+        entries = state_field(cursor, part, Mapping, where) if part in cursor or part == "sources" else {}
+        if sorted(entries) != sorted(first.get(part, {})):
+            raise ResumeStateError(
+                f"{where} holds the {part} {sorted(entries)}, DP rank 0's {sorted(first.get(part, {}))}: the states "
+                "are not of one run at one step"
+            )
+        for name, entry in entries.items():
+            name_where = f"{where}[{part!r}][{name!r}]"
+            check_state_type(entry, Mapping, name_where)
+            for key in ("taken", "passes"):
+                if state_field(entry, key, int, name_where) < 0:
+                    raise ResumeStateError(f"{name_where}[{key!r}] is {entry[key]}; it counts from 0")
+            state_field(entry, "ended", bool, name_where)
+            for index, waiting in enumerate(state_field(entry, "pending", list, name_where)):
+                check_state_type(waiting, Mapping, f"{name_where}['pending'][{index}]")
+                state_field(waiting, "record", Mapping, f"{name_where}['pending'][{index}]")
+            state_field(entry, "stream", (Mapping, None), name_where)
+            if "left" in entry:
+                state_field(entry, "left", bytes, name_where)
+
+
+def _budgets(plan) -> dict[str, int | None]:
+    """Each source's budget per pass, mixed now or before, from the plan."""
+    where = "the states' mixture plan"
+    check_state_type(plan, Mapping, where)
+    entries = {**(state_field(plan, "known", Mapping, where) if "known" in plan else {})}
+    entries.update(state_field(plan, "sources", Mapping, where))
+    budgets = {}
+    for name, entry in entries.items():
+        check_state_type(entry, Mapping, f"{where}[{name!r}]")
+        budgets[name] = state_field(entry, "budget", (int, None), f"{where}[{name!r}]")
+    return budgets
+
+
+def _merged_source(name: str, entries: list[Mapping], budgets: Mapping, part: str) -> dict:
+    """One source's entries on every old rank merged: its pass and what of the pass is left."""
+    if name not in budgets:
+        raise ResumeStateError(f"the mixture source {name!r} of the cursors is not in their plan; the state is damaged")
+    streamed = entries[0]["stream"] is not None
+    if any((entry["stream"] is not None) != streamed for entry in entries):
+        raise ResumeStateError(
+            f"the mixture source {name!r} is a streaming source on some DP ranks and a mapping source on others: the "
+            "states are not of one run"
+        )
+    cursors = []
+    for rank, entry in enumerate(entries):
+        if streamed:
+            where = f"DP rank {rank}'s mixture stream cursor{part}['stream']"
+            first = cursors[0] if cursors else None
+            cursors.append(checked_cursor(entry["stream"], rank, len(entries), first, where))
+    passes = min(entry["passes"] for entry in entries)
+    in_pass = []
+    for rank, entry in enumerate(entries):
+        if entry["passes"] == passes:
+            in_pass.append(True)
+        elif entry["passes"] == passes + 1 and _at_pass_start(entry):
+            in_pass.append(False)  # this rank's share of the pass is done
+        else:
+            raise ResumeStateError(
+                f"the mixture source {name!r} is in pass {entry['passes']} on DP rank {rank} and in pass {passes} on "
+                "another: the ranks' passes of a source may be apart only where one has just begun its next, so these "
+                "states cannot be merged; resume with the saved DP size, or save the states at another step"
+            )
+    if entries[0]["stream"] is None:
+        return {"passes": passes, "stream": None, "left": _left_offsets(name, entries, in_pass, budgets[name])}
+    if budgets[name] is not None:
+        raise ResumeStateError(
+            f"the streaming source {name!r} of the mixture gives max_samples samples per pass on each DP rank, a cut "
+            "of each rank's share that another DP size cannot make again, so the states cannot be merged; resume "
+            "with the saved DP size, or mix the source without max_samples"
+        )
+    return {"passes": passes, **_merged_stream(entries, cursors, in_pass, passes)}
+
+
+def _at_pass_start(entry: Mapping) -> bool:
+    """Whether a source's entry (its stream cursor checked) has begun its pass and taken nothing of it (nothing
+    read ahead either)."""
+    stream = entry["stream"]
+    fresh = stream is None or (not entry["ended"] and stream["epoch"] == entry["passes"] and cursor_at_start(stream))
+    return entry["taken"] == 0 and not entry["pending"] and not entry.get("handed_over") and fresh
+
+
+def _left_offsets(name: str, entries: list[Mapping], in_pass: list[bool], budget: int) -> bytes:
+    """The offsets of a mapping source's pass (``[0, budget)``) that no old rank has given, as a bitmap."""
+    dp_world_size = len(entries)
+    left = []
+    for rank, (entry, reading) in enumerate(zip(entries, in_pass, strict=True)):
+        if not reading:
+            continue
+        if "left" in entry:
+            if len(entry["left"]) != -(-budget // 8):
+                raise ResumeStateError(f"DP rank {rank}'s entry of {name!r} has a 'left' bitmap of another pass")
+            share = bitmap_positions(entry["left"], budget)[rank::dp_world_size]
+        else:
+            share = np.arange(rank, budget, dp_world_size)
+        if entry["taken"] > len(share):
+            raise ResumeStateError(f"DP rank {rank}'s entry of {name!r} took more than its share; the state is damaged")
+        left.append(share[entry["taken"] :])
+    return remaining_bitmap(np.concatenate(left).astype(np.int64), budget)
+
+
+def _merged_stream(entries: list[Mapping], cursors: list[Mapping], in_pass: list[bool], passes: int) -> dict:
+    """A streaming source's entries (with their checked stream cursors) merged: the handover of its pass, and the
+    records read and not given out."""
+    for rank, (entry, cursor) in enumerate(zip(entries, cursors, strict=True)):
+        reading = in_pass[rank] and not entry["ended"]
+        if cursor["epoch"] != (passes if reading else passes + 1) or (not reading and not cursor_at_start(cursor)):
+            raise ResumeStateError(
+                f"DP rank {rank}'s stream cursor of a mixture source is in epoch {cursor['epoch']}, which does not "
+                f"fit the source's pass {entry['passes']}; the state is damaged"
+            )
+    stream, unread = merged_handover(cursors, passes)
+    ended = all(cursor["epoch"] != passes for cursor in cursors)
+    records = []
+    for entry, reading, rank_unread in zip(entries, in_pass, unread, strict=True):
+        if reading:
+            records += [waiting["record"] for waiting in entry["pending"]] + rank_unread
+    if ended:
+        stream = {key: stream[key] for key in ("seed", "shuffle_buffer_size")}
+    return {"stream": {**stream, "epoch": passes + 1 if ended else passes, "ended": ended}, "records": records}
+
+
+# A new rank's cursor ---------------------------------------------------------------------------------------------
+
+
+def _rank_entry(entry, dp_rank: int, dp_world_size: int, where: str) -> dict:
+    """A source's entry on new rank ``dp_rank``: its pass, nothing taken, its share of what is left."""
+    check_state_type(entry, Mapping, where)
+    passes = state_field(entry, "passes", int, where)
+    stream = state_field(entry, "stream", (Mapping, None), where)
+    fresh = {"taken": 0, "passes": passes, "pending": [], "handed_over": True}
+    if stream is None:
+        return {**fresh, "ended": False, "stream": None, "left": state_field(entry, "left", bytes, where)}
+    placement = {
+        "epoch": state_field(stream, "epoch", int, f"{where}['stream']"),
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        "seed": state_field(stream, "seed", int, f"{where}['stream']"),
+        "shuffle_buffer_size": state_field(stream, "shuffle_buffer_size", int, f"{where}['stream']"),
+    }
+    ended = state_field(stream, "ended", bool, f"{where}['stream']")
+    if ended:
+        cursor = epoch_start_cursor(**placement)
+    else:
+        handover = {key: stream[key] for key in ("shares", "base_world_size", "levels")}
+        cursor = handover_cursor(**handover, **placement)
+    records = state_field(entry, "records", list, where)
+    shared = list(enumerate(records))[dp_rank::dp_world_size]
+    pending = [{"position": position, "record": record} for position, record in shared]
+    return {**fresh, "ended": ended, "pending": pending, "stream": cursor}
