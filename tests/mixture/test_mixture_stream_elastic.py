@@ -119,16 +119,16 @@ def resized(built, loader: str, old, new_size: int, **options) -> list:
 EVERY_RECORD_ONCE = Counter({("stream", r): 1 for r in range(40)}) + Counter({("mapping", r): 1 for r in range(60)})
 
 
-@pytest.mark.parametrize("new_size", [1, 3, 4])
+@pytest.mark.parametrize(("new_size", "workers"), [(1, 0), (3, 0), (4, 0), (3, 2)])
 @pytest.mark.parametrize("loader", ["fixed", "dynamic"])
-def test_a_dp_change_and_back_gives_every_record_of_the_epoch_once(built, records_by_tokens, loader, new_size):
+def test_a_dp_change_and_back_gives_every_record_of_the_epoch_once(built, records_by_tokens, loader, new_size, workers):
     # reweight: an epoch is one pass of every source, each record once.
     counts = {"fixed": ([3, 5], [2] * new_size), "dynamic": ([2, 3], [1] * new_size)}[loader]
-    old = make_loaders(built, loader, 2)
+    old = make_loaders(built, loader, 2, workers=workers)
     before = take(old, counts[0], records_by_tokens)
-    middle_ranks = resized(built, loader, old, new_size)
+    middle_ranks = resized(built, loader, old, new_size, workers=workers)
     middle = take(middle_ranks, counts[1], records_by_tokens)
-    back = resized(built, loader, middle_ranks, 2)
+    back = resized(built, loader, middle_ranks, 2, workers=workers)
     after = take(back, [None, None], records_by_tokens)
     assert before and middle and after
     assert before + middle + after == EVERY_RECORD_ONCE

@@ -11,8 +11,8 @@ current pass: across the change no record of it is lost and none is given twice.
 
     draws          from the furthest old rank's sample number on, with the weights and phase of the mixture (the
                    sources still drawn: those that any old rank still in the epoch draws)
-    epoch          the old ranks' epoch (one may be at the very start of the next); its position is the furthest
-                   old rank's, so ``num_samples`` ends it no later than any old rank would have
+    epoch          the old ranks' epoch (one may be at the very start of the next: its part of the epoch is over);
+                   its position is the furthest old rank's, so ``num_samples`` ends it no later than any old rank
     stream source  its old ranks' shares handed over as a plain stream's are (``stream_handover``); the records
                    they had read and not given out (those waiting for a draw, then the stream's current block and
                    shuffle buffer), in rank order, dealt round-robin: record i waits on new rank i mod D'
@@ -65,9 +65,8 @@ def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dic
     dp_world_size = len(cursors)
     for rank, cursor in enumerate(cursors):
         _check_cursor(cursor, rank, dp_world_size, cursors[0])
+    # A cursor past the epoch is at the very start of the next (``batching.elastic``): its part of the epoch is over.
     in_epoch = [cursor for cursor in cursors if cursor["epoch"] == epoch]
-    if not in_epoch:
-        raise ResumeStateError(f"no DP rank's mixture stream cursor is in epoch {epoch}, the epoch merged")
     epoch_over = all(cursor["epoch_over"] for cursor in in_epoch)
     names = list(cursors[0]["sources"])
     drawn = {name for cursor in in_epoch if not cursor["epoch_over"] for name in cursor["active"]}
@@ -75,7 +74,7 @@ def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dic
     merged = {
         "seed": cursors[0]["seed"],
         "epoch": epoch,
-        "position": max(cursor["position"] for cursor in in_epoch),
+        "position": max((cursor["position"] for cursor in in_epoch), default=0),
         "sample": max(cursor["sample"] for cursor in cursors),
         "epoch_over": epoch_over,
         "active": [] if epoch_over else [name for name in names if name in drawn],
