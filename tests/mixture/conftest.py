@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from batching.conftest import paragraphs, write_jsonl
 
+from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.indexed.io import IndexedDatasetBuilder
 from hyper_parallel.data.text.build_dataset import build_indexed_text_dataset
 from hyper_parallel.data.tokenizer_protocol import read_tokenizer
@@ -48,3 +50,26 @@ def indexed_train_split(indexed_prefix: Path, tokenizer, cache_dir: Path):
     """The Indexed pair as one train split of ``SEQ_LENGTH``-token rows."""
     config = {"seq_length": SEQ_LENGTH, "split": "100, 0, 0", "data_cache_path": str(cache_dir)}
     return build_indexed_text_dataset(str(indexed_prefix), config, tokenizer=tokenizer, synchronize=False)[0]
+
+
+def pairs_of(batch, records_by_tokens) -> Counter:
+    """The (source, record) pairs of a batch's sequences; the collator's padding sequence is no record."""
+    found = Counter()
+    for ids, labels in batch.sequences():
+        key = tuple(ids.tolist())
+        if key in records_by_tokens:
+            found[records_by_tokens[key]] += 1
+        else:
+            assert (labels == IGNORE_INDEX).all(), "a delivered sequence is no record of any source"
+    return found
+
+
+def take_pairs(loaders, counts, records_by_tokens) -> Counter:
+    """The pairs of the first ``counts[r]`` batches of each rank's loader (None: to the end of the epoch)."""
+    found = Counter()
+    for loader, count in zip(loaders, counts, strict=True):
+        for taken, batch in enumerate(loader, start=1):
+            found += pairs_of(batch, records_by_tokens)
+            if taken == count:
+                break
+    return found

@@ -10,10 +10,11 @@ import pytest
 from batching.resume_check import roundtrip
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, merge_rank_states
-from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import ResumeStateError
 from hyper_parallel.data.mixture import build_mixture_dataset
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
+
+from .conftest import take_pairs
 
 WEIGHTS = {"first": 0.4, "second": 0.6}
 # More samples than the sources' 100 records: each source restarts its order, so some records are mixed twice.
@@ -83,29 +84,6 @@ def make_loaders(
     ]
 
 
-def pairs_of(batch, records_by_tokens) -> Counter:
-    """The (source, record) pairs of a batch's sequences; the collator's padding sequence is no record."""
-    found = Counter()
-    for ids, labels in batch.sequences():
-        key = tuple(ids.tolist())
-        if key in records_by_tokens:
-            found[records_by_tokens[key]] += 1
-        else:
-            assert (labels == IGNORE_INDEX).all(), "a delivered sequence is no record of any source"
-    return found
-
-
-def take(loaders, counts, records_by_tokens) -> Counter:
-    """The pairs of the first ``counts[r]`` batches of each rank's loader (None: to the end of the epoch)."""
-    found = Counter()
-    for loader, count in zip(loaders, counts, strict=True):
-        for taken, batch in enumerate(loader, start=1):
-            found += pairs_of(batch, records_by_tokens)
-            if taken == count:
-                break
-    return found
-
-
 def tallies(loaders) -> tuple[Counter, Counter]:
     """The samples and the tokens of each source the ranks' tallies hold, summed over the ranks."""
     samples, tokens = Counter(), Counter()
@@ -142,15 +120,15 @@ def test_a_dp_change_and_back_over_a_mixture_delivers_the_epoch_s_samples_once(
 ):
     counts = {"fixed": ([3, 5], [4] * new_size), "dynamic": ([2, 3], [1] * new_size)}[loader]
     old = make_loaders(sources, loader, 2)
-    before = take(old, counts[0], records_by_tokens)
+    before = take_pairs(old, counts[0], records_by_tokens)
     at_merge = tallies(old)
     new, merged = resized(sources, loader, old, new_size)
     assert {name: c["samples"] for name, c in merged["mixture"]["sources"].items()} == dict(at_merge[0])
     assert {name: c["tokens"] for name, c in merged["mixture"]["sources"].items()} == dict(at_merge[1])
     assert tallies(new) == at_merge  # restored, the new ranks' tallies sum to the old ones'
-    middle = take(new, counts[1], records_by_tokens)
+    middle = take_pairs(new, counts[1], records_by_tokens)
     back, _ = resized(sources, loader, new, 2)
-    after = take(back, [None, None], records_by_tokens)
+    after = take_pairs(back, [None, None], records_by_tokens)
 
     assert before and middle and after
     delivered = before + middle + after
@@ -163,9 +141,9 @@ def test_workers_deliver_the_same_after_a_dp_change_over_a_mixture(sources, reco
     runs = []
     for workers in (0, 2):
         old = make_loaders(sources, "fixed", 2, workers=workers)
-        before = take(old, [3, 4], records_by_tokens)  # with workers, the loaders have read ahead of these
+        before = take_pairs(old, [3, 4], records_by_tokens)  # with workers, the loaders have read ahead of these
         new, _ = resized(sources, "fixed", old, 3, workers=workers)
-        after = [take([rank], [None], records_by_tokens) for rank in new]
+        after = [take_pairs([rank], [None], records_by_tokens) for rank in new]
         assert before + sum(after, Counter()) == epoch_pairs(sources, records_by_tokens)
         runs.append(after)
     assert runs[0] == runs[1]
@@ -175,12 +153,12 @@ def test_the_plan_of_a_changed_mixture_is_carried_to_the_new_dp_size(sources, re
     changed = {"first": 0.2, "second": 0.8}
     got = Counter()
     old = make_loaders(sources, "fixed", 2, sampler_type="single")
-    got += take(old, [3, 3], records_by_tokens)
+    got += take_pairs(old, [3, 3], records_by_tokens)
     states = [roundtrip(rank.state_dict()) for rank in old]
     two = make_loaders(sources, "fixed", 2, sampler_type="single", weights=changed, mixture_change="allow")
     for rank, state in zip(two, states, strict=True):
         rank.load_state_dict(state)
-    got += take(two, [2, 4], records_by_tokens)
+    got += take_pairs(two, [2, 4], records_by_tokens)
     plan = two[0].state_dict()["mixture"]["plan"]
     assert [segment["weights"] for segment in plan["segments"]] == [WEIGHTS, changed]
 
@@ -189,7 +167,7 @@ def test_the_plan_of_a_changed_mixture_is_carried_to_the_new_dp_size(sources, re
     )  # the plan is taken without the opt-in
     assert merged["mixture"]["plan"] == plan
     assert all(rank.state_dict()["mixture"]["plan"] == plan for rank in three)
-    got += take(three, [None] * 3, records_by_tokens)
+    got += take_pairs(three, [None] * 3, records_by_tokens)
     # Every source continued its own order across the change of weights and of DP size: each of its samples once.
     dataset = three[0].dataset
     expected = Counter()
@@ -201,7 +179,7 @@ def test_the_plan_of_a_changed_mixture_is_carried_to_the_new_dp_size(sources, re
 
 def test_an_elastic_state_over_a_mixture_is_refused_when_its_parts_do_not_fit(sources, records_by_tokens):
     old = make_loaders(sources, "fixed", 2)
-    take(old, [2, 2], records_by_tokens)
+    take_pairs(old, [2, 2], records_by_tokens)
     states = [roundtrip(rank.state_dict()) for rank in old]
 
     merged = merge_rank_states(states)

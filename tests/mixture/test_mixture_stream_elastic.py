@@ -11,7 +11,6 @@ import pytest
 from batching.resume_check import plain, roundtrip
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, FixedBatchDataLoader, merge_rank_states
-from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.errors import ResumeStateError
 from hyper_parallel.data.mixture import build_mixture_dataset
 from hyper_parallel.data.mixture.build_mixture import stream_of
@@ -19,7 +18,8 @@ from hyper_parallel.data.mixture.mixture_handover import merged_cursors, rank_cu
 from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 from hyper_parallel.data.text.online.online_iterable_dataset import epoch_start_cursor
 
-from .conftest import indexed_train_split
+from .conftest import indexed_train_split, take_pairs
+from .test_mixture_stream import stream
 
 TRANSFORM = {"data_type": "plaintext", "text_keys": "text", "max_seq_len": 256}
 WEIGHTS = {"stream": 0.4, "mapping": 0.6}
@@ -33,18 +33,6 @@ def built(online_paths, indexed_prefix, tokenizer, tmp_path_factory) -> dict:
     mapping = build_online_text_dataset(online_paths[1], TRANSFORM, {"cache_dir": str(cache)}, tokenizer=tokenizer)
     indexed = indexed_train_split(indexed_prefix, tokenizer, tmp_path_factory.mktemp("cache"))
     return {"paths": online_paths, "tokenizer": tokenizer, "mapping": mapping, "indexed": indexed}
-
-
-def stream(built, dp_rank: int, dp_world_size: int):
-    return build_online_text_dataset(
-        built["paths"][0],
-        TRANSFORM,
-        {"dataset_type": "iterable", "shuffle_buffer_size": 8},
-        tokenizer=built["tokenizer"],
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=5,
-    )
 
 
 def mixture(built, dp_rank: int, dp_world_size: int, weights: dict = WEIGHTS, **settings):
@@ -86,28 +74,6 @@ def make_loaders(built, loader: str, dp_world_size: int, *, workers: int = 0, **
     ]
 
 
-def pairs_of(batch, records_by_tokens) -> Counter:
-    found = Counter()
-    for ids, labels in batch.sequences():
-        key = tuple(ids.tolist())
-        if key in records_by_tokens:
-            found[records_by_tokens[key]] += 1
-        else:
-            assert (labels == IGNORE_INDEX).all(), "a delivered sequence is no record of any source"
-    return found
-
-
-def take(loaders, counts, records_by_tokens) -> Counter:
-    """The pairs of the first ``counts[r]`` batches of each rank's loader (None: to the end of the epoch)."""
-    found = Counter()
-    for loader, count in zip(loaders, counts, strict=True):
-        for taken, batch in enumerate(loader, start=1):
-            found += pairs_of(batch, records_by_tokens)
-            if taken == count:
-                break
-    return found
-
-
 def resized(built, loader: str, old, new_size: int, **options) -> list:
     merged = roundtrip(merge_rank_states([roundtrip(rank.state_dict()) for rank in old]))
     new = make_loaders(built, loader, new_size, **options)
@@ -125,20 +91,20 @@ def test_a_dp_change_and_back_gives_every_record_of_the_epoch_once(built, record
     # reweight: an epoch is one pass of every source, each record once.
     counts = {"fixed": ([3, 5], [2] * new_size), "dynamic": ([2, 3], [1] * new_size)}[loader]
     old = make_loaders(built, loader, 2, workers=workers)
-    before = take(old, counts[0], records_by_tokens)
+    before = take_pairs(old, counts[0], records_by_tokens)
     middle_ranks = resized(built, loader, old, new_size, workers=workers)
-    middle = take(middle_ranks, counts[1], records_by_tokens)
+    middle = take_pairs(middle_ranks, counts[1], records_by_tokens)
     back = resized(built, loader, middle_ranks, 2, workers=workers)
-    after = take(back, [None, None], records_by_tokens)
+    after = take_pairs(back, [None, None], records_by_tokens)
     assert before and middle and after
     assert before + middle + after == EVERY_RECORD_ONCE
     # The next epoch: every source's next pass, read by each rank from its own share again.
-    assert take(back, [None, None], records_by_tokens) == EVERY_RECORD_ONCE
+    assert take_pairs(back, [None, None], records_by_tokens) == EVERY_RECORD_ONCE
 
 
 def test_workers_before_and_after_a_change_give_every_record_once_and_one_order(built, records_by_tokens):
     old = make_loaders(built, "fixed", 2, workers=2)
-    before = take(old, [3, 4], records_by_tokens)  # the workers have read ahead of these: the state replays them
+    before = take_pairs(old, [3, 4], records_by_tokens)  # the workers have read ahead of these: the state replays them
     merged = roundtrip(merge_rank_states([roundtrip(rank.state_dict()) for rank in old]))
     runs = []
     for workers in (0, 2):
@@ -235,12 +201,12 @@ def test_a_new_rank_with_nothing_left_of_a_pass_goes_on_to_its_next(built):
 
 def test_states_that_cannot_be_merged_are_refused_naming_why(built, records_by_tokens):
     capped = make_loaders(built, "fixed", 2, stream={"max_samples": 10})
-    take(capped, [2, 2], records_by_tokens)
+    take_pairs(capped, [2, 2], records_by_tokens)
     with pytest.raises(ResumeStateError, match="streaming source 'stream'.*max_samples.*cannot be merged"):
         merge_rank_states([rank.state_dict() for rank in capped])
 
     old = make_loaders(built, "fixed", 2)
-    take(old, [2, 2], records_by_tokens)
+    take_pairs(old, [2, 2], records_by_tokens)
     states = [roundtrip(rank.state_dict()) for rank in old]
     states[1]["source"]["position"]["sources"]["mapping"]["passes"] = 2
     with pytest.raises(ResumeStateError, match="'mapping' is in pass 2 on DP rank 1 and in pass 0"):
