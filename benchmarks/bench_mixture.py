@@ -20,9 +20,9 @@ from benchmarks.bench_indexed_dataset import BenchTokenizer
 from benchmarks.bench_online import (
     ELASTIC_SIZES,
     RESUME_GOAL,
-    RESUME_REPEATS_FACTOR,
     corpus_texts,
     dynamic_loader,
+    elastic_resume_run,
     write_jsonl,
 )
 from benchmarks.bench_online import MICRO_BATCH as ONLINE_MICRO_BATCH
@@ -132,9 +132,6 @@ def _elastic_stream_row(context: BenchContext, indexed) -> Row:
     """A mixture of a stream of corpus paragraphs and the Indexed rows (``reweight``: an epoch is one pass of each):
     merge + load + first batch at the new DP size against a fresh first batch there; the old ranks' batches and the
     new ranks' rest of the epoch are asserted to hold the epoch of one rank alone, each sequence once."""
-    import copy
-
-    from hyper_parallel.data.batching import merge_rank_states
     from hyper_parallel.data.text.build_dataset import build_online_text_dataset
     from hyper_parallel.data.text.build_tokenizer import BUNDLED_TOKENIZER_PATH, build_tokenizer
 
@@ -158,31 +155,7 @@ def _elastic_stream_row(context: BenchContext, indexed) -> Row:
 
     old_size, new_size = ELASTIC_SIZES
     uninterrupted = _sequences(list(rank_loader(0, 1)))
-    delivered, states = [], []
-    for rank in range(old_size):
-        loader = rank_loader(rank, old_size)
-        batches = iter(loader)
-        delivered += [next(batches) for _ in range(20)]
-        states.append(copy.deepcopy(loader.state_dict()))
-        del batches, loader
-    loaders = {}
-
-    def before(name: str) -> None:
-        loaders[name] = rank_loader(0, new_size)
-        loaders["states"] = copy.deepcopy(states)  # new copies, as if read back from the checkpoints
-
-    def resumed():
-        loader = loaders["resumed"]
-        loader.load_state_dict(merge_rank_states(loaders["states"]))
-        return next(iter(loader))
-
-    cases = {"fresh": lambda: next(iter(loaders["fresh"])), "resumed": resumed}
-    timings = measure(cases, context.repeats * RESUME_REPEATS_FACTOR, before)
-    merged = merge_rank_states(copy.deepcopy(states))
-    for rank in range(new_size):
-        loader = rank_loader(rank, new_size)
-        loader.load_state_dict(merged)
-        delivered += list(loader)
+    timings, delivered = elastic_resume_run(context, rank_loader, 20)
     assert _sequences(delivered) == uninterrupted, "the elastic resume of the stream mixture lost or repeated records"
     return Row.compare(
         f"elastic resume of a stream mixture {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",

@@ -397,10 +397,46 @@ def sequences(batches: list[Batch]) -> Counter:
     return found
 
 
+def elastic_resume_run(context: BenchContext, rank_loader, stop: int) -> tuple[dict, list]:
+    """The ranks of the first of ``ELASTIC_SIZES`` (``rank_loader(rank, size)`` builds a loader) read ``stop``
+    batches each and save their states; merge + load + first batch on rank 0 of the second size is timed against a
+    fresh rank 0's first batch there, construction untimed, the states deep-copied before each round as if read back
+    from checkpoints; then, untimed, every new rank is restored from the merged states and read to the end of the
+    epoch. Returns the timings and every batch delivered, by the old ranks and the new."""
+    from hyper_parallel.data.batching import merge_rank_states
+
+    old_size, new_size = ELASTIC_SIZES
+    delivered, states = [], []
+    for rank in range(old_size):
+        loader = rank_loader(rank, old_size)
+        batches = iter(loader)
+        delivered += [next(batches) for _ in range(stop)]
+        states.append(copy.deepcopy(loader.state_dict()))
+        del batches, loader
+    loaders: dict[str, Any] = {}
+
+    def before(name: str) -> None:
+        loaders[name] = rank_loader(0, new_size)
+        loaders["states"] = copy.deepcopy(states)
+
+    def resumed() -> Batch:
+        loader = loaders["resumed"]
+        loader.load_state_dict(merge_rank_states(loaders["states"]))
+        return next(iter(loader))
+
+    cases = {"fresh": lambda: next(iter(loaders["fresh"])), "resumed": resumed}
+    timings = measure(cases, context.repeats * RESUME_REPEATS_FACTOR, before)
+    merged = merge_rank_states(copy.deepcopy(states))
+    for rank in range(new_size):
+        loader = rank_loader(rank, new_size)
+        loader.load_state_dict(merged)
+        delivered += list(loader)
+    return timings, delivered
+
+
 def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform, uninterrupted: list) -> Row:
     """Time merge + load + first batch at the new DP size vs a fresh first batch there; assert every sequence of the
     epoch is delivered once across the change."""
-    from hyper_parallel.data.batching import merge_rank_states
     from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 
     old_size, new_size = ELASTIC_SIZES
@@ -413,36 +449,7 @@ def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform,
 
     stop = len(uninterrupted) // (2 * old_size)  # half of each old rank's share of the epoch
     with _quiet():
-        delivered, states = [], []
-        for rank in range(old_size):
-            loader = rank_loader(rank, old_size)
-            batches = iter(loader)
-            delivered += [next(batches) for _ in range(stop)]
-            states.append(copy.deepcopy(loader.state_dict()))
-            del batches, loader
-
-        loaders: dict[str, Any] = {}
-
-        def before(name: str) -> None:
-            loaders[name] = rank_loader(0, new_size)
-            loaders["states"] = copy.deepcopy(states)  # new copies, as if read back from the checkpoints
-
-        def fresh() -> Batch:
-            return next(iter(loaders["fresh"]))
-
-        def resumed() -> Batch:
-            loader = loaders["resumed"]
-            loader.load_state_dict(merge_rank_states(loaders["states"]))
-            return next(iter(loader))
-
-        timings = measure({"fresh": fresh, "resumed": resumed}, context.repeats * RESUME_REPEATS_FACTOR, before)
-
-        # Once, untimed: the old ranks' batches and the new ranks' rest of the epoch hold every sequence once.
-        merged = merge_rank_states(copy.deepcopy(states))
-        for rank in range(new_size):
-            loader = rank_loader(rank, new_size)
-            loader.load_state_dict(merged)
-            delivered += list(loader)
+        timings, delivered = elastic_resume_run(context, rank_loader, stop)
     assert sequences(delivered) == sequences(uninterrupted), f"{kind}: the elastic resume lost or repeated records"
     return Row.compare(
         f"elastic resume {kind} {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",
