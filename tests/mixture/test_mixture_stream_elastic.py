@@ -136,10 +136,10 @@ def identity(payload: dict) -> tuple:
 
 def first_pass(cursors, names) -> Counter:
     """The records each cursor gives of every source's current pass, read one key at a time (across the mixture's
-    epochs) until that pass has ended for every source."""
+    epochs) until that pass has ended for each source of ``names``."""
     given = Counter()
     for cursor in cursors:
-        passes = {name: cursor.state_dict()["sources"][name]["passes"] for name in names}
+        passes = {name: entry["passes"] for name, entry in cursor.state_dict()["sources"].items()}
         while True:
             keys = cursor.read(1)
             now = cursor.state_dict()["sources"]
@@ -200,11 +200,6 @@ def test_a_new_rank_with_nothing_left_of_a_pass_goes_on_to_its_next(built):
 
 
 def test_states_that_cannot_be_merged_are_refused_naming_why(built, records_by_tokens):
-    capped = make_loaders(built, "fixed", 2, stream={"max_samples": 10})
-    take_pairs(capped, [2, 2], records_by_tokens)
-    with pytest.raises(ResumeStateError, match="streaming source 'stream'.*max_samples.*cannot be merged"):
-        merge_rank_states([rank.state_dict() for rank in capped])
-
     old = make_loaders(built, "fixed", 2)
     take_pairs(old, [2, 2], records_by_tokens)
     states = [roundtrip(rank.state_dict()) for rank in old]
@@ -251,3 +246,31 @@ def test_a_stream_whose_shares_ended_with_records_waiting_hands_over_those_recor
     streamed = Counter({pair: count for pair, count in given.items() if pair[0] == "stream"})
     # Every pass of the stream up to the handed-over one gave each of its 40 records once.
     assert len(streamed) == 40 and set(streamed.values()) == {handed["passes"] + 1}
+
+
+def test_a_stream_with_max_samples_hands_over_the_count_left_of_its_pass(built):
+    # Each old rank gives 12 samples of its share per pass; whatever the new ranks' shares, the pass still gives
+    # 2 x 12 samples, none twice.
+    settings = {"weights": {"stream": 0.5, "mapping": 0.5}, "on_exhausted": "restart", "num_samples": 1000}
+    old = [mixture(built, rank, 2, stream={"max_samples": 12}, **dict(settings)).stream for rank in range(2)]
+    given = Counter()
+    for cursor, taken in zip(old, (9, 14), strict=True):
+        given += Counter(identity(payload) for _, payload in cursor.read(taken))
+    cursors = [roundtrip(cursor.state_dict()) for cursor in old]
+    plan = mixture(built, 0, 2, stream={"max_samples": 12}, **dict(settings)).plan_state()
+    merged = roundtrip(merged_cursors(cursors, plan, epoch=0))
+    taken = sum(cursor["sources"]["stream"]["taken"] for cursor in cursors)
+    assert merged["sources"]["stream"]["samples_left"] == 24 - taken
+    new = []
+    for rank in range(3):
+        cursor = mixture(built, rank, 3, stream={"max_samples": 12}, **dict(settings)).stream
+        cursor.load_state_dict(rank_cursor(merged, rank, 3))
+        new.append(cursor)
+    given += first_pass(new, ["stream"])
+    streamed = Counter({pair: count for pair, count in given.items() if pair[0] == "stream"})
+    assert sum(streamed.values()) == 24 and set(streamed.values()) == {1}
+    # The pass after it is each new rank's own: 12 samples of its share (the read that ended the handed-over pass
+    # may have given the first of them).
+    begun = sum(cursor.state_dict()["sources"]["stream"]["taken"] for cursor in new)
+    again = first_pass(new, ["stream"])
+    assert begun + sum(count for pair, count in again.items() if pair[0] == "stream") == 36

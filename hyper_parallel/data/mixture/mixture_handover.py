@@ -20,16 +20,18 @@ current pass: across the change no record of it is lost and none is given twice.
                    its count on), kept as a bitmap over the pass; new rank r' gives every D'-th of them from the
                    r'-th, in order, and its next pass is its own share again
 
-A source's pass on an old rank may be over already at the change only if nothing of the next pass was taken (its
-end is then this rank's share done). A streaming source with ``max_samples`` cuts each rank's share at that count,
-which a handover cannot cut again, so a mixture with one is not merged.
+A streaming source with ``max_samples`` gives that many samples of each rank's share per pass: the samples the old
+ranks had left of the pass (``max_samples`` less each one's count) are dealt as counts, new rank r' giving
+``len(range(r', left, D'))`` of its handover (fewer if it runs out first). A source's pass on an old rank may be over
+already at the change only if nothing of the next pass was taken (its end is then this rank's share done).
 
 Merged cursor (``mixture_stream`` of an elastic state)::
 
     {"seed", "epoch", "position", "sample", "epoch_over", "active",
      "sources" and "retired": {name: {"passes", "stream": null for a mapping source, else {"epoch", "seed",
                                       "shuffle_buffer_size", "ended": no old rank reads its share any more,
-                                      "shares", "base_world_size", "levels" (not when ended)}, "records": [...]},
+                                      "shares", "base_world_size", "levels" (not when ended)}, "records": [...],
+                                      "samples_left": a stream with max_samples},
                                       "left": a mapping source's bitmap}}
 """
 
@@ -59,8 +61,8 @@ def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dic
         epoch: the epoch the ranks are in (``batching.elastic``: a rank may be at the very start of the next).
 
     Raises:
-        ResumeStateError: a malformed cursor, cursors of other ranks, seeds or sources, a source whose ranks are in
-            passes that do not meet, or a streaming source with ``max_samples``.
+        ResumeStateError: a malformed cursor, cursors of other ranks, seeds or sources, or a source whose ranks are
+            in passes that do not meet.
     """
     dp_world_size = len(cursors)
     for rank, cursor in enumerate(cursors):
@@ -199,13 +201,13 @@ def _merged_source(name: str, entries: list[Mapping], budgets: Mapping, part: st
             )
     if entries[0]["stream"] is None:
         return {"passes": passes, "stream": None, "left": _left_offsets(name, entries, in_pass, budgets[name])}
-    if budgets[name] is not None:
-        raise ResumeStateError(
-            f"the streaming source {name!r} of the mixture gives max_samples samples per pass on each DP rank, a cut "
-            "of each rank's share that another DP size cannot make again, so the states cannot be merged; resume "
-            "with the saved DP size, or mix the source without max_samples"
+    merged = {"passes": passes, **_merged_stream(entries, cursors, in_pass, passes)}
+    if budgets[name] is not None:  # max_samples: the samples the old ranks had left of the pass
+        sizes = [entry.get("pass_samples", budgets[name]) for entry in entries]
+        merged["samples_left"] = sum(
+            size - entry["taken"] for size, entry, reading in zip(sizes, entries, in_pass, strict=True) if reading
         )
-    return {"passes": passes, **_merged_stream(entries, cursors, in_pass, passes)}
+    return merged
 
 
 def _at_pass_start(entry: Mapping) -> bool:
@@ -283,4 +285,7 @@ def _rank_entry(entry, dp_rank: int, dp_world_size: int, where: str) -> dict:
     records = state_field(entry, "records", list, where)
     shared = list(enumerate(records))[dp_rank::dp_world_size]
     pending = [{"position": position, "record": record} for position, record in shared]
-    return {**fresh, "ended": ended, "pending": pending, "stream": cursor}
+    rank_entry = {**fresh, "ended": ended, "pending": pending, "stream": cursor}
+    if "samples_left" in entry:
+        rank_entry["pass_samples"] = len(range(dp_rank, state_field(entry, "samples_left", int, where), dp_world_size))
+    return rank_entry

@@ -41,7 +41,8 @@ Cursor (``state['source']['position']`` of a loader state)::
                         "stream": its stream's cursor (None for a mapping source),
                         "handed_over": true when its pass was handed over by a DP change (only then), "left": a
                         mapping source's handed-over offsets, a bitmap over its budget, of which this rank gives
-                        every dp_world_size-th}},
+                        every dp_world_size-th, "pass_samples": a stream with max_samples: this rank's samples of
+                        the handed-over pass}},
      "retired": {name: the entry of a source mixed before and no longer (only after such a change)}}
 """
 
@@ -298,10 +299,12 @@ class MixtureStream:
         self._pending: list[deque] = [deque() for _ in range(count)]
         # A pass handed over by a DP change (``mixture_handover``) may give this rank nothing; for a mapping
         # source, the offsets the old ranks left (a bitmap over its budget) and this rank's share of them, every
-        # dp_world_size-th (None: its own share).
+        # dp_world_size-th (None: its own share); for a stream with max_samples, this rank's part of the samples
+        # the old ranks had left of the pass.
         self._handed_over = [False] * count
         self._left: list[bytes | None] = [None] * count
         self._left_share: list[np.ndarray | None] = [None] * count
+        self._pass_samples: list[int | None] = [None] * count  # a stream's samples left of a handed-over pass
         self._retired: dict[str, dict] = {}  # the entries of sources mixed before and no longer
         self._fresh_streams = [None if stream is None else stream.state_dict() for stream in self._streams]
         self._start_epoch(0)
@@ -412,9 +415,11 @@ class MixtureStream:
         stream = self._streams[source]
         if stream is not None and not self._ended[source]:  # it gave max_samples: its pass is cut there
             stream.set_epoch(stream.epoch + 1)
+            # As the stream's shuffle buffer, the records a handed-over pass dealt here beyond its count end with it.
+            self._pending[source].clear()
         self._ended[source], self._taken[source] = False, 0
         self._handed_over[source] = False
-        self._left[source] = self._left_share[source] = None
+        self._left[source] = self._left_share[source] = self._pass_samples[source] = None
         self._passes[source] += 1
         mode = self.mixture.on_exhausted
         if mode == "stop":
@@ -426,7 +431,9 @@ class MixtureStream:
     def _pass_size(self, source: int) -> int | None:
         """The samples this rank gives of ``source`` in its current pass (None: a stream's share, to its end)."""
         share = self._left_share[source]
-        return self._pass_sizes[source] if share is None else len(share)
+        if share is not None:
+            return len(share)
+        return self._pass_sizes[source] if self._pass_samples[source] is None else self._pass_samples[source]
 
     def _share_of(self, left: bytes, source: int) -> np.ndarray:
         """This rank's share of the offsets a DP change left of a mapping source's pass: every D-th of them."""
@@ -465,6 +472,7 @@ class MixtureStream:
                     "stream": None if stream is None else stream.state_dict(),
                     **({"handed_over": True} if self._handed_over[source] else {}),
                     **({} if self._left[source] is None else {"left": self._left[source]}),
+                    **({} if self._pass_samples[source] is None else {"pass_samples": self._pass_samples[source]}),
                 }
                 for source, (name, stream) in enumerate(zip(names, self._streams, strict=True))
             },
@@ -526,6 +534,13 @@ class MixtureStream:
                     f"{self._budgets[source]} samples per pass; the state is damaged"
                 )
             most = len(self._share_of(left, source))
+        if "pass_samples" in entry:
+            most = state_field(entry, "pass_samples", int, where)
+            if not handed_over or self._streams[source] is None or self._budgets[source] is None or most < 0:
+                raise ResumeStateError(
+                    f"{where}['pass_samples'] belongs to a handed-over pass of a stream with max_samples; the state "
+                    "is damaged"
+                )
         if state_field(entry, "passes", int, where) < 0 or taken < 0 or (most is not None and taken > most):
             raise ResumeStateError(f"{where}['taken'] or ['passes'] is out of range; the state is damaged")
         state_field(entry, "ended", bool, where)
@@ -559,6 +574,7 @@ class MixtureStream:
             self._pending[source] = deque((waiting["position"], waiting["record"]) for waiting in entry["pending"])
             self._handed_over[source] = entry.get("handed_over", False)
             self._left[source] = entry.get("left")
+            self._pass_samples[source] = entry.get("pass_samples")
             self._left_share[source] = None if "left" not in entry else self._share_of(entry["left"], source)
             if self._streams[source] is not None:
                 self._streams[source].load_state_dict(entry["stream"])
