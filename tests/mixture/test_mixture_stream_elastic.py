@@ -202,11 +202,6 @@ def test_a_new_rank_with_nothing_left_of_a_pass_goes_on_to_its_next(built):
 def test_states_that_cannot_be_merged_are_refused_naming_why(built, records_by_tokens):
     old = make_loaders(built, "fixed", 2)
     take_pairs(old, [2, 2], records_by_tokens)
-    states = [roundtrip(rank.state_dict()) for rank in old]
-    states[1]["source"]["position"]["sources"]["mapping"]["passes"] = 2
-    with pytest.raises(ResumeStateError, match="'mapping' is in pass 2 on DP rank 1 and in pass 0"):
-        merge_rank_states(states)
-
     plain_stream = FixedBatchDataLoader(stream(built, 0, 3), micro_batch_size=2, dp_world_size=3, drop_last=False)
     merged = merge_rank_states([roundtrip(rank.state_dict()) for rank in old])
     with pytest.raises(ResumeStateError, match="data"):
@@ -274,3 +269,30 @@ def test_a_stream_with_max_samples_hands_over_the_count_left_of_its_pass(built):
     begun = sum(cursor.state_dict()["sources"]["stream"]["taken"] for cursor in new)
     again = first_pass(new, ["stream"])
     assert begun + sum(count for pair, count in again.items() if pair[0] == "stream") == 36
+
+
+def test_ranks_in_different_passes_each_hand_over_the_rest_of_their_own(built):
+    # 41 samples per pass: rank 0 of 2 gives 21, rank 1 20, so rank 1 begins its next pass one draw earlier.
+    settings = {"weights": {"stream": 0.5, "mapping": 0.5}, "on_exhausted": "restart", "num_samples": 1000}
+    capped = {"mapping": {"max_samples": 41}}
+    old = [mixture(built, rank, 2, **dict(settings), **capped).stream for rank in range(2)]
+    while old[1].state_dict()["sources"]["mapping"]["passes"] == 0:
+        for cursor in old:
+            cursor.read(1)
+    entries = [cursor.state_dict()["sources"]["mapping"] for cursor in old]
+    assert [(entry["passes"], entry["taken"]) for entry in entries] == [(0, 21), (1, 1)]
+    plan = mixture(built, 0, 2, **dict(settings), **capped).plan_state()
+    merged = roundtrip(merged_cursors([cursor.state_dict() for cursor in old], plan, epoch=0))
+    new = []
+    for rank in range(3):
+        cursor = mixture(built, rank, 3, **dict(settings), **capped).stream
+        cursor.load_state_dict(rank_cursor(merged, rank, 3))
+        new.append(cursor)
+    given = first_pass(new, ["mapping"])
+    reference = mixture(built, 0, 2, **dict(settings), **capped)
+    expected = Counter()
+    for rank, entry in enumerate(entries):  # each old rank's rest of its own pass p: its samples r, r + 2, ...
+        counts = entry["passes"] * 41 + np.arange(rank, 41, 2)[entry["taken"] :]
+        expected += Counter(("mapping", int(record)) for record in reference.records_of(1, counts))
+    assert sum(expected.values()) == 19  # rank 0 had given its whole pass 0, rank 1 one sample of its pass 1
+    assert Counter({pair: n for pair, n in given.items() if pair[0] == "mapping"}) == expected

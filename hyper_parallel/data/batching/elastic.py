@@ -400,7 +400,7 @@ def _merge_streams(states: list[dict]) -> dict:
         )
         _check_replayed_pairs(state, rank)
     epoch = _merged_epoch(states, [(c["epoch"], cursor_at_start(c)) for c in cursors])
-    stream, unread = merged_handover(cursors, epoch)
+    stream, unread = merged_handover(cursors, [cursor["epoch"] == epoch for cursor in cursors])
     records = []
     for state, rank_unread in zip(states, unread, strict=True):
         records += [record for keys in _replayed_in(state, epoch) for _, record in keys] + rank_unread

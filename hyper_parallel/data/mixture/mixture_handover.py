@@ -6,8 +6,10 @@ into what is left of every source's current pass, and the cursor of one new rank
 part of an elastic state (its records read but not delivered, its buffered samples, the tally: ``batching.elastic``),
 reading a stream's handover (``OnlineIterableDataset``) or a handed-over mapping pass (``MixtureStream``).
 
-What the new ranks continue, ``D`` old ranks to ``D'`` new ones. The promise is set semantics over each source's
-current pass: across the change no record of it is lost and none is given twice.
+What the new ranks continue, ``D`` old ranks to ``D'`` new ones. The promise is set semantics over each old rank's
+current pass of each source (the ranks may be in different passes: their shares differ in size): across the change
+no record of it is lost and none is given twice. The new ranks give those rests together as one handed-over pass,
+then go on with the pass after the furthest one.
 
     draws          from the furthest old rank's sample number on, with the weights and phase of the mixture (the
                    sources still drawn: those that any old rank still in the epoch draws)
@@ -16,14 +18,14 @@ current pass: across the change no record of it is lost and none is given twice.
     stream source  its old ranks' shares handed over as a plain stream's are (``stream_handover``); the records
                    they had read and not given out (those waiting for a draw, then the stream's current block and
                    shuffle buffer), in rank order, dealt round-robin: record i waits on new rank i mod D'
-    mapping source the offsets of its pass that no old rank has given (rank r of D gives r, r + D, ...: those from
-                   its count on), kept as a bitmap over the pass; new rank r' gives every D'-th of them from the
-                   r'-th, in order, and its next pass is its own share again
+    mapping source the sample counts of their passes that no old rank has given (rank r of D gives r, r + D, ... of
+                   pass p's counts ``p * budget + offset``: those from its count on), kept as a bitmap; new rank r'
+                   gives every D'-th of them from the r'-th, in order
 
-A streaming source with ``max_samples`` gives that many samples of each rank's share per pass: the samples the old
-ranks had left of the pass (``max_samples`` less each one's count) are dealt as counts, new rank r' giving
-``len(range(r', left, D'))`` of its handover (fewer if it runs out first). A source's pass on an old rank may be over
-already at the change only if nothing of the next pass was taken (its end is then this rank's share done).
+A rank past the lowest pass that has taken nothing of its own has ended the pass before and begun nothing: it hands
+over nothing. A streaming source with ``max_samples`` gives that many samples of each rank's share per pass: the
+samples the old ranks had left (``max_samples`` less each one's count) are dealt as counts, new rank r' giving
+``len(range(r', left, D'))`` of its handover (fewer if it runs out first).
 
 Merged cursor (``mixture_stream`` of an elastic state)::
 
@@ -32,7 +34,7 @@ Merged cursor (``mixture_stream`` of an elastic state)::
                                       "shuffle_buffer_size", "ended": no old rank reads its share any more,
                                       "shares", "base_world_size", "levels" (not when ended)}, "records": [...],
                                       "samples_left": a stream with max_samples},
-                                      "left": a mapping source's bitmap}}
+                                      "left" and "left_from": a mapping source's bitmap and its first count}}
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from hyper_parallel.data.resume_checks import check_state_type, state_field
 from hyper_parallel.data.text.online.online_iterable_dataset import epoch_start_cursor, handover_cursor
 from hyper_parallel.data.text.online.stream_handover import checked_cursor, cursor_at_start, merged_handover
 
-__all__ = ["merged_cursors", "rank_cursor"]
+__all__ = ["handed_over_counts", "merged_cursors", "rank_cursor"]
 
 _STATE_VERSION = 1  # of the cursors merged: ``MixtureStream``'s
 
@@ -61,8 +63,8 @@ def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dic
         epoch: the epoch the ranks are in (``batching.elastic``: a rank may be at the very start of the next).
 
     Raises:
-        ResumeStateError: a malformed cursor, cursors of other ranks, seeds or sources, or a source whose ranks are
-            in passes that do not meet.
+        ResumeStateError: a malformed cursor, cursors of other ranks, seeds or sources, or a stream read partly
+            from a handed-over share and partly from the ranks' own.
     """
     dp_world_size = len(cursors)
     for rank, cursor in enumerate(cursors):
@@ -171,7 +173,7 @@ def _budgets(plan) -> dict[str, int | None]:
 
 
 def _merged_source(name: str, entries: list[Mapping], budgets: Mapping, part: str) -> dict:
-    """One source's entries on every old rank merged: its pass and what of the pass is left."""
+    """One source's entries on every old rank merged: the furthest pass, and what each rank had left of its own."""
     if name not in budgets:
         raise ResumeStateError(f"the mixture source {name!r} of the cursors is not in their plan; the state is damaged")
     streamed = entries[0]["stream"] is not None
@@ -186,26 +188,18 @@ def _merged_source(name: str, entries: list[Mapping], budgets: Mapping, part: st
             where = f"DP rank {rank}'s mixture stream cursor{part}['stream']"
             first = cursors[0] if cursors else None
             cursors.append(checked_cursor(entry["stream"], rank, len(entries), first, where))
-    passes = min(entry["passes"] for entry in entries)
-    in_pass = []
-    for rank, entry in enumerate(entries):
-        if entry["passes"] == passes:
-            in_pass.append(True)
-        elif entry["passes"] == passes + 1 and _at_pass_start(entry):
-            in_pass.append(False)  # this rank's share of the pass is done
-        else:
-            raise ResumeStateError(
-                f"the mixture source {name!r} is in pass {entry['passes']} on DP rank {rank} and in pass {passes} on "
-                "another: the ranks' passes of a source may be apart only where one has just begun its next, so these "
-                "states cannot be merged; resume with the saved DP size, or save the states at another step"
-            )
-    if entries[0]["stream"] is None:
-        return {"passes": passes, "stream": None, "left": _left_offsets(name, entries, in_pass, budgets[name])}
-    merged = {"passes": passes, **_merged_stream(entries, cursors, in_pass, passes)}
-    if budgets[name] is not None:  # max_samples: the samples the old ranks had left of the pass
+    low = min(entry["passes"] for entry in entries)
+    # Each rank gives the rest of its current pass; a rank past the lowest pass that has taken nothing of its own
+    # has ended the pass before and begun nothing.
+    giving = [entry["passes"] == low or not _at_pass_start(entry) for entry in entries]
+    passes = max(entry["passes"] for entry, gives in zip(entries, giving, strict=True) if gives)
+    if not streamed:
+        return {"passes": passes, "stream": None, **_left_counts(name, entries, giving, budgets[name])}
+    merged = {"passes": passes, **_merged_stream(entries, cursors, giving, passes)}
+    if budgets[name] is not None:  # max_samples: the samples the old ranks had left of their passes
         sizes = [entry.get("pass_samples", budgets[name]) for entry in entries]
         merged["samples_left"] = sum(
-            size - entry["taken"] for size, entry, reading in zip(sizes, entries, in_pass, strict=True) if reading
+            size - entry["taken"] for size, entry, gives in zip(sizes, entries, giving, strict=True) if gives
         )
     return merged
 
@@ -218,40 +212,53 @@ def _at_pass_start(entry: Mapping) -> bool:
     return entry["taken"] == 0 and not entry["pending"] and not entry.get("handed_over") and fresh
 
 
-def _left_offsets(name: str, entries: list[Mapping], in_pass: list[bool], budget: int) -> bytes:
-    """The offsets of a mapping source's pass (``[0, budget)``) that no old rank has given, as a bitmap."""
+def _left_counts(name: str, entries: list[Mapping], giving: list[bool], budget: int) -> dict:
+    """The sample counts of a mapping source (pass ``p``'s are ``p * budget + offset``) that the old ranks had left
+    of their passes: ``{"left": a bitmap of them, "left_from": the count of its first bit}``."""
     dp_world_size = len(entries)
     left = []
-    for rank, (entry, reading) in enumerate(zip(entries, in_pass, strict=True)):
-        if not reading:
+    for rank, (entry, gives) in enumerate(zip(entries, giving, strict=True)):
+        if not gives:
             continue
         if "left" in entry:
-            if len(entry["left"]) != -(-budget // 8):
-                raise ResumeStateError(f"DP rank {rank}'s entry of {name!r} has a 'left' bitmap of another pass")
-            share = bitmap_positions(entry["left"], budget)[rank::dp_world_size]
+            share = handed_over_counts(entry["left"], entry["left_from"], rank, dp_world_size)
         else:
-            share = np.arange(rank, budget, dp_world_size)
+            share = entry["passes"] * budget + np.arange(rank, budget, dp_world_size)
         if entry["taken"] > len(share):
             raise ResumeStateError(f"DP rank {rank}'s entry of {name!r} took more than its share; the state is damaged")
         left.append(share[entry["taken"] :])
-    return remaining_bitmap(np.concatenate(left).astype(np.int64), budget)
+    counts = np.concatenate(left).astype(np.int64)
+    start = int(counts.min()) if len(counts) else 0
+    return {
+        "left": remaining_bitmap(counts - start, int(counts.max()) - start + 1 if len(counts) else 0),
+        "left_from": start,
+    }
 
 
-def _merged_stream(entries: list[Mapping], cursors: list[Mapping], in_pass: list[bool], passes: int) -> dict:
-    """A streaming source's entries (with their checked stream cursors) merged: the handover of its pass, and the
-    records read and not given out."""
-    for rank, (entry, cursor) in enumerate(zip(entries, cursors, strict=True)):
-        reading = in_pass[rank] and not entry["ended"]
-        if cursor["epoch"] != (passes if reading else passes + 1) or (not reading and not cursor_at_start(cursor)):
+def handed_over_counts(left: bytes, left_from: int, dp_rank: int, dp_world_size: int) -> np.ndarray:
+    """Rank ``dp_rank``'s share of the counts a DP change left of a mapping source: every ``dp_world_size``-th."""
+    return left_from + bitmap_positions(left, len(left) * 8)[dp_rank::dp_world_size].astype(np.int64)
+
+
+def _merged_stream(entries: list[Mapping], cursors: list[Mapping], giving: list[bool], passes: int) -> dict:
+    """A streaming source's entries (with their checked stream cursors) merged: the handover of what the ranks had
+    left of their passes, and the records read and not given out."""
+    reading = []
+    for rank, (entry, cursor, gives) in enumerate(zip(entries, cursors, giving, strict=True)):
+        reads = gives and not entry["ended"]
+        # Reading: its stream is in the pass; ended: at the next one's start; past the lowest, not begun: at its own.
+        expected = entry["passes"] + (0 if reads or not gives else 1)
+        if cursor["epoch"] != expected or (not reads and not cursor_at_start(cursor)):
             raise ResumeStateError(
                 f"DP rank {rank}'s stream cursor of a mixture source is in epoch {cursor['epoch']}, which does not "
                 f"fit the source's pass {entry['passes']}; the state is damaged"
             )
-    stream, unread = merged_handover(cursors, passes)
-    ended = all(cursor["epoch"] != passes for cursor in cursors)
+        reading.append(reads)
+    stream, unread = merged_handover(cursors, reading)
+    ended = not any(reading)
     records = []
-    for entry, reading, rank_unread in zip(entries, in_pass, unread, strict=True):
-        if reading:
+    for entry, gives, rank_unread in zip(entries, giving, unread, strict=True):
+        if gives:
             records += [waiting["record"] for waiting in entry["pending"]] + rank_unread
     if ended:
         stream = {key: stream[key] for key in ("seed", "shuffle_buffer_size")}
@@ -268,7 +275,11 @@ def _rank_entry(entry, dp_rank: int, dp_world_size: int, where: str) -> dict:
     stream = state_field(entry, "stream", (Mapping, None), where)
     fresh = {"taken": 0, "passes": passes, "pending": [], "handed_over": True}
     if stream is None:
-        return {**fresh, "ended": False, "stream": None, "left": state_field(entry, "left", bytes, where)}
+        left = {
+            "left": state_field(entry, "left", bytes, where),
+            "left_from": state_field(entry, "left_from", int, where),
+        }
+        return {**fresh, "ended": False, "stream": None, **left}
     placement = {
         "epoch": state_field(stream, "epoch", int, f"{where}['stream']"),
         "dp_rank": dp_rank,

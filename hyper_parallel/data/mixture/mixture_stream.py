@@ -39,10 +39,10 @@ Cursor (``state['source']['position']`` of a loader state)::
      "sources": {name: {"taken": samples given in its pass, "passes": passes ended, "ended": its stream's share
                         has ended (after the records still waiting), "pending": [{"position", "record"}] read ahead,
                         "stream": its stream's cursor (None for a mapping source),
-                        "handed_over": true when its pass was handed over by a DP change (only then), "left": a
-                        mapping source's handed-over offsets, a bitmap over its budget, of which this rank gives
-                        every dp_world_size-th, "pass_samples": a stream with max_samples: this rank's samples of
-                        the handed-over pass}},
+                        "handed_over": true when its pass was handed over by a DP change (only then), "left" and
+                        "left_from": a mapping source's handed-over sample counts, a bitmap from that count, of
+                        which this rank gives every dp_world_size-th, "pass_samples": a stream with max_samples:
+                        this rank's samples of the handed-over pass}},
      "retired": {name: the entry of a source mixed before and no longer (only after such a change)}}
 """
 
@@ -58,9 +58,9 @@ import numpy as np
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.mixture.build_mixture import MixedSources, MixtureSource
+from hyper_parallel.data.mixture.mixture_handover import handed_over_counts
 from hyper_parallel.data.mixture.mixture_order import SourceDraws, ranks_within
 from hyper_parallel.data.mixture.mixture_plan import check_change, check_reading, check_settings, mixture_differences
-from hyper_parallel.data.parallel.batch_sampler import bitmap_positions
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.transform_dataset import RecordReading
 
@@ -298,11 +298,11 @@ class MixtureStream:
         self._ended = [False] * count
         self._pending: list[deque] = [deque() for _ in range(count)]
         # A pass handed over by a DP change (``mixture_handover``) may give this rank nothing; for a mapping
-        # source, the offsets the old ranks left (a bitmap over its budget) and this rank's share of them, every
-        # dp_world_size-th (None: its own share); for a stream with max_samples, this rank's part of the samples
-        # the old ranks had left of the pass.
+        # source, the sample counts the old ranks left (a bitmap from a count) and this rank's share of them,
+        # every dp_world_size-th (None: its own share); for a stream with max_samples, this rank's part of the
+        # samples the old ranks had left of their passes.
         self._handed_over = [False] * count
-        self._left: list[bytes | None] = [None] * count
+        self._left: list[tuple[bytes, int] | None] = [None] * count
         self._left_share: list[np.ndarray | None] = [None] * count
         self._pass_samples: list[int | None] = [None] * count  # a stream's samples left of a handed-over pass
         self._retired: dict[str, dict] = {}  # the entries of sources mixed before and no longer
@@ -377,8 +377,10 @@ class MixtureStream:
             elif len(slots):
                 within = self._taken[source] + np.arange(len(slots))
                 share = self._left_share[source]
-                offsets = within * self.dp_world_size + self.dp_rank if share is None else share[within]
-                counts = self._passes[source] * self._budgets[source] + offsets
+                if share is None:
+                    counts = self._passes[source] * self._budgets[source] + within * self.dp_world_size + self.dp_rank
+                else:
+                    counts = share[within]
                 for slot, index in zip(slots.tolist(), self.mixture.records_of(source, counts).tolist(), strict=True):
                     keys[slot] = (self.sample + slot, {"source": name_of[source], "index": index})
             self._taken[source] += len(slots)
@@ -435,10 +437,6 @@ class MixtureStream:
             return len(share)
         return self._pass_sizes[source] if self._pass_samples[source] is None else self._pass_samples[source]
 
-    def _share_of(self, left: bytes, source: int) -> np.ndarray:
-        """This rank's share of the offsets a DP change left of a mapping source's pass: every D-th of them."""
-        return bitmap_positions(left, self._budgets[source])[self.dp_rank :: self.dp_world_size]
-
     @property
     def handing_over(self) -> bool:
         """Whether a source reads a pass handed over by a DP change (``mixture_handover``)."""
@@ -470,14 +468,23 @@ class MixtureStream:
                     "ended": self._ended[source],
                     "pending": [{"position": position, "record": record} for position, record in self._pending[source]],
                     "stream": None if stream is None else stream.state_dict(),
-                    **({"handed_over": True} if self._handed_over[source] else {}),
-                    **({} if self._left[source] is None else {"left": self._left[source]}),
-                    **({} if self._pass_samples[source] is None else {"pass_samples": self._pass_samples[source]}),
+                    **self._handover_entry(source),
                 }
                 for source, (name, stream) in enumerate(zip(names, self._streams, strict=True))
             },
             **({"retired": copy.deepcopy(self._retired)} if self._retired else {}),
         }
+
+    def _handover_entry(self, source: int) -> dict:
+        """The fields of a source's cursor entry while it reads a pass handed over by a DP change (none else)."""
+        if not self._handed_over[source]:
+            return {}
+        entry = {"handed_over": True}
+        if self._left[source] is not None:
+            entry["left"], entry["left_from"] = self._left[source]
+        if self._pass_samples[source] is not None:
+            entry["pass_samples"] = self._pass_samples[source]
+        return entry
 
     def check_state(self, state: Mapping) -> None:
         """Refuse a cursor this mixture cannot continue: malformed, of another version, rank, seed or sources."""
@@ -527,13 +534,12 @@ class MixtureStream:
         most = self._pass_sizes[source]
         handed_over = state_field(entry, "handed_over", bool, where) if "handed_over" in entry else False
         if handed_over and self._streams[source] is None or "left" in entry:
-            left = state_field(entry, "left", bytes, where) if handed_over else None
-            if self._streams[source] is not None or left is None or len(left) != -(-self._budgets[source] // 8):
-                raise ResumeStateError(
-                    f"{where}['left'] must be, with 'handed_over', a bitmap of this mapping source's "
-                    f"{self._budgets[source]} samples per pass; the state is damaged"
-                )
-            most = len(self._share_of(left, source))
+            if self._streams[source] is not None or not handed_over:
+                raise ResumeStateError(f"{where}['left'] belongs to a handed-over mapping source; the state is damaged")
+            left, start = state_field(entry, "left", bytes, where), state_field(entry, "left_from", int, where)
+            if start < 0:
+                raise ResumeStateError(f"{where}['left_from'] is {start}; it counts from 0")
+            most = len(handed_over_counts(left, start, self.dp_rank, self.dp_world_size))
         if "pass_samples" in entry:
             most = state_field(entry, "pass_samples", int, where)
             if not handed_over or self._streams[source] is None or self._budgets[source] is None or most < 0:
@@ -573,9 +579,13 @@ class MixtureStream:
             self._ended[source] = entry["ended"]
             self._pending[source] = deque((waiting["position"], waiting["record"]) for waiting in entry["pending"])
             self._handed_over[source] = entry.get("handed_over", False)
-            self._left[source] = entry.get("left")
+            self._left[source] = (entry["left"], entry["left_from"]) if "left" in entry else None
             self._pass_samples[source] = entry.get("pass_samples")
-            self._left_share[source] = None if "left" not in entry else self._share_of(entry["left"], source)
+            self._left_share[source] = (
+                None
+                if "left" not in entry
+                else handed_over_counts(*self._left[source], self.dp_rank, self.dp_world_size)
+            )
             if self._streams[source] is not None:
                 self._streams[source].load_state_dict(entry["stream"])
         self._retired = copy.deepcopy(dict(state.get("retired", {})))

@@ -58,29 +58,29 @@ def cursor_at_start(cursor: Mapping) -> bool:
     )
 
 
-def merged_handover(cursors: Sequence[Mapping], epoch: int) -> tuple[dict, list[list[dict]]]:
-    """What the new ranks read of ``epoch`` from the checked cursors of every old rank (a cursor past it has read
-    its whole part): ``{"seed", "shuffle_buffer_size", "base_world_size", "shares", "levels"}`` (the arguments of
+def merged_handover(cursors: Sequence[Mapping], reading: Sequence[bool]) -> tuple[dict, list[list[dict]]]:
+    """What the new ranks read from the checked cursors of every old rank, each ``reading`` its share or one done
+    with it: ``{"seed", "shuffle_buffer_size", "base_world_size", "shares", "levels"}`` (the arguments of
     ``handover_cursor``), and per cursor the records it had read but not given out."""
     records = []
-    for cursor in cursors:
+    for cursor, reads in zip(cursors, reading, strict=True):
         # A handover's block holds records not yet dealt, which the next level deals again: not handed over.
         block = cursor.get("block", []) if cursor.get("handover") is None else []
-        records.append([*block, *cursor["buffer"]] if cursor["epoch"] == epoch else [])
-    handovers = [c["handover"] for c in cursors if c["epoch"] == epoch and c.get("handover") is not None]
-    reading = [c for c in cursors if c["epoch"] == epoch]
-    if handovers and len(handovers) != len(reading):
+        records.append([*block, *cursor["buffer"]] if reads else [])
+    read_by = [cursor for cursor, reads in zip(cursors, reading, strict=True) if reads]
+    handovers = [cursor["handover"] for cursor in read_by if cursor.get("handover") is not None]
+    if handovers and len(handovers) != len(read_by):
         raise ResumeStateError(
-            f"some ranks' streams read epoch {epoch} as handed over by a DP change and others as their own share: "
-            "the states are not of one run at one step"
+            "some ranks' streams read a share handed over by a DP change and others their own share: the states are "
+            "not of one run at one step; resume with the saved DP size, or save the states at another step"
         )
     stream = {key: cursors[0][key] for key in ("seed", "shuffle_buffer_size")}
     if handovers:
-        stream.update(_next_level(handovers[0], cursors, epoch))
+        stream.update(_next_level(handovers[0], cursors, reading))
     else:
         shares = []
-        for cursor in cursors:
-            if cursor["epoch"] == epoch:
+        for cursor, reads in zip(cursors, reading, strict=True):
+            if reads:
                 shares.append({"source_state": cursor["source_state"], "done": cursor["source_exhausted"]})
             else:
                 shares.append({"source_state": None, "done": True})
@@ -88,14 +88,14 @@ def merged_handover(cursors: Sequence[Mapping], epoch: int) -> tuple[dict, list[
     return stream, records
 
 
-def _next_level(handover: Mapping, cursors: Sequence[Mapping], epoch: int) -> dict:
+def _next_level(handover: Mapping, cursors: Sequence[Mapping], reading: Sequence[bool]) -> dict:
     """A handover of a handover: the same old shares, and one more level whose frontiers say, per share and per rank
     of the current DP size, how many of the records dealt to that rank it had read (None: all of them)."""
     frontiers = []
     for share in range(handover["base_world_size"]):
         counts = []
-        for cursor in cursors:
-            if cursor["epoch"] != epoch:  # the rank has read its whole part of the handed-over epoch
+        for cursor, reads in zip(cursors, reading, strict=True):
+            if not reads:  # the rank has read its whole part of the handed-over epoch
                 counts.append(None)
                 continue
             current = cursor["handover"]
