@@ -437,10 +437,11 @@ def test_the_fast_path_answers_only_sequences_that_lie_whole_and_aligned_in_the_
 def test_the_fast_path_refuses_index_arrays_of_other_dtypes():
     items = _Armed()
     tokens = np.arange(4, dtype=np.uint16)
-    with pytest.raises(TypeError, match="pointers must be a contiguous 1-D array of int64"):
+    with pytest.raises(TypeError, match="pointers must be a contiguous 1-D array of native int64"):
         items._arm_items(tokens, np.zeros(2, np.int32), np.zeros(2, np.int32))
-    with pytest.raises(TypeError, match="lengths must be a contiguous 1-D array of int32"):
-        items._arm_items(tokens, np.zeros(2, np.int64), np.zeros(2, np.int64))
+    for lengths in (np.zeros(2, np.int64), np.zeros(2, np.dtype(np.int32).newbyteorder()), np.zeros((2, 1), np.int32)):
+        with pytest.raises(TypeError, match="lengths must be a contiguous 1-D array of native int32"):
+            items._arm_items(tokens, np.zeros(2, np.int64), lengths)
     with pytest.raises(ValueError, match="the same length"):
         items._arm_items(tokens, np.zeros(2, np.int64), np.zeros(3, np.int32))
 

@@ -480,7 +480,8 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
 static PyObject *view_of(PyArrayObject *array, char *data, npy_intp count) {
     PyArray_Descr *descr = PyArray_DESCR(array);
     Py_INCREF(descr);
-    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, 1, &count, NULL, data, PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE, NULL);
+    int flags = PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE;
+    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, 1, &count, NULL, data, flags, NULL);
     if (view == NULL) return NULL;
     Py_INCREF(array);
     if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)array) != 0) {
@@ -490,12 +491,13 @@ static PyObject *view_of(PyArrayObject *array, char *data, npy_intp count) {
     return view;
 }
 
+/* A 1-D C-contiguous array, of native-order items of `type` unless it is -1; else a TypeError naming it. */
 static int check_array(PyObject *obj, int type, const char *name) {
     if (!PyArray_Check(obj) || PyArray_NDIM((PyArrayObject *)obj) != 1 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)obj) ||
-        (type >= 0 && PyArray_TYPE((PyArrayObject *)obj) != type)) {
+        (type >= 0 && (PyArray_TYPE((PyArrayObject *)obj) != type || !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)))) {
         PyErr_Format(PyExc_TypeError, "%s must be a contiguous 1-D array%s", name,
-                     type == NPY_INT64 ? " of int64" : (type == NPY_INT32 ? " of int32" : ""));
+                     type == NPY_INT64 ? " of native int64" : (type == NPY_INT32 ? " of native int32" : ""));
         return -1;
     }
     return 0;
