@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.data.errors import DataFileError
-from hyper_parallel.data.indexed import indexed_data_reader
+from hyper_parallel.data.indexed import _indexed_helpers, indexed_data_reader
 from hyper_parallel.data.indexed.idx_format import HEADER_SIZE, IdxHeader
 from hyper_parallel.data.indexed.indexed_data_reader import IndexedDataReader
 
@@ -247,6 +247,54 @@ def test_gather_concatenates_the_listed_token_ranges(corpus, mmap):
 
 
 @pytest.mark.parametrize("mmap", [True, False])
+def test_gather_writes_into_out_and_returns_it(corpus, mmap):
+    """``gather(..., out=buffer[:n])`` writes exactly what ``gather`` returns without ``out`` into the buffer and
+    returns that slice, leaving the rest of the buffer as it was."""
+    reader = IndexedDataReader(corpus.prefix, mmap=mmap)
+    rng = np.random.default_rng(8)
+    for ids in (rng.integers(0, len(corpus.sequences), size=40), np.array([3, 4]), np.array([], dtype=np.int64)):
+        lengths = corpus.lengths[ids]
+        offsets = rng.integers(0, lengths + 1)
+        counts = rng.integers(0, lengths - offsets + 1)
+        for args in ((ids,), (ids, offsets, counts)):
+            expected = reader.gather(*args)
+            buffer = np.full(len(expected) + 5, 7, dtype=corpus.dtype)
+            out = buffer[: len(expected)]
+            assert reader.gather(*args, out=out) is out
+            assert_tokens(out, expected, corpus.dtype)
+            assert_tokens(buffer[len(expected) :], np.full(5, 7), corpus.dtype)
+    whole = np.concatenate(corpus.sequences)
+    out = np.empty(len(whole), corpus.dtype)
+    assert_tokens(reader.gather(np.arange(len(corpus.sequences)), out=out), whole, corpus.dtype)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_gather_refuses_an_out_that_does_not_fit(corpus, mmap):
+    """An ``out`` of another dtype, size or shape, read-only, non-contiguous or not an array is refused with a
+    ValueError naming what it is and what is wanted."""
+    reader = IndexedDataReader(corpus.prefix, mmap=mmap)
+    ids = [0, 1, 2]
+    count = int(corpus.lengths[ids].sum())
+    other = np.dtype(np.int16) if corpus.dtype != np.int16 else np.dtype(np.uint16)
+    read_only = np.empty(count, corpus.dtype)
+    read_only.flags.writeable = False
+    bad_outs = {
+        "another dtype": np.empty(count, other),
+        "one token short": np.empty(count - 1, corpus.dtype),
+        "one token long": np.empty(count + 1, corpus.dtype),
+        "two dimensions": np.empty((1, count), corpus.dtype),
+        "read-only": read_only,
+        "non-contiguous": np.empty(2 * count, corpus.dtype)[::2],
+        "a list": [0] * count,
+    }
+    for name, out in bad_outs.items():
+        with pytest.raises(ValueError, match=rf"out must be a writable C-contiguous 1-D {corpus.dtype} array") as info:
+            reader.gather(ids, out=out)
+        assert f"exactly the {count} tokens" in str(info.value), name
+    assert "got list" in str(info.value)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
 @pytest.mark.parametrize(
     ("ids", "offsets", "lengths"),
     [([-1], None, None), ([24], None, None), ([0], [0], [-1]), ([0], [-1], [1]), ([0, 1], [0, 0], [1, 10**6])],
@@ -310,6 +358,25 @@ def test_small_indices_are_read_and_large_ones_mapped(tmp_path):
     assert_token_lists([mapped[i] for i in range(len(mapped))], large.sequences, large.dtype)
 
 
+def test_plain_int_reads_equal_the_general_path(corpus, index_access):
+    """With a map and no id check, ``reader[i]`` for a Python int (answered by the C base) returns what a numpy
+    integer (the Python path) returns: a read-only view of the same bytes, with the same dtype and base."""
+    reader = IndexedDataReader(corpus.prefix)
+    n = len(corpus.sequences)
+    reader[0]  # the first read opens the .bin and arms the fast path
+    for i in [*range(n), *range(-n, 0)]:
+        fast, general = reader[i], reader[np.int64(i)]
+        assert_tokens(fast, general, corpus.dtype)
+        assert fast.shape == general.shape
+        assert fast.base is general.base
+        assert not fast.flags.writeable and not fast.flags.owndata
+        if len(general):
+            assert fast.__array_interface__["data"] == general.__array_interface__["data"]
+    for bad in (n, -n - 1, 2**64, -(2**70)):
+        with pytest.raises(IndexError, match=rf"sequence {bad} is out of range"):
+            reader[bad]
+
+
 def test_memory_mapped_reads_are_read_only_views(corpus):
     """With mmap the returned tokens are read-only views of the mapped .bin, not copies."""
     reader = IndexedDataReader(corpus.prefix)
@@ -334,6 +401,64 @@ def test_slicing_without_mmap_raises_value_error(corpus):
     reader = IndexedDataReader(corpus.prefix, mmap=False)
     with pytest.raises(ValueError, match="mmap=True"):
         reader[0:3]
+
+
+# -- the C helper's views --------------------------------------------------------------------------------------
+
+
+class _Armed(_indexed_helpers.MappedItems):
+    """The reader's C base alone, with a general path that says it was asked."""
+
+    def _item_or_slice(self, key):
+        return ("general path", key)
+
+
+def test_the_fast_path_answers_only_sequences_that_lie_whole_and_aligned_in_the_tokens():
+    """Armed, the C base returns views for in-range plain ints whose sequence lies whole and aligned in the token
+    array; anything else, and everything once disarmed, goes to ``_item_or_slice``, so a corrupt index can never
+    make it read outside the map."""
+    tokens = np.arange(10, dtype=np.uint16)
+    tokens.flags.writeable = False
+    items = _Armed()
+    assert items[0] == ("general path", 0)  # not armed yet
+    pointers = np.array([0, 4, 16, 3, -2, 0], dtype=np.int64)  # bytes
+    lengths = np.array([2, 3, 3, 1, 1, -1], dtype=np.int32)
+    items._arm_items(tokens, pointers, lengths)
+    for i, expected in ((0, [0, 1]), (1, [2, 3, 4]), (-6, [0, 1])):
+        view = items[i]
+        assert_tokens(view, np.array(expected), np.dtype(np.uint16))
+        assert view.base is tokens and not view.flags.writeable
+    for key in (2, 3, 4, 5, -1, 6, -7, 2**64, np.int64(0), True, 1.0):  # past the end, odd, negative, out of range
+        assert items[key] == ("general path", key)
+    items._arm_items(None, None, None)
+    assert items[0] == ("general path", 0)
+
+
+def test_the_fast_path_refuses_index_arrays_of_other_dtypes():
+    items = _Armed()
+    tokens = np.arange(4, dtype=np.uint16)
+    with pytest.raises(TypeError, match="pointers must be a contiguous 1-D array of native int64"):
+        items._arm_items(tokens, np.zeros(2, np.int32), np.zeros(2, np.int32))
+    for lengths in (np.zeros(2, np.int64), np.zeros(2, np.dtype(np.int32).newbyteorder()), np.zeros((2, 1), np.int32)):
+        with pytest.raises(TypeError, match="lengths must be a contiguous 1-D array of native int32"):
+            items._arm_items(tokens, np.zeros(2, np.int64), lengths)
+    with pytest.raises(ValueError, match="the same length"):
+        items._arm_items(tokens, np.zeros(2, np.int64), np.zeros(3, np.int32))
+
+
+def test_split_views_cuts_consecutive_views():
+    """``split_views(array, lengths)`` equals ``np.split`` at the cumulative lengths, as views of ``array``; lengths
+    that are negative or run past its end are refused."""
+    array = np.arange(20, dtype=np.int32)
+    lengths = np.array([3, 0, 5, 1, 0, 7], dtype=np.int32)
+    views = _indexed_helpers.split_views(array, lengths)
+    expected = np.split(array[: lengths.sum()], np.cumsum(lengths)[:-1])
+    assert_token_lists(views, expected, np.dtype(np.int32))
+    assert all(view.base is array for view in views)
+    assert _indexed_helpers.split_views(array, np.zeros(0, np.int32)) == []
+    for bad in ([21], [5, -1], [10, 11]):
+        with pytest.raises(ValueError, match="sum to at most the 20 items"):
+            _indexed_helpers.split_views(array, np.array(bad, dtype=np.int32))
 
 
 # -- multimodal ------------------------------------------------------------------------------------------------
@@ -386,13 +511,15 @@ def test_multimodal_reader_of_a_text_file_is_refused(corpus, index_access):
 # -- pickling and empty datasets -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 @pytest.mark.parametrize("mmap", [True, False])
 @pytest.mark.parametrize("multimodal", [False, True])
-def test_pickle_round_trip_reopens_an_equal_reader(tmp_path, mmap, multimodal):
-    """A pickled reader re-opens the same files with the same options and reads the same data."""
+def test_pickle_round_trip_reopens_an_equal_reader(tmp_path, mmap, multimodal, protocol):
+    """A reader pickled with any protocol re-opens the same files with the same options and reads the same data."""
     corpus = random_corpus(tmp_path / "p", seed=5, dtype=np.int32, multimodal=multimodal)
     reader = IndexedDataReader(corpus.prefix, mmap=mmap, multimodal=multimodal)
-    clone = pickle.loads(pickle.dumps(reader))
+    reader[0]  # the original is armed (or reading) before it is pickled
+    clone = pickle.loads(pickle.dumps(reader, protocol=protocol))
     assert isinstance(clone, IndexedDataReader)
     assert (clone.path_prefix, clone.mmap, clone.multimodal) == (reader.path_prefix, mmap, multimodal)
     assert len(clone) == len(reader)

@@ -22,18 +22,19 @@ so a read fails if and only if what it returns holds a bad id. ``gather`` checks
 --verify``).
 
 Reads return views of one token array over the map (slicing it costs a fifth of ``np.frombuffer``); ``gather``
-copies all its ranges into one preallocated array in the package's C helper, with no Python object per range.
-``reader[i]`` with a plain int on a mapped pair without the id check or modes is two memoryview lookups and one
-slice (about 0.18 us a call, from 0.31 us through the general path).
+copies all its ranges into one preallocated array, or the caller's ``out``, in the package's C helper, with no
+Python object per range. ``reader[i]`` with a plain int on a mapped pair without the id check or modes is answered
+by the reader's C base (``_indexed_helpers.MappedItems``), which makes the view through the numpy C API with no
+Python frame (about a fifth of the Python path's cost), and a slice's views are cut there too (``split_views``).
 """
 
 from __future__ import annotations
 
+import copyreg
 import mmap
 import os
 import stat
 from collections.abc import Sequence
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -226,8 +227,11 @@ def _scan_documents(documents: np.ndarray, count: int) -> dict[str, tuple[int, i
     return found
 
 
-class IndexedDataReader:
+class IndexedDataReader(_indexed_helpers.MappedItems):
     """Random access to the sequences of one ``<prefix>.idx``/``<prefix>.bin`` pair.
+
+    ``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only). Multimodal
+    readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
 
     The index arrays are read-only views of the ``.idx``: of one read of it when it fits in one page, else of a
     memory map. With ``mmap=True`` the ``.bin`` is memory-mapped and reads return read-only views; with
@@ -306,7 +310,7 @@ class IndexedDataReader:
         self._bin_view: memoryview | None = None
         self._tokens: np.ndarray | None = None  # the whole mapped .bin as one token array, made on the first read
         self._bin_opened = False  # the .bin is opened, and the whole index checked, on the first read
-        self._plain_items: tuple | None = None  # reader[i]'s fast path, armed by _arm_plain_items
+        self._arm_items(None, None, None)  # reader[i]'s fast path (the C base), armed by _arm_plain_items
         # Plain attributes for the per-read hot path (numpy scalar indexing and properties cost microseconds).
         self._count = header.sequence_count
         self._dtype = header.dtype
@@ -567,18 +571,12 @@ class IndexedDataReader:
             self._set_id_bound()
 
     def _arm_plain_items(self) -> None:
-        """Give ``reader[i]`` its fast path where a read is a slice of the map and nothing more (no id check, no
-        mode): the token array, memoryviews of the pointers and lengths (indexing one costs half of ``.item``) and
-        the shift from bytes to tokens."""
+        """Give ``reader[i]`` its fast path where a read is a view of the map and nothing more (no id check, no
+        mode): the C base answers a plain int itself, from the token array and the index arrays."""
         if self._tokens is None or self._id_bound is not None or self._modes is not None:
-            self._plain_items = None
-            return
-        # The arrays sit unaligned after the 34-byte header, so numpy exports them as "=q"/"=i", which memoryviews
-        # cannot index; recast as bytes, then as the native formats.
-        pointers = memoryview(self._pointers).cast("B").cast("q")
-        lengths = memoryview(self._lengths).cast("B").cast("i")
-        shift = self._itemsize.bit_length() - 1  # item sizes are powers of two
-        self._plain_items = (self._tokens, pointers, lengths, shift)
+            self._arm_items(None, None, None)
+        else:
+            self._arm_items(self._tokens, self._pointers, self._lengths)
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         """``count`` tokens from ``byte_offset``, their ids checked once ``check_token_ids`` was called."""
@@ -664,26 +662,9 @@ class IndexedDataReader:
         spans = [self._span(i, offset, length) for i, offset, length in pieces]
         return np.concatenate([self._read(byte_offset, length) for byte_offset, length, _ in spans])
 
-    def __getitem__(self, key: int | slice):
-        """``reader[i]`` returns one sequence; ``reader[a:b]`` a list of consecutive sequences (mmap only).
-
-        Multimodal readers return ``(tokens, mode)`` and ``(list_of_tokens, modes)`` respectively.
-        """
-        plain = self._plain_items
-        if plain is not None and type(key) is int:
-            # The common case, a memory-mapped read of a plain int: two memoryview lookups and one slice. A
-            # negative key counts from the end as in a list; one out of range reaches the error below.
-            tokens, pointers, lengths, shift = plain
-            try:
-                start = pointers[key] >> shift
-                return tokens[start : start + lengths[key]]
-            except IndexError:
-                pass
-        return self._item_or_slice(key)
-
     def _item_or_slice(self, key):
-        """``reader[key]`` outside the fast path: before the first read, with the id check or modes, numpy
-        integers, slices, and keys out of range."""
+        """``reader[key]`` where the C base's fast path does not answer: before the first read, with the id check
+        or modes, numpy integers, slices, and keys out of range."""
         if type(key) is int or isinstance(key, (int, np.integer)):  # the first test is the fast one
             i = key if 0 <= key < self._count else self._sequence_id(key)  # the common case without a call
             array = self._read(self._pointers.item(i), self._lengths.item(i))
@@ -692,26 +673,35 @@ class IndexedDataReader:
             return self._get_slice(key)
         raise TypeError(f"indices must be integers or slices, not {type(key).__name__}")
 
-    def gather(self, sequence_ids, offsets=None, lengths=None) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of each listed sequence, concatenated into one new array.
+    def gather(self, sequence_ids, offsets=None, lengths=None, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of each listed sequence, concatenated into one array.
 
         ``offsets`` None reads from each sequence's start, ``lengths`` None to its end, so ``gather(ids)`` is the
-        listed sequences whole. With a memory map this is one copy of every range into a preallocated array (the
-        C helper, no Python object per range) and one vectorised id check of the result; without one, one
-        ``pread`` per range.
+        listed sequences whole. With a memory map this is one copy of every range into one array (the C helper, no
+        Python object per range) and one vectorised id check of the result; without one, one ``pread`` per range.
+
+        Args:
+            out: where to write the tokens instead of a new array: a writable C-contiguous 1-D array of the
+                reader's dtype holding exactly the tokens gathered (a slice ``buffer[:n]`` of a larger one will do);
+                it is returned. A loader reusing one buffer writes into memory already mapped and cached, where a
+                fresh multi-MB array per call may have to be faulted in (and zeroed) by the kernel and starts cold.
+                Its contents are unspecified after an error.
 
         Raises:
             IndexError: a sequence id or a token range lies outside the pair.
+            ValueError: ``out`` is not such an array, naming what it is.
             DataFileError: an id is out of range (once ``check_token_ids`` was called), naming its document.
         """
         if not self._bin_opened:
             self._open_bin()  # the index is checked before its lengths bound the ranges
         sequence_ids, offsets, lengths = self._ranges(sequence_ids, offsets, lengths)
+        flat = self._gather_output(out, int(lengths.sum()))
         if self._tokens is None:
             pieces = [self.get(int(i), int(o), int(n)) for i, o, n in zip(sequence_ids, offsets, lengths, strict=True)]
-            return np.concatenate(pieces) if pieces else np.empty(0, self._dtype)
+            if pieces:
+                np.concatenate(pieces, out=flat)
+            return flat
         byte_starts = self._pointers[sequence_ids] + offsets * self._itemsize
-        flat = np.empty(int(lengths.sum()), self._dtype)
         _indexed_helpers.copy_ranges(self._bin_view, byte_starts, lengths * self._itemsize, flat)
         if self._id_bound is not None and (bad := self._first_bad_id(flat)) is not None:
             ends = np.cumsum(lengths)
@@ -719,6 +709,23 @@ class IndexedDataReader:
             token = int(byte_starts[piece]) // self._itemsize + bad - int(ends[piece] - lengths[piece])
             raise self._id_error(token, int(flat[bad]))
         return flat
+
+    def _gather_output(self, out: np.ndarray | None, count: int) -> np.ndarray:
+        """The array ``gather`` writes ``count`` tokens into: a new one, or ``out`` once checked to fit exactly."""
+        if out is None:
+            return np.empty(count, self._dtype)
+        wanted = f"a writable C-contiguous 1-D {self._dtype} array of exactly the {count} tokens gathered"
+        if not isinstance(out, np.ndarray):
+            raise ValueError(f"gather's out must be {wanted}, got {type(out).__name__}")
+        flags = out.flags
+        if out.dtype != self._dtype or out.shape != (count,) or not flags.c_contiguous or not flags.writeable:
+            kind = ("writable" if flags.writeable else "read-only") + ("" if flags.c_contiguous else " non-contiguous")
+            raise ValueError(
+                f"gather's out must be {wanted}, got a {kind} {out.dtype} array of shape {out.shape}: pass "
+                f"np.empty({count}, {self._dtype}) or a slice buffer[:{count}] of a larger buffer, or no out for a "
+                "new array"
+            )
+        return out
 
     def _ranges(self, sequence_ids, offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``gather``'s arguments as int64 arrays, ``None`` filled in; a range outside its sequence is an IndexError.
@@ -752,9 +759,8 @@ class IndexedDataReader:
         if start == stop:
             tokens = []
         else:
-            bounds = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
-            flat = self._read(self._pointers.item(start), bounds[-1])
-            tokens = [flat[a:b] for a, b in pairwise(bounds)]
+            flat = self._read(self._pointers.item(start), int(lengths.sum(dtype=np.int64)))
+            tokens = _indexed_helpers.split_views(flat, lengths)
         return (tokens, self._modes[start:stop]) if self._modes is not None else tokens
 
     # -- lifetime ---------------------------------------------------------------------------------------------
@@ -781,3 +787,8 @@ class IndexedDataReader:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._open()
+
+    def __reduce__(self):
+        # Protocol 2's form for every protocol: protocols 0 and 1 would otherwise try to pickle the C base, which
+        # holds nothing that the first read does not arm again.
+        return copyreg.__newobj__, (type(self),), self.__getstate__()

@@ -1,6 +1,6 @@
 /*
- * Sequential index builders for hyper_parallel.data.indexed: the sample index, the blending indices and the legacy
- * RandomState shuffle.
+ * The C helper of hyper_parallel.data.indexed: the sequential index builders (the sample index, the blending indices
+ * and the legacy RandomState shuffle) and the reader's per-call paths (gather's copy, reader[i] and slices' views).
  *
  * Both builders are walks where each step depends on the previous one. The blending schedule cannot be vectorised;
  * the sample index can (indexed_helpers.build_sample_index_numpy), but the benchmarks show a single pass here is 3-4x
@@ -16,12 +16,20 @@
  *
  * copy_ranges is the reader's batched gather: byte ranges of the memory-mapped .bin copied one after another into
  * one preallocated output, with the GIL released, so that a batch of many documents costs no Python object per
- * document.
+ * document. The ranges of a batch lie anywhere in the map, so each copy prefetches the ranges a few places ahead:
+ * their cache and TLB misses overlap the copies before them instead of stalling each copy in turn.
+ *
+ * MappedItems is the base type of the reader: once armed with the token array and the index arrays, reader[i] with
+ * a plain int is answered here, a view made directly through the numpy C API with no Python frame (the Python path
+ * cost three times as much per call, which is most of a 2 KB document's read); anything else goes to the reader's
+ * _item_or_slice. split_views cuts one array into consecutive views the same way, for slices of many sequences.
  *
  * Arguments are Python buffers (numpy arrays) of exact dtypes; the Python wrapper checks them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -395,6 +403,13 @@ static PyObject *legacy_shuffle(PyObject *self, PyObject *args) {
 }
 
 /*
+ * copy_ranges prefetches the start of range j + COPY_AHEAD while it copies range j: the hardware prefetcher follows a
+ * range once its copy has begun, but not the jump to the next one, which would otherwise stall each copy on a cache
+ * (and TLB) miss. One line is enough; prefetching more of each range measured no better.
+ */
+#define COPY_AHEAD 4
+
+/*
  * copy_ranges(source: buffer, starts: int64[k], counts: int64[k], out: writable buffer)
  * Copy source[starts[j] : starts[j] + counts[j]] (bytes) for j = 0..k-1 back to back into out. The caller checks that
  * every range lies in source and that out holds their sum; this only refuses a sum larger than out.
@@ -444,7 +459,9 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     char *to = (char *)out.buf;
     const char *from = (const char *)source.buf;
+    for (Py_ssize_t j = 0; j < k && j < COPY_AHEAD; ++j) __builtin_prefetch(from + start[j], 0);
     for (Py_ssize_t j = 0; j < k; ++j) {
+        if (j + COPY_AHEAD < k) __builtin_prefetch(from + start[j + COPY_AHEAD], 0);
         memcpy(to, from + start[j], (size_t)count[j]);
         to += count[j];
     }
@@ -455,6 +472,178 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     PyBuffer_Release(&out);
     Py_RETURN_NONE;
 }
+
+/*
+ * A view of `count` items of `array` from `data`, made as numpy's basic slicing makes one: the array's dtype and
+ * flags (so a view of a read-only map stays read-only), the array as its base.
+ */
+static PyObject *view_of(PyArrayObject *array, char *data, npy_intp count) {
+    PyArray_Descr *descr = PyArray_DESCR(array);
+    Py_INCREF(descr);
+    int flags = PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE;
+    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, 1, &count, NULL, data, flags, NULL);
+    if (view == NULL) return NULL;
+    Py_INCREF(array);
+    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)array) != 0) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    return view;
+}
+
+/* A 1-D C-contiguous array, of native-order items of `type` unless it is -1; else a TypeError naming it. */
+static int check_array(PyObject *obj, int type, const char *name) {
+    if (!PyArray_Check(obj) || PyArray_NDIM((PyArrayObject *)obj) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)obj) ||
+        (type >= 0 && (PyArray_TYPE((PyArrayObject *)obj) != type || !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a contiguous 1-D array%s", name,
+                     type == NPY_INT64 ? " of native int64" : (type == NPY_INT32 ? " of native int32" : ""));
+        return -1;
+    }
+    return 0;
+}
+
+/* split_views(array: 1-D contiguous, lengths: int32[k]) -> list of k consecutive views of array */
+static PyObject *split_views(PyObject *self, PyObject *args) {
+    PyObject *array_obj, *lengths_obj;
+    if (!PyArg_ParseTuple(args, "OO", &array_obj, &lengths_obj)) return NULL;
+    if (check_array(array_obj, -1, "array") != 0 || check_array(lengths_obj, NPY_INT32, "lengths") != 0) return NULL;
+    PyArrayObject *array = (PyArrayObject *)array_obj;
+    const char *length_data = PyArray_BYTES((PyArrayObject *)lengths_obj);  /* may be unaligned: read by memcpy */
+    Py_ssize_t k = PyArray_DIM((PyArrayObject *)lengths_obj, 0);
+    npy_intp available = PyArray_DIM(array, 0), total = 0;
+    for (Py_ssize_t j = 0; j < k; ++j) {
+        int32_t length;
+        memcpy(&length, length_data + 4 * j, 4);
+        if (length < 0 || length > available - total) {
+            PyErr_Format(PyExc_ValueError, "the lengths must be non-negative and sum to at most the %zd items of array",
+                         (Py_ssize_t)available);
+            return NULL;
+        }
+        total += length;
+    }
+    PyObject *views = PyList_New(k);
+    if (views == NULL) return NULL;
+    char *data = PyArray_BYTES(array);
+    npy_intp itemsize = PyArray_ITEMSIZE(array);
+    for (Py_ssize_t j = 0; j < k; ++j) {
+        int32_t length;
+        memcpy(&length, length_data + 4 * j, 4);
+        PyObject *view = view_of(array, data, length);
+        if (view == NULL) {
+            Py_DECREF(views);
+            return NULL;
+        }
+        PyList_SET_ITEM(views, j, view);
+        data += (npy_intp)length * itemsize;
+    }
+    return views;
+}
+
+/*
+ * MappedItems: the base type of IndexedDataReader. _arm_items(tokens, pointers, lengths) gives reader[i] its fast
+ * path (tokens: the mapped .bin as one array; pointers int64 and lengths int32: the index); _arm_items(None, None,
+ * None) takes it away. Armed, reader[i] for a plain int in [-n, n) is the view of sequence i; every other key, and a
+ * sequence that would not lie whole and aligned in tokens, goes to self._item_or_slice(key).
+ */
+typedef struct {
+    PyObject_HEAD
+    PyArrayObject *tokens; /* NULL when not armed */
+    PyArrayObject *pointers;
+    PyArrayObject *lengths;
+} MappedItems;
+
+static PyObject *item_or_slice_name; /* "_item_or_slice", interned at import */
+
+static int mapped_items_traverse(MappedItems *self, visitproc visit, void *arg) {
+    Py_VISIT(self->tokens);
+    Py_VISIT(self->pointers);
+    Py_VISIT(self->lengths);
+    return 0;
+}
+
+static int mapped_items_clear(MappedItems *self) {
+    Py_CLEAR(self->tokens);
+    Py_CLEAR(self->pointers);
+    Py_CLEAR(self->lengths);
+    return 0;
+}
+
+static void mapped_items_dealloc(MappedItems *self) {
+    PyObject_GC_UnTrack(self);
+    mapped_items_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *mapped_items_arm(MappedItems *self, PyObject *args) {
+    PyObject *tokens, *pointers, *lengths;
+    if (!PyArg_ParseTuple(args, "OOO", &tokens, &pointers, &lengths)) return NULL;
+    if (tokens == Py_None) {
+        mapped_items_clear(self);
+        Py_RETURN_NONE;
+    }
+    if (check_array(tokens, -1, "tokens") != 0 || check_array(pointers, NPY_INT64, "pointers") != 0 ||
+        check_array(lengths, NPY_INT32, "lengths") != 0) {
+        return NULL;
+    }
+    if (PyArray_DIM((PyArrayObject *)pointers, 0) != PyArray_DIM((PyArrayObject *)lengths, 0)) {
+        PyErr_SetString(PyExc_ValueError, "pointers and lengths must have the same length");
+        return NULL;
+    }
+    Py_INCREF(tokens);
+    Py_INCREF(pointers);
+    Py_INCREF(lengths);
+    Py_XSETREF(self->tokens, (PyArrayObject *)tokens);
+    Py_XSETREF(self->pointers, (PyArrayObject *)pointers);
+    Py_XSETREF(self->lengths, (PyArrayObject *)lengths);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mapped_items_subscript(MappedItems *self, PyObject *key) {
+    PyArrayObject *tokens = self->tokens;
+    if (tokens != NULL && PyLong_CheckExact(key)) {
+        Py_ssize_t i = PyLong_AsSsize_t(key);
+        Py_ssize_t n = PyArray_DIM(self->lengths, 0);
+        if (i == -1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* too large: the general path names it */
+        } else if (i >= -n && i < n) {
+            if (i < 0) i += n;
+            /* The index arrays sit unaligned after the 34-byte header. */
+            int64_t pointer;
+            int32_t length;
+            memcpy(&pointer, PyArray_BYTES(self->pointers) + 8 * i, 8);
+            memcpy(&length, PyArray_BYTES(self->lengths) + 4 * i, 4);
+            int64_t itemsize = PyArray_ITEMSIZE(tokens), size = PyArray_NBYTES(tokens);
+            if (pointer >= 0 && pointer % itemsize == 0 && length >= 0 && pointer <= size &&
+                length <= (size - pointer) / itemsize) {
+                return view_of(tokens, PyArray_BYTES(tokens) + pointer, length);
+            }
+        }
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, item_or_slice_name, key);
+}
+
+static PyMappingMethods mapped_items_mapping = {NULL, (binaryfunc)mapped_items_subscript, NULL};
+
+static PyMethodDef mapped_items_methods[] = {
+    {"_arm_items", (PyCFunction)mapped_items_arm, METH_VARARGS,
+     "_arm_items(tokens, pointers, lengths): answer reader[i] with views of tokens; all None: stop."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MappedItemsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hyper_parallel.data.indexed._indexed_helpers.MappedItems",
+    .tp_doc = "Base of IndexedDataReader: reader[i] of a plain int as a view of the armed token array.",
+    .tp_basicsize = sizeof(MappedItems),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)mapped_items_dealloc,
+    .tp_traverse = (traverseproc)mapped_items_traverse,
+    .tp_clear = (inquiry)mapped_items_clear,
+    .tp_as_mapping = &mapped_items_mapping,
+    .tp_methods = mapped_items_methods,
+};
 
 static PyMethodDef methods[] = {
     {"fill_sample_index", fill_sample_index, METH_VARARGS,
@@ -468,9 +657,22 @@ static PyMethodDef methods[] = {
      "advance key in place and return the new pos."},
     {"copy_ranges", copy_ranges, METH_VARARGS,
      "Copy the byte ranges (starts, counts) of source back to back into the writable buffer out."},
+    {"split_views", split_views, METH_VARARGS,
+     "Consecutive views of a 1-D contiguous array, one per int32 length, as a list."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_indexed_helpers", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__indexed_helpers(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__indexed_helpers(void) {
+    import_array();
+    item_or_slice_name = PyUnicode_InternFromString("_item_or_slice");
+    if (item_or_slice_name == NULL || PyType_Ready(&MappedItemsType) < 0) return NULL;
+    PyObject *module_obj = PyModule_Create(&module);
+    if (module_obj == NULL) return NULL;
+    if (PyModule_AddObjectRef(module_obj, "MappedItems", (PyObject *)&MappedItemsType) != 0) {
+        Py_DECREF(module_obj);
+        return NULL;
+    }
+    return module_obj;
+}
