@@ -10,6 +10,7 @@ Not responsible for: the sizes and costs each scheduler chooses, or filling idle
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 
@@ -23,18 +24,17 @@ class _Step:
 
     A group of size ``c`` sits on the aligned block ``[first, first + c)`` of one micro-batch and is recorded at
     its first position; ``load[u]`` is the cost position ``u`` carries over the step (each group's cost divided by
-    its size). ``single[u, m]`` is the room a size-1 sequence finds at position ``u`` of micro-batch ``m`` (-1:
-    none, the position belongs to a wider group or its group is full).
+    its size).
     """
 
-    def __init__(self, units: int, room: int, max_num_seqs: int | None) -> None:
+    def __init__(self, count: int, units: int, room: int, max_num_seqs: int | None) -> None:
         self.units, self.room, self.max_num_seqs = units, room, max_num_seqs
-        self.owner = np.zeros((0, units), dtype=np.int64)  # first position of the holding group, -1 when free
-        self.size = np.zeros((0, units), dtype=np.int64)  # at a group's first position: its size, else 0
-        self.free = np.zeros((0, units), dtype=np.int64)  # at a group's first position: tokens left in it
-        self.single = np.zeros((units, 0), dtype=np.int64)
+        self.owner = np.full((count, units), -1, dtype=np.int64)  # first position of the holding group, -1: free
+        self.size = np.zeros((count, units), dtype=np.int64)  # at a group's first position: its size, else 0
+        # at a group's first position: the tokens a sequence may still bring (-1 once it holds max_num_seqs)
+        self.free = np.zeros((count, units), dtype=np.int64)
         self.members: dict[tuple[int, int], list[int]] = {}
-        self.load = [0.0] * units
+        self.load = np.zeros(units)
 
     @property
     def count(self) -> int:
@@ -45,46 +45,97 @@ class _Step:
         self.owner = np.concatenate([self.owner, np.full((count, units), -1, dtype=np.int64)])
         self.size = np.concatenate([self.size, np.zeros((count, units), dtype=np.int64)])
         self.free = np.concatenate([self.free, np.zeros((count, units), dtype=np.int64)])
-        self.single = np.concatenate([self.single, np.full((units, count), self.room, dtype=np.int64)], axis=1)
-
-    def place(self, index: int, micro_batch: int, first: int, size: int, tokens: int, weight: float) -> None:
-        if self.owner[micro_batch, first] < 0:
-            self.owner[micro_batch, first : first + size] = first
-            self.size[micro_batch, first] = size
-            self.free[micro_batch, first] = self.room * size
-            self.members[micro_batch, first] = []
-            if size > 1:
-                self.single[first : first + size, micro_batch] = -1
-        self.free[micro_batch, first] -= tokens
-        members = self.members[micro_batch, first]
-        members.append(index)
-        if size == 1:
-            full = self.max_num_seqs is not None and len(members) >= self.max_num_seqs
-            self.single[first, micro_batch] = -1 if full else self.free[micro_batch, first]
-        for u in range(first, first + size):
-            self.load[u] += weight / size
 
     def wide_slot(self, size: int, tokens: int) -> tuple[int, int] | None:
         """``(first, micro_batch)`` for a sequence of size ``size > 1``: the least-loaded aligned block (its highest
         position load) that it can join or open in some micro-batch, the first such micro-batch."""
         blocks = self.units // size
-        owner = self.owner.reshape(self.count, blocks, size)
-        opens = (owner < 0).all(axis=2) & (tokens <= self.room * size)
-        firsts = np.arange(blocks) * size
-        joins = (owner[:, :, 0] == firsts) & (self.size[:, ::size] == size) & (self.free[:, ::size] >= tokens)
-        if self.max_num_seqs is not None:
-            counts = np.zeros_like(joins)
-            for (micro_batch, first), members in self.members.items():
-                if first % size == 0 and self.size[micro_batch, first] == size:
-                    counts[micro_batch, first // size] = len(members) >= self.max_num_seqs
-            joins &= ~counts
-        fits = opens | joins
+        opens = (self.owner.reshape(self.count, blocks, size) < 0).all(axis=2) & (tokens <= self.room * size)
+        fits = opens | ((self.size[:, ::size] == size) & (self.free[:, ::size] >= tokens))
         usable = fits.any(axis=0)
         if not usable.any():
             return None
-        loads = np.asarray(self.load).reshape(blocks, size).max(axis=1)
+        loads = self.load.reshape(blocks, size).max(axis=1)
         block = int(np.where(usable, loads, np.inf).argmin())
         return block * size, int(fits[:, block].argmax())
+
+    def place_wide(self, index: int, micro_batch: int, first: int, size: int, tokens: int, weight: float) -> None:
+        """Sequence ``index`` of size ``size > 1`` joins or opens the group at ``first`` of ``micro_batch``."""
+        if self.owner[micro_batch, first] < 0:
+            self.owner[micro_batch, first : first + size] = first
+            self.size[micro_batch, first] = size
+            self.free[micro_batch, first] = self.room * size
+            self.members[micro_batch, first] = []
+        members = self.members[micro_batch, first]
+        members.append(index)
+        full = self.max_num_seqs is not None and len(members) >= self.max_num_seqs
+        self.free[micro_batch, first] = -1 if full else self.free[micro_batch, first] - tokens
+        self.load[first : first + size] += weight / size
+
+    def place_singles(self, indices: np.ndarray, tokens: np.ndarray, weights: np.ndarray, grow: int) -> None:
+        """Size-1 sequences ``indices``, in order, each to the least-loaded position (ties: the lowest) that has
+        room in one of its micro-batches, the first such micro-batch; ``grow`` more micro-batches when no position
+        has room.
+
+        Positions wait in a heap by ``(load, position)``. One whose micro-batches have no room for a sequence is
+        parked, by its largest room, until a sequence that fits it comes (or the micro-batches grow): a full
+        position costs one scan, not one per sequence. The rooms ``rooms[u][m]`` (-1: a wider group's position, or a
+        group at ``max_num_seqs``) and the members ``members[u][m]`` are Python lists in the loop (numpy scalar
+        access would dominate it) and go to the arrays once, at the end.
+        """
+        count, room, limit = self.count, self.room, self.max_num_seqs
+        heap = [(load, u) for u, load in enumerate(self.load.tolist())]
+        heapq.heapify(heap)
+        parked: list[tuple[int, float, int]] = []  # a heap of (-largest room, load, position)
+        reopen = -1  # the largest room of a parked position
+        # each row ends in a room no sequence exceeds, so the first-fit scan stops at ``count`` when none fits
+        rooms = np.where(self.owner.T < 0, room, -1).tolist()
+        for row in rooms:
+            row.append(math.inf)
+        members = [[[] for _ in range(count)] for _ in range(self.units)]
+        replace = heapq.heapreplace
+        ids, needs, costs = indices.tolist(), tokens[indices].tolist(), weights[indices].tolist()
+        for index, need, weight in zip(ids, needs, costs, strict=True):
+            if need <= reopen:
+                while parked and -parked[0][0] >= need:
+                    _, load, u = heapq.heappop(parked)
+                    heapq.heappush(heap, (load, u))
+                reopen = -parked[0][0] if parked else -1
+            while True:
+                load, u = heap[0]
+                row = rooms[u]
+                micro_batch = 0
+                while row[micro_batch] < need:
+                    micro_batch += 1
+                if micro_batch < count:
+                    break
+                heapq.heappop(heap)
+                largest = max(row[:count])
+                heapq.heappush(parked, (-largest, load, u))
+                reopen = max(reopen, largest)
+                if not heap:  # no position has room: more micro-batches, every position back in the heap
+                    self.extend(grow)
+                    for row in rooms:
+                        row[count:count] = [room] * grow
+                    for groups in members:
+                        groups.extend([] for _ in range(grow))
+                    count += grow
+                    heap = [(load, u) for _, load, u in parked]
+                    heapq.heapify(heap)
+                    parked, reopen = [], -1
+            replace(heap, (load + weight, u))
+            group = members[u][micro_batch]
+            group.append(index)
+            if limit is not None and len(group) >= limit:
+                row[micro_batch] = -1
+            else:
+                row[micro_batch] -= need
+        for u, groups in enumerate(members):
+            for micro_batch, group in enumerate(groups):
+                if group:
+                    self.owner[micro_batch, u] = u
+                    self.size[micro_batch, u] = 1
+                    self.members[micro_batch, u] = group
 
 
 def balanced_step(
@@ -104,9 +155,8 @@ def balanced_step(
     goes to the aligned block of ``c`` positions with the lowest load that has a micro-batch where it can join that
     block's group or open one, the first such micro-batch.
     """
-    step = _Step(units, room, max_num_seqs)
-    step.extend(count)
-    order = np.lexsort((np.arange(len(sizes)), -weights / sizes, -sizes))
+    step = _Step(count, units, room, max_num_seqs)
+    order = np.lexsort((-weights / sizes, -sizes))  # a stable sort: ties keep id order
     wide = order[sizes[order] > 1]
     for index in wide.tolist():
         size, need, weight = int(sizes[index]), int(tokens[index]), float(weights[index])
@@ -114,44 +164,8 @@ def balanced_step(
         while slot is None:
             step.extend(grow)
             slot = step.wide_slot(size, need)
-        step.place(index, slot[1], slot[0], size, need, weight)
-    # Size-1 sequences (most of them): a heap of positions by load, first fit over the micro-batches.
-    # Rooms, tokens left and members of size-1 groups live in lists and dicts here (numpy scalar access would
-    # dominate); the rooms go back to ``step.single`` when the micro-batches grow and at the end.
-    heap = [(load, u) for u, load in enumerate(step.load)]
-    heapq.heapify(heap)
-    members, limit = step.members, max_num_seqs
-    rooms = step.single.tolist()
-    for index in order[len(wide) :].tolist():
-        need, weight = int(tokens[index]), float(weights[index])
-        skipped = []
-        while True:
-            if not heap:
-                step.single[:] = rooms
-                step.extend(grow)
-                rooms = step.single.tolist()
-                heap, skipped = skipped, []
-                heapq.heapify(heap)
-            load, u = heapq.heappop(heap)
-            row = rooms[u]
-            micro_batch = next((m for m, room in enumerate(row) if room >= need), -1)
-            if micro_batch < 0:
-                skipped.append((load, u))
-                continue
-            group = members.get((micro_batch, u))
-            if group is None:
-                step.owner[micro_batch, u] = u
-                step.size[micro_batch, u] = 1
-                group = members[micro_batch, u] = []
-            group.append(index)
-            left = row[micro_batch] - need
-            row[micro_batch] = -1 if limit is not None and len(group) >= limit else left
-            step.load[u] = load + weight
-            heapq.heappush(heap, (load + weight, u))
-            break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-    step.single[:] = rooms
+        step.place_wide(index, slot[1], slot[0], size, need, weight)
+    step.place_singles(order[len(wide) :], tokens, weights, grow)  # most sequences
     return step
 
 
@@ -160,14 +174,13 @@ def step_schedule(step: _Step, smallest: int, unit: int) -> Schedule:
 
     ``unit`` is the positions one scheduling unit stands for (the static CP size for ``compute_balanced``, else 1).
     """
-    micro_batches = []
-    for micro_batch in range(step.count):
+    micro_batches, members = [], step.members
+    for micro_batch, sizes in enumerate(step.size.tolist()):
         groups, first = [], 0
-        sizes = step.size[micro_batch]
         while first < step.units:
-            size = int(sizes[first])
-            members = tuple(step.members[micro_batch, first]) if size else ()
-            groups.append(ScheduledGroup(first * unit, (size or smallest) * unit, members))
+            size = sizes[first]
+            ids = tuple(members[micro_batch, first]) if size else ()
+            groups.append(ScheduledGroup(first * unit, (size or smallest) * unit, ids))
             first += size or smallest
         micro_batches.append(tuple(groups))
     return Schedule(tuple(micro_batches))

@@ -56,10 +56,11 @@ def schedule_dynamic_cp(
     chain = [int(size) for size in cp_sizes]
     lengths = np.asarray(lengths, dtype=np.int64)
     weights = np.asarray(lengths.astype(np.float64) ** 2 if cost is None else cost(lengths), dtype=np.float64)
+    padded = {size: layout.padded_lengths(lengths, size) for size in chain}
     least = np.full(len(lengths), chain[-1], dtype=np.int64)
     for size in reversed(chain):
-        least = np.where(layout.padded_lengths(lengths, size) <= capacity * size, size, least)
-    tokens_needed = sum(int(layout.padded_lengths(lengths[least == size], size).sum()) for size in chain)
+        least = np.where(padded[size] <= capacity * size, size, least)
+    tokens_needed = sum(int(padded[size][least == size].sum()) for size in chain)
     count = max(1, -(-tokens_needed // (positions * capacity)))
     count = -(-count // vpp_group) * vpp_group
     mean = float(weights.sum()) / (count * positions)
@@ -68,6 +69,6 @@ def schedule_dynamic_cp(
         sizes = np.where((sizes < size) & (weights / sizes > mean), size, sizes)
     tokens = np.zeros(len(lengths), dtype=np.int64)
     for size in chain:
-        tokens[sizes == size] = layout.padded_lengths(lengths[sizes == size], size)
+        tokens[sizes == size] = padded[size][sizes == size]
     step = balanced_step(count, vpp_group, positions, capacity, sizes, tokens, weights, max_num_seqs)
     return step_schedule(step, chain[0], 1)
