@@ -18,6 +18,10 @@
  * one preallocated output, with the GIL released, so that a batch of many documents costs no Python object per
  * document.
  *
+ * fill_token_lists is the Online transforms' flattening of tokenized documents: the tokenizer hands each document's
+ * ids as a Python list of ints, and numpy's fastest way to one array (fromiter over a chain of the lists) still
+ * costs an iterator step and a conversion per token; here each list is read in place (benchmarks/bench_online.py).
+ *
  * Arguments are Python buffers (numpy arrays) of exact dtypes; the Python wrapper checks them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -456,6 +460,67 @@ static PyObject *copy_ranges(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/*
+ * fill_token_lists(documents: sequence of lists of int, end_token: int, out: writable int64 buffer)
+ * Write each document's ids back to back into out, followed by end_token after every document when end_token >= 0.
+ * The caller sizes out from the documents' lengths; anything else is refused: a length that does not fill out
+ * exactly, an item that is not a list, an id that is not an int or does not fit int64 (no id is ever negative for a
+ * tokenizer, but the values are copied as they are).
+ */
+static PyObject *fill_token_lists(PyObject *self, PyObject *args) {
+    PyObject *documents_obj, *out_obj;
+    long long end_token;
+    if (!PyArg_ParseTuple(args, "OLO", &documents_obj, &end_token, &out_obj)) {
+        return NULL;
+    }
+    PyObject *documents = PySequence_Fast(documents_obj, "documents must be a sequence of lists of token ids");
+    if (documents == NULL) return NULL;
+    Py_buffer out;
+    if (get_buffer(out_obj, &out, 1, 8, "out") != 0) {
+        Py_DECREF(documents);
+        return NULL;
+    }
+    int64_t *to = (int64_t *)out.buf;
+    Py_ssize_t room = out.len / 8, written = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(documents);
+    PyObject **items = PySequence_Fast_ITEMS(documents);
+    for (Py_ssize_t d = 0; d < count; ++d) {
+        PyObject *ids = items[d];
+        if (!PyList_Check(ids)) {
+            PyErr_Format(PyExc_TypeError, "document %zd is a %s, expected a list of token ids", d, Py_TYPE(ids)->tp_name);
+            goto fail;
+        }
+        Py_ssize_t length = PyList_GET_SIZE(ids);
+        if (written + length + (end_token >= 0) > room) {
+            PyErr_Format(PyExc_ValueError, "the documents hold more tokens than out's %zd", room);
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < length; ++i) {
+            PyObject *id = PyList_GET_ITEM(ids, i);
+            if (!PyLong_Check(id)) {
+                PyErr_Format(PyExc_TypeError, "token %zd of document %zd is a %s, expected an int", i, d,
+                             Py_TYPE(id)->tp_name);
+                goto fail;
+            }
+            long long value = PyLong_AsLongLong(id);
+            if (value == -1 && PyErr_Occurred()) goto fail;
+            to[written++] = (int64_t)value;
+        }
+        if (end_token >= 0) to[written++] = (int64_t)end_token;
+    }
+    if (written != room) {
+        PyErr_Format(PyExc_ValueError, "the documents hold %zd tokens but out has %zd", written, room);
+        goto fail;
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(documents);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&out);
+    Py_DECREF(documents);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill_sample_index", fill_sample_index, METH_VARARGS,
      "Fill rows 1..n of an int32/int64 [n+1, 2] sample index; Megatron's walk."},
@@ -468,6 +533,8 @@ static PyMethodDef methods[] = {
      "advance key in place and return the new pos."},
     {"copy_ranges", copy_ranges, METH_VARARGS,
      "Copy the byte ranges (starts, counts) of source back to back into the writable buffer out."},
+    {"fill_token_lists", fill_token_lists, METH_VARARGS,
+     "Write lists of token ids back to back into the int64 buffer out, end_token after each when >= 0."},
     {NULL, NULL, 0, NULL},
 };
 
