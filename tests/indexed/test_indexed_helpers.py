@@ -525,6 +525,33 @@ def test_native_shuffle_refuses_bad_state():
         _indexed_helpers.legacy_shuffle(np.arange(4, dtype=np.int16), key, 0)
 
 
+@pytest.mark.parametrize("end_token", [-1, 0, 7])
+def test_fill_token_lists_writes_the_lists_back_to_back(end_token):
+    """The documents' ids in order, ``end_token`` after each one when it is >= 0; empty documents and ids beyond
+    32 bits are kept as they are."""
+    documents = [[5, 1, 2], [], [2**40, 3], [9]]
+    expected = [token for ids in documents for token in ids + ([end_token] if end_token >= 0 else [])]
+    out = np.full(len(expected), -99, dtype=np.int64)
+    _indexed_helpers.fill_token_lists(documents, end_token, out)
+    assert out.tolist() == expected
+
+
+def test_fill_token_lists_refuses_what_it_cannot_copy():
+    out = np.empty(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="hold 2 tokens but out has 3"):
+        _indexed_helpers.fill_token_lists([[1, 2]], -1, out)
+    with pytest.raises(ValueError, match="more tokens than out's 3"):
+        _indexed_helpers.fill_token_lists([[1, 2], [3]], 0, out)
+    with pytest.raises(TypeError, match="document 1 is a tuple, expected a list"):
+        _indexed_helpers.fill_token_lists([[1], (2, 3)], -1, out)
+    with pytest.raises(TypeError, match="token 1 of document 0 is a float, expected an int"):
+        _indexed_helpers.fill_token_lists([[1, 2.0, 3]], -1, out)
+    with pytest.raises(OverflowError):
+        _indexed_helpers.fill_token_lists([[1, 2**70, 3]], -1, out)
+    with pytest.raises(TypeError, match="8-byte items"):
+        _indexed_helpers.fill_token_lists([[1, 2, 3]], -1, np.empty(3, dtype=np.int32))
+
+
 def test_shuffle_index_dtype_threshold_matches_megatron(monkeypatch):
     # Read megatron's switch point without allocating 2**32 entries: record the dtype it asks arange for.
     requested = []

@@ -227,12 +227,13 @@ class TextPackingCollator:
         dummy = pad > 0 and self.tail_padding == "append_dummy_seq"
         cu_seq_lens = _cumulative(padded, dummy)
         cu_seq_lens[-1] = packed_length  # the tail padding ends the dummy sequence, or the last one
-        # One allocation per output; every padding is written by ``full`` and the samples by one concatenate.
+        # Every padding is written by ``full``, the samples by one concatenate copied in (not ``out=``: that checks
+        # each sample for overlap with the row, five times the copy for a micro-batch of many short samples).
         input_row = np.full(packed_length, self.pad_token_id, dtype=np.int64)
         label_row = np.full(packed_length, IGNORE_INDEX, dtype=np.int64)
         if total == lengths.sum():
-            np.concatenate(inputs, out=input_row[:total])
-            np.concatenate(labels, out=label_row[:total])
+            input_row[:total] = np.concatenate(inputs)
+            label_row[:total] = np.concatenate(labels)
         else:
             # Lengths 3 and 2 padded to 4: tokens go to [0, 1, 2] and [4, 5], i.e. each token's index among the
             # samples' tokens plus the padding of the sequences before its own: [0, 0, 0, 1, 1].

@@ -28,6 +28,7 @@ import numpy as np
 from hyper_parallel.data.constants import IGNORE_INDEX
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError
+from hyper_parallel.data.indexed._indexed_helpers import fill_token_lists
 from hyper_parallel.data.text.build_tokenizer import build_tokenizer
 from hyper_parallel.data.text.chat_template import (
     ROLE_ALIASES,
@@ -269,15 +270,15 @@ class PlaintextTransform(_RecordTransform):
         except DataFileError as error:
             return error
 
-    def _document_windows(self, documents: list[list[int]]) -> list[list[ModelSample] | int]:
+    def _document_windows(self, documents: Sequence[list[int]]) -> list[list[ModelSample] | int]:
         """Each document's windows, cut from one array of all their tokens (EOS appended); a document of fewer
         than the 2 tokens a next-token pair needs gives its token count instead."""
-        if self.eos_token_id is not None:
-            for ids in documents:
-                ids.append(self.eos_token_id)
         lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        end_token = -1 if self.eos_token_id is None else self.eos_token_id
+        lengths += end_token >= 0
         ends = np.cumsum(lengths)
-        tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=int(ends[-1:].sum()))
+        tokens = np.empty(int(ends[-1:].sum()), dtype=np.int64)
+        fill_token_lists(documents, end_token, tokens)  # the C helper: the id lists read in place, EOS after each
         targets = np.empty_like(tokens)  # separate memory, so editing labels in place cannot change input_ids
         targets[:-1] = tokens[1:]  # the target of a document's token is the next one (its last token has none)
         window = self.max_seq_len

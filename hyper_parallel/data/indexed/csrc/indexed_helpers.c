@@ -24,6 +24,10 @@
  * cost three times as much per call, which is most of a 2 KB document's read); anything else goes to the reader's
  * _item_or_slice. split_views cuts one array into consecutive views the same way, for slices of many sequences.
  *
+ * fill_token_lists is the Online transforms' flattening of tokenized documents: the tokenizer hands each document's
+ * ids as a Python list of ints, and numpy's fastest way to one array (fromiter over a chain of the lists) still
+ * costs an iterator step and a conversion per token; here each list is read in place (benchmarks/bench_online.py).
+ *
  * Arguments are Python buffers (numpy arrays) of exact dtypes; the Python wrapper checks them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -645,6 +649,67 @@ static PyTypeObject MappedItemsType = {
     .tp_methods = mapped_items_methods,
 };
 
+/*
+ * fill_token_lists(documents: sequence of lists of int, end_token: int, out: writable int64 buffer)
+ * Write each document's ids back to back into out, followed by end_token after every document when end_token >= 0.
+ * The caller sizes out from the documents' lengths; anything else is refused: a length that does not fill out
+ * exactly, an item that is not a list, an id that is not an int or does not fit int64 (no id is ever negative for a
+ * tokenizer, but the values are copied as they are).
+ */
+static PyObject *fill_token_lists(PyObject *self, PyObject *args) {
+    PyObject *documents_obj, *out_obj;
+    long long end_token;
+    if (!PyArg_ParseTuple(args, "OLO", &documents_obj, &end_token, &out_obj)) {
+        return NULL;
+    }
+    PyObject *documents = PySequence_Fast(documents_obj, "documents must be a sequence of lists of token ids");
+    if (documents == NULL) return NULL;
+    Py_buffer out;
+    if (get_buffer(out_obj, &out, 1, 8, "out") != 0) {
+        Py_DECREF(documents);
+        return NULL;
+    }
+    int64_t *to = (int64_t *)out.buf;
+    Py_ssize_t room = out.len / 8, written = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(documents);
+    PyObject **items = PySequence_Fast_ITEMS(documents);
+    for (Py_ssize_t d = 0; d < count; ++d) {
+        PyObject *ids = items[d];
+        if (!PyList_Check(ids)) {
+            PyErr_Format(PyExc_TypeError, "document %zd is a %s, expected a list of token ids", d, Py_TYPE(ids)->tp_name);
+            goto fail;
+        }
+        Py_ssize_t length = PyList_GET_SIZE(ids);
+        if (written + length + (end_token >= 0) > room) {
+            PyErr_Format(PyExc_ValueError, "the documents hold more tokens than out's %zd", room);
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < length; ++i) {
+            PyObject *id = PyList_GET_ITEM(ids, i);
+            if (!PyLong_Check(id)) {
+                PyErr_Format(PyExc_TypeError, "token %zd of document %zd is a %s, expected an int", i, d,
+                             Py_TYPE(id)->tp_name);
+                goto fail;
+            }
+            long long value = PyLong_AsLongLong(id);
+            if (value == -1 && PyErr_Occurred()) goto fail;
+            to[written++] = (int64_t)value;
+        }
+        if (end_token >= 0) to[written++] = (int64_t)end_token;
+    }
+    if (written != room) {
+        PyErr_Format(PyExc_ValueError, "the documents hold %zd tokens but out has %zd", written, room);
+        goto fail;
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(documents);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&out);
+    Py_DECREF(documents);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill_sample_index", fill_sample_index, METH_VARARGS,
      "Fill rows 1..n of an int32/int64 [n+1, 2] sample index; Megatron's walk."},
@@ -659,6 +724,8 @@ static PyMethodDef methods[] = {
      "Copy the byte ranges (starts, counts) of source back to back into the writable buffer out."},
     {"split_views", split_views, METH_VARARGS,
      "Consecutive views of a 1-D contiguous array, one per int32 length, as a list."},
+    {"fill_token_lists", fill_token_lists, METH_VARARGS,
+     "Write lists of token ids back to back into the int64 buffer out, end_token after each when >= 0."},
     {NULL, NULL, 0, NULL},
 };
 
