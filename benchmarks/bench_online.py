@@ -397,12 +397,13 @@ def sequences(batches: list[Batch]) -> Counter:
     return found
 
 
-def elastic_resume_run(context: BenchContext, rank_loader, stop: int) -> tuple[dict, list]:
+def elastic_resume_run(context: BenchContext, rank_loader, stop: int, what: str, setting: str) -> tuple[Row, list]:
     """The ranks of the first of ``ELASTIC_SIZES`` (``rank_loader(rank, size)`` builds a loader) read ``stop``
     batches each and save their states; merge + load + first batch on rank 0 of the second size is timed against a
     fresh rank 0's first batch there, construction untimed, the states deep-copied before each round as if read back
     from checkpoints; then, untimed, every new rank is restored from the merged states and read to the end of the
-    epoch. Returns the timings and every batch delivered, by the old ranks and the new."""
+    epoch. Returns the row (``elastic resume <what> ...``, its note opened by ``setting``) and every batch delivered,
+    by the old ranks and the new, for the caller to check."""
     from hyper_parallel.data.batching import merge_rank_states
 
     old_size, new_size = ELASTIC_SIZES
@@ -431,7 +432,19 @@ def elastic_resume_run(context: BenchContext, rank_loader, stop: int) -> tuple[d
         loader = rank_loader(rank, new_size)
         loader.load_state_dict(merged)
         delivered += list(loader)
-    return timings, delivered
+    row = Row.compare(
+        f"elastic resume {what} {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",
+        timings["resumed"].best * 1e3,
+        timings["fresh"].best * 1e3,
+        "ms",
+        RESUME_GOAL,
+        f"{setting}; the states of {old_size} ranks saved after {stop} batches each, deep-copied before each round; "
+        f"ours: merge_rank_states + load_state_dict on rank 0 of {new_size} + its first batch; ref: a fresh rank 0 "
+        f"of {new_size}'s first batch; loader construction untimed on both sides; every sequence of the epoch is "
+        "asserted delivered once over the old and the new ranks",
+        higher_is_better=False,
+    )
+    return row, delivered
 
 
 def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform, uninterrupted: list) -> Row:
@@ -439,7 +452,6 @@ def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform,
     epoch is delivered once across the change."""
     from hyper_parallel.data.text.build_dataset import build_online_text_dataset
 
-    old_size, new_size = ELASTIC_SIZES
     cache = context.workdir / "online_cache"
     data_config = {"dataset_type": kind, "cache_dir": str(cache), "shuffle_buffer_size": SHUFFLE_BUFFER}
 
@@ -447,22 +459,11 @@ def elastic_resume_row(context: BenchContext, kind: str, jsonl: Path, transform,
         dataset = build_online_text_dataset(str(jsonl), transform, data_config, dp_rank=rank, dp_world_size=size)
         return dynamic_loader(dataset, dp_rank=rank, dp_world_size=size, global_batch_size=MICRO_BATCH * size)
 
-    stop = len(uninterrupted) // (2 * old_size)  # half of each old rank's share of the epoch
+    stop = len(uninterrupted) // (2 * ELASTIC_SIZES[0])  # half of each old rank's share of the epoch
     with _quiet():
-        timings, delivered = elastic_resume_run(context, rank_loader, stop)
+        row, delivered = elastic_resume_run(context, rank_loader, stop, kind, "stops at half of each share")
     assert sequences(delivered) == sequences(uninterrupted), f"{kind}: the elastic resume lost or repeated records"
-    return Row.compare(
-        f"elastic resume {kind} {old_size} -> {new_size} ranks: merge + load_state_dict + 1st batch",
-        timings["resumed"].best * 1e3,
-        timings["fresh"].best * 1e3,
-        "ms",
-        RESUME_GOAL,
-        f"the states of {old_size} ranks saved after {stop} batches each (half of each share), deep-copied before "
-        f"each round; ours: merge_rank_states + load_state_dict on rank 0 of {new_size} + its first batch; ref: a "
-        f"fresh rank 0 of {new_size}'s first batch; loader construction untimed on both sides; every sequence of the "
-        "epoch is asserted delivered once over the old and the new ranks",
-        higher_is_better=False,
-    )
+    return row
 
 
 def run(context: BenchContext) -> list[Row]:
