@@ -296,3 +296,26 @@ def test_ranks_in_different_passes_each_hand_over_the_rest_of_their_own(built):
         expected += Counter(("mapping", int(record)) for record in reference.records_of(1, counts))
     assert sum(expected.values()) == 19  # rank 0 had given its whole pass 0, rank 1 one sample of its pass 1
     assert Counter({pair: n for pair, n in given.items() if pair[0] == "mapping"}) == expected
+
+
+def test_a_damaged_handed_over_entry_is_refused_naming_the_field(built):
+    settings = {"weights": {"stream": 0.5, "mapping": 0.5}, "on_exhausted": "reweight"}
+    old = [mixture(built, rank, 2, **dict(settings)).stream for rank in range(2)]
+    for cursor in old:
+        cursor.read(5)
+    plan = mixture(built, 0, 2, **dict(settings)).plan_state()
+    merged = merged_cursors([cursor.state_dict() for cursor in old], plan, 0)
+    restored = mixture(built, 1, 3, **dict(settings)).stream
+    cursor = rank_cursor(merged, 1, 3)
+    del cursor["sources"]["mapping"]["handed_over"]
+    with pytest.raises(ResumeStateError, match=r"\['mapping'\]\['left'\] belongs to a handed-over mapping source"):
+        restored.load_state_dict(cursor)
+    new = [mixture(built, rank, 3, **dict(settings)).stream for rank in range(3)]
+    for rank, fresh in enumerate(new):
+        fresh.load_state_dict(rank_cursor(merged, rank, 3))
+    cursors = [fresh.state_dict() for fresh in new]
+    del cursors[2]["sources"]["mapping"]["left_from"]
+    with pytest.raises(
+        ResumeStateError, match=r"DP rank 2's mixture stream cursor\['sources'\]\['mapping'\].*left_from"
+    ):
+        merged_cursors(cursors, plan, 0)

@@ -44,14 +44,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.data.errors import ResumeStateError
-from hyper_parallel.data.parallel.batch_sampler import bitmap_positions, remaining_bitmap
+from hyper_parallel.data.mixture.mixture_stream import CURSOR_VERSION, handed_over_counts
+from hyper_parallel.data.parallel.batch_sampler import remaining_bitmap
 from hyper_parallel.data.resume_checks import check_state_type, state_field
 from hyper_parallel.data.text.online.online_iterable_dataset import epoch_start_cursor, handover_cursor
 from hyper_parallel.data.text.online.stream_handover import checked_cursor, cursor_at_start, merged_handover
 
-__all__ = ["handed_over_counts", "merged_cursors", "rank_cursor"]
-
-_STATE_VERSION = 1  # of the cursors merged: ``MixtureStream``'s
+__all__ = ["merged_cursors", "rank_cursor"]
 
 
 def merged_cursors(cursors: Sequence[Mapping], plan: Mapping, epoch: int) -> dict:
@@ -98,7 +97,7 @@ def rank_cursor(merged: Mapping, dp_rank: int, dp_world_size: int) -> dict:
     check_state_type(merged, Mapping, where)
     active = state_field(merged, "active", list, where)
     cursor = {
-        "version": _STATE_VERSION,
+        "version": CURSOR_VERSION,
         "dp_rank": dp_rank,
         "dp_world_size": dp_world_size,
         **{key: state_field(merged, key, int, where) for key in ("seed", "epoch", "position", "sample")},
@@ -123,9 +122,9 @@ def rank_cursor(merged: Mapping, dp_rank: int, dp_world_size: int) -> dict:
 def _check_cursor(cursor, rank: int, dp_world_size: int, first) -> None:
     where = f"DP rank {rank}'s mixture stream cursor"
     check_state_type(cursor, Mapping, where)
-    if cursor.get("version") != _STATE_VERSION:
+    if cursor.get("version") != CURSOR_VERSION:
         raise ResumeStateError(
-            f"{where} has version {cursor.get('version')!r}, not {_STATE_VERSION}; it was saved by an incompatible "
+            f"{where} has version {cursor.get('version')!r}, not {CURSOR_VERSION}; it was saved by an incompatible "
             "release: resume with the saved DP size, or start without the states"
         )
     for key in ("dp_rank", "dp_world_size", "seed", "epoch", "position", "sample"):
@@ -157,6 +156,7 @@ def _check_cursor(cursor, rank: int, dp_world_size: int, first) -> None:
             state_field(entry, "stream", (Mapping, None), name_where)
             if "left" in entry:
                 state_field(entry, "left", bytes, name_where)
+                state_field(entry, "left_from", int, name_where)
 
 
 def _budgets(plan) -> dict[str, int | None]:
@@ -233,11 +233,6 @@ def _left_counts(name: str, entries: list[Mapping], giving: list[bool], budget: 
         "left": remaining_bitmap(counts - start, int(counts.max()) - start + 1 if len(counts) else 0),
         "left_from": start,
     }
-
-
-def handed_over_counts(left: bytes, left_from: int, dp_rank: int, dp_world_size: int) -> np.ndarray:
-    """Rank ``dp_rank``'s share of the counts a DP change left of a mapping source: every ``dp_world_size``-th."""
-    return left_from + bitmap_positions(left, len(left) * 8)[dp_rank::dp_world_size].astype(np.int64)
 
 
 def _merged_stream(entries: list[Mapping], cursors: list[Mapping], giving: list[bool], passes: int) -> dict:

@@ -58,17 +58,17 @@ import numpy as np
 from hyper_parallel.data.dataset_logging import get_logger
 from hyper_parallel.data.errors import DataConfigError, DataFileError, ResumeStateError
 from hyper_parallel.data.mixture.build_mixture import MixedSources, MixtureSource
-from hyper_parallel.data.mixture.mixture_handover import handed_over_counts
 from hyper_parallel.data.mixture.mixture_order import SourceDraws, ranks_within
 from hyper_parallel.data.mixture.mixture_plan import check_change, check_reading, check_settings, mixture_differences
+from hyper_parallel.data.parallel.batch_sampler import bitmap_positions
 from hyper_parallel.data.resume_checks import check_state_type, data_identity, state_field
 from hyper_parallel.data.text.transform_dataset import RecordReading
 
-__all__ = ["MixtureRecords", "MixtureStream", "StreamMixture", "StreamPlan"]
+__all__ = ["CURSOR_VERSION", "MixtureRecords", "MixtureStream", "StreamMixture", "StreamPlan", "handed_over_counts"]
 
 logger = get_logger(__name__)
 
-_STATE_VERSION = 1
+CURSOR_VERSION = 1
 _WHERE = "the mixture stream cursor"
 _PLAN = "state['mixture']['plan']"
 # Cursor fields that must equal this mixture's settings, and why.
@@ -453,7 +453,7 @@ class MixtureStream:
         """The cursor (module docstring): plain containers, each stream's cursor included."""
         names = self.mixture.names
         return {
-            "version": _STATE_VERSION,
+            "version": CURSOR_VERSION,
             **{key: getattr(self, key) for key, _ in _SETTINGS},
             "epoch": self.epoch,
             "position": self.position,
@@ -489,9 +489,9 @@ class MixtureStream:
     def check_state(self, state: Mapping) -> None:
         """Refuse a cursor this mixture cannot continue: malformed, of another version, rank, seed or sources."""
         check_state_type(state, Mapping, _WHERE)
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") != CURSOR_VERSION:
             raise ResumeStateError(
-                f"{_WHERE} has version {state.get('version')!r}, not {_STATE_VERSION}; it was saved by an "
+                f"{_WHERE} has version {state.get('version')!r}, not {CURSOR_VERSION}; it was saved by an "
                 "incompatible release: start without the state"
             )
         for key, why in _SETTINGS:
@@ -592,6 +592,12 @@ class MixtureStream:
 
     def __repr__(self) -> str:
         return f"MixtureStream({self.description}, dp {self.dp_rank}/{self.dp_world_size}, epoch {self.epoch})"
+
+
+def handed_over_counts(left: bytes, left_from: int, dp_rank: int, dp_world_size: int) -> np.ndarray:
+    """Rank ``dp_rank``'s share of the sample counts a DP change left of a mapping source (``left``: a bitmap of
+    them from the count ``left_from``): every ``dp_world_size``-th."""
+    return left_from + bitmap_positions(left, len(left) * 8)[dp_rank::dp_world_size].astype(np.int64)
 
 
 class MixtureRecords:
