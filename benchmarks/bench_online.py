@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks.bench_offline import _quiet_project_logging, corpus_path, load_paragraphs, repeat_to_tokens, write_jsonl
 from benchmarks.common import BenchContext, Row, log, measure
+from hyper_parallel.data.batching import build_dataloader
 from hyper_parallel.data.batching.batch import Batch
 
 NAME = "online"
@@ -48,7 +49,9 @@ WORKERS = 2
 SOURCES = ("mapping", "iterable")
 THROUGHPUT_GOAL = 0.8
 BATCHED_ENCODE_GOAL = 0.85  # against the transform's own tokenizer call, the gap is the pipeline's per-record work
-RECORDS_PER_READ = 32  # the dynamic loader's records per read (build_dataloader._RECORDS_PER_READ)
+# The texts the plaintext transform encodes per call in these loaders (no workers): the dynamic loader's reads of
+# records, several fetched at once in the main process.
+RECORDS_PER_CALL = build_dataloader._RECORDS_PER_READ * build_dataloader._READS_PER_FETCH_IN_PROCESS
 
 PACK_MAX_SEQ_LEN = 4096
 PACK_MICRO_BATCH = 1
@@ -158,9 +161,9 @@ def throughput_rows(
         # the call the plaintext transform makes, on reads of the same size, without the pipeline around it
         return sum(
             len(encoding.ids)
-            for start in range(0, len(texts), RECORDS_PER_READ)
+            for start in range(0, len(texts), RECORDS_PER_CALL)
             for encoding in tokenizer.encode_batch_fast(
-                texts[start : start + RECORDS_PER_READ], add_special_tokens=False
+                texts[start : start + RECORDS_PER_CALL], add_special_tokens=False
             )
         )
 
@@ -227,7 +230,7 @@ def throughput_rows(
             bare_batches,
             "tokens/s",
             BATCHED_ENCODE_GOAL,
-            f"ref: Tokenizer.encode_batch_fast over reads of {RECORDS_PER_READ} texts in memory, one thread (the "
+            f"ref: Tokenizer.encode_batch_fast over reads of {RECORDS_PER_CALL} texts in memory, one thread (the "
             "call the transform makes, so the ratio is the pipeline's own overhead)",
         ),
         Row.compare(

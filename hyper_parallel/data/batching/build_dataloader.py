@@ -56,8 +56,15 @@ __all__ = ["DynamicBatchDataLoader", "FixedBatchDataLoader", "calculate_num_micr
 
 logger = get_logger(__name__)
 
-# The dynamic loader reads about this many records per DataLoader fetch (amortising per-fetch costs).
+# The dynamic loader reads about this many records at a time (amortising per-read costs); a state holds at most one
+# read that is partly packed.
 _RECORDS_PER_READ = 32
+# Without workers, the dynamic loader fetches this many reads in one call, so that the transform tokenizes them in one
+# call: between two calls the loader's own work leaves the tokenizer's tables cold, which costs more than that work
+# (benchmarks/README.md, online). The reads are still consumed, and saved, one at a time. A mixture read in order
+# fetches one read at a time: the records it hands out are drawn under its weights, and a changed mixture applies
+# after the draws a state holds.
+_READS_PER_FETCH_IN_PROCESS = 4
 _DEFAULT_MIN_BUFFERED_SAMPLES = 200
 # Micro-steps whose sample numbers are planned at once when counting those of sources no longer mixed.
 _STEPS_PER_COUNT = 1 << 16
@@ -215,14 +222,23 @@ class _Loader:
             "in the whole epoch" if whole_epoch else "since it was resumed",
         )
 
-    def _track(self, worker_collate_fn: Callable, *, one_sample_per_record: bool = False, batches_per_read: int = 1):
+    def _track(
+        self,
+        worker_collate_fn: Callable,
+        *,
+        one_sample_per_record: bool = False,
+        batches_per_read: int = 1,
+        reads_per_fetch_in_process: int = 1,
+    ):
         """Start the tracked torch DataLoader that fetches the source's keys (in workers when there are any)."""
         worker_dataset = _OneSamplePerRecord(self._source.dataset) if one_sample_per_record else self._source.dataset
+        reads_per_fetch = reads_per_fetch_in_process
         if self.options.workers.num_workers > 0:  # the library's errors reach the caller as they would without workers
             worker_dataset, worker_collate_fn = FetchInWorker(worker_dataset), CollateInWorker(worker_collate_fn)
+            reads_per_fetch = 1  # workers fetch ahead anyway; bigger fetches would only hold more records in flight
         loader_options = self.options.workers.dataloader_kwargs(self.options.sampler.seed)
         self._tracked = TrackedDataLoader(
-            self._source, worker_dataset, worker_collate_fn, loader_options, batches_per_read
+            self._source, worker_dataset, worker_collate_fn, loader_options, batches_per_read, reads_per_fetch
         )
 
     @property
@@ -615,13 +631,21 @@ class DynamicBatchDataLoader(_Loader):
                 "the budget and the buffer on the policy and leave them out"
             )
         self.policy = checked_policy(packing_policy)
-        self._track(_as_lists, batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size))
+        self._track(
+            _as_lists,
+            batches_per_read=max(1, _RECORDS_PER_READ // self.micro_batch_size),
+            reads_per_fetch_in_process=1 if self._draws_in_order() else _READS_PER_FETCH_IN_PROCESS,
+        )
         self._log_construction(f"token budget {self.token_budget:,} per micro-batch, packed by {self.policy!r}")
         self._warn_off_layout()
         self._reading: KeyBatch | None = None  # the read being absorbed into the policy
         self._absorbed = 0  # how many of its records are in the policy
         self._flushing = False  # the source's epoch is over; the policy is being emptied
         self._epoch: int | None = None  # the epoch being iterated
+
+    def _draws_in_order(self) -> bool:
+        """Whether the loader reads a mixture in order (a stream among its sources): keys read are drawn for good."""
+        return self._tally is not None and not hasattr(self._source, "sampler")
 
     def _default_policy(self, min_buffered_samples: int | None) -> TextTokenBatcher:
         if self.max_seq_len is None:

@@ -21,6 +21,7 @@ keys and its DP placement, and the sampler or stream its position.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 
@@ -45,8 +46,11 @@ class TrackedDataLoader:
     the next epoch, the replayed batches end the current one.
 
     Args:
-        batches_per_read: source batches fetched together; the dynamic loader reads several at once, since its
-            output does not depend on how records are grouped into reads.
+        batches_per_read: source batches per read; the dynamic loader reads several at once, since its output does
+            not depend on how records are grouped into reads.
+        reads_per_fetch: reads the DataLoader fetches in one call, handed to the caller one read at a time. Reads
+            of a fetch not yet consumed are pending as prefetched ones are (the sampler rewinds before them, a
+            stream replays them), so a state is the same as with one read per fetch.
     """
 
     def __init__(
@@ -56,10 +60,13 @@ class TrackedDataLoader:
         collate_fn: Callable,
         loader_options: dict,
         batches_per_read: int,
+        reads_per_fetch: int = 1,
     ) -> None:
         self.source = source
         self.batches_per_read = batches_per_read
+        self.reads_per_fetch = reads_per_fetch
         self.unconsumed: deque[KeyBatch] = deque()
+        self._fetch_reads: deque[int] = deque()  # how many of the unconsumed reads each fetch in flight holds
         self.replay: deque[list] = deque()  # key batches to read again before the source's
         self.replay_epoch: int | None = None  # the epoch the replayed keys belong to
         self._generation = 0
@@ -79,11 +86,12 @@ class TrackedDataLoader:
         pulls = self._pulls()
         # An iteration superseded by a newer one stops taking keys, so no key is lost between the two.
         while generation == self._generation:
-            pulled = next(pulls, None)
-            if pulled is None:
+            fetch = list(itertools.islice(pulls, self.reads_per_fetch))
+            if not fetch:
                 return
-            self.unconsumed.append(pulled)
-            yield pulled.keys
+            self.unconsumed.extend(fetch)
+            self._fetch_reads.append(len(fetch))
+            yield fetch[0].keys if len(fetch) == 1 else [key for pulled in fetch for key in pulled.keys]
 
     def __len__(self) -> int:
         return len(self.source)
@@ -99,7 +107,16 @@ class TrackedDataLoader:
         self._generation += 1
         for output in self.loader:
             raise_worker_failure(output)  # before taking the keys: as without workers, they stay unconsumed
-            yield self.unconsumed.popleft(), output
+            reads = self._fetch_reads.popleft()
+            if reads == 1:
+                yield self.unconsumed.popleft(), output
+                continue
+            start = 0
+            for _ in range(reads):
+                pulled = self.unconsumed.popleft()
+                end = start + len(pulled.keys)
+                yield pulled, output[start:end]
+                start = end
 
     def reads_whole_epoch(self) -> bool:
         """Whether the next ``batches()`` reads the source's current epoch from its beginning."""
@@ -176,6 +193,7 @@ class TrackedDataLoader:
     def _restore(self, state: dict) -> None:
         self._generation += 1
         self.unconsumed.clear()
+        self._fetch_reads.clear()
         self.source.restore(state["position"])
         self.replay = deque(state["replay"])
         self.replay_epoch = state["replay_epoch"]
@@ -184,5 +202,6 @@ class TrackedDataLoader:
         if epoch != self.source.epoch:
             self.source.set_epoch(epoch)
             self.unconsumed.clear()
+            self._fetch_reads.clear()
             self.replay.clear()
             self.replay_epoch = None
