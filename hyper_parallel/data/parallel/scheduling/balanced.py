@@ -1,19 +1,17 @@
 """The cost-balanced placement that ``dynamic_cp`` and ``compute_balanced`` share.
 
 Owns: ``_Step`` (sequences placed over micro-batches of unit positions), ``balanced_step`` (longest-processing-time
-placement by per-position cost), and ``step_schedule`` (the placement as a
-``Schedule``).
+placement by per-position cost; the walk of its size-1 sequences is the C helper ``_placement``, ``csrc/placement.c``),
+and ``step_schedule`` (the placement as a ``Schedule``).
 Not responsible for: the sizes and costs each scheduler chooses, or filling idle positions afterwards
 (``parallel.scheduling.fill``).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-
 import numpy as np
 
+from hyper_parallel.data.parallel.scheduling import _placement
 from hyper_parallel.data.parallel.scheduling.schedule import Schedule, ScheduledGroup
 
 __all__ = ["balanced_step", "step_schedule"]
@@ -77,65 +75,32 @@ class _Step:
         room in one of its micro-batches, the first such micro-batch; ``grow`` more micro-batches when no position
         has room.
 
-        Positions wait in a heap by ``(load, position)``. One whose micro-batches have no room for a sequence is
-        parked, by its largest room, until a sequence that fits it comes (or the micro-batches grow): a full
-        position costs one scan, not one per sequence. The rooms ``rooms[u][m]`` (-1: a wider group's position, or a
-        group at ``max_num_seqs``) and the members ``members[u][m]`` are Python lists in the loop (numpy scalar
-        access would dominate it) and go to the arrays once, at the end.
+        Each step depends on the loads the previous ones left, so the walk runs in the C helper
+        ``_placement.place_singles`` (``csrc/placement.c`` says how) on the rooms of each position's micro-batches
+        (-1 where a wider group sits). It returns each sequence's position and micro-batch, the loads it leaves
+        (``load``) and the micro-batch count; here the arrays grow to that count and take the groups, each group's
+        members in placement order.
         """
-        count, room, limit = self.count, self.room, self.max_num_seqs
-        heap = [(load, u) for u, load in enumerate(self.load.tolist())]
-        heapq.heapify(heap)
-        parked: list[tuple[int, float, int]] = []  # a heap of (-largest room, load, position)
-        reopen = -1  # the largest room of a parked position
-        # each row ends in a room no sequence exceeds, so the first-fit scan stops at ``count`` when none fits
-        rooms = np.where(self.owner.T < 0, room, -1).tolist()
-        for row in rooms:
-            row.append(math.inf)
-        members = [[[] for _ in range(count)] for _ in range(self.units)]
-        replace = heapq.heapreplace
-        ids, needs, costs = indices.tolist(), tokens[indices].tolist(), weights[indices].tolist()
-        for index, need, weight in zip(ids, needs, costs, strict=True):
-            if need <= reopen:
-                while parked and -parked[0][0] >= need:
-                    _, load, u = heapq.heappop(parked)
-                    heapq.heappush(heap, (load, u))
-                reopen = -parked[0][0] if parked else -1
-            while True:
-                load, u = heap[0]
-                row = rooms[u]
-                micro_batch = 0
-                while row[micro_batch] < need:
-                    micro_batch += 1
-                if micro_batch < count:
-                    break
-                heapq.heappop(heap)
-                largest = max(row[:count])
-                heapq.heappush(parked, (-largest, load, u))
-                reopen = max(reopen, largest)
-                if not heap:  # no position has room: more micro-batches, every position back in the heap
-                    self.extend(grow)
-                    for row in rooms:
-                        row[count:count] = [room] * grow
-                    for groups in members:
-                        groups.extend([] for _ in range(grow))
-                    count += grow
-                    heap = [(load, u) for _, load, u in parked]
-                    heapq.heapify(heap)
-                    parked, reopen = [], -1
-            replace(heap, (load + weight, u))
-            group = members[u][micro_batch]
-            group.append(index)
-            if limit is not None and len(group) >= limit:
-                row[micro_batch] = -1
-            else:
-                row[micro_batch] -= need
-        for u, groups in enumerate(members):
-            for micro_batch, group in enumerate(groups):
-                if group:
-                    self.owner[micro_batch, u] = u
-                    self.size[micro_batch, u] = 1
-                    self.members[micro_batch, u] = group
+        rooms = np.where(self.owner.T < 0, self.room, -1)
+        needs = np.ascontiguousarray(tokens[indices], dtype=np.int64)
+        costs = np.ascontiguousarray(weights[indices], dtype=np.float64)
+        positions, micro_batches, self.load, count = _placement.place_singles(
+            needs, costs, self.load, rooms, self.room, self.max_num_seqs, grow
+        )
+        if count > self.count:
+            self.extend(count - self.count)
+        key = positions * count + micro_batches  # the groups by position, then micro-batch
+        order = np.argsort(key, kind="stable")  # each group's members in placement order
+        sizes = np.bincount(key)
+        groups = np.flatnonzero(sizes)
+        ends = np.cumsum(sizes)[groups]
+        group_u, group_m = np.divmod(groups, count)
+        self.owner[group_m, group_u] = group_u
+        self.size[group_m, group_u] = 1
+        ids = indices[order].tolist()
+        spans = zip(group_u.tolist(), group_m.tolist(), (ends - sizes[groups]).tolist(), ends.tolist(), strict=True)
+        for u, micro_batch, start, end in spans:
+            self.members[micro_batch, u] = ids[start:end]
 
 
 def balanced_step(
