@@ -46,53 +46,33 @@ static inline int parked_less(const Parked *a, const Parked *b) {
     return a->load < b->load || (a->load == b->load && a->position < b->position);
 }
 
-static void ready_down(Ready *heap, Py_ssize_t size, Py_ssize_t i) {
-    Ready item = heap[i];
-    for (;;) {
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= size) break;
-        if (child + 1 < size && ready_less(&heap[child + 1], &heap[child])) child++;
-        if (!ready_less(&heap[child], &item)) break;
-        heap[i] = heap[child];
-        i = child;
+/* A binary min-heap's two sifts for entries of TYPE ordered by LESS: NAME##_down and NAME##_up. */
+#define DEFINE_HEAP(NAME, TYPE, LESS)                                                    \
+    static void NAME##_down(TYPE *heap, Py_ssize_t size, Py_ssize_t i) {                 \
+        TYPE item = heap[i];                                                             \
+        for (;;) {                                                                       \
+            Py_ssize_t child = 2 * i + 1;                                                \
+            if (child >= size) break;                                                    \
+            if (child + 1 < size && LESS(&heap[child + 1], &heap[child])) child++;       \
+            if (!LESS(&heap[child], &item)) break;                                       \
+            heap[i] = heap[child];                                                       \
+            i = child;                                                                   \
+        }                                                                                \
+        heap[i] = item;                                                                  \
+    }                                                                                    \
+    static void NAME##_up(TYPE *heap, Py_ssize_t i) {                                    \
+        TYPE item = heap[i];                                                             \
+        while (i > 0) {                                                                  \
+            Py_ssize_t parent = (i - 1) / 2;                                             \
+            if (!LESS(&item, &heap[parent])) break;                                      \
+            heap[i] = heap[parent];                                                      \
+            i = parent;                                                                  \
+        }                                                                                \
+        heap[i] = item;                                                                  \
     }
-    heap[i] = item;
-}
 
-static void ready_up(Ready *heap, Py_ssize_t i) {
-    Ready item = heap[i];
-    while (i > 0) {
-        Py_ssize_t parent = (i - 1) / 2;
-        if (!ready_less(&item, &heap[parent])) break;
-        heap[i] = heap[parent];
-        i = parent;
-    }
-    heap[i] = item;
-}
-
-static void parked_down(Parked *heap, Py_ssize_t size, Py_ssize_t i) {
-    Parked item = heap[i];
-    for (;;) {
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= size) break;
-        if (child + 1 < size && parked_less(&heap[child + 1], &heap[child])) child++;
-        if (!parked_less(&heap[child], &item)) break;
-        heap[i] = heap[child];
-        i = child;
-    }
-    heap[i] = item;
-}
-
-static void parked_up(Parked *heap, Py_ssize_t i) {
-    Parked item = heap[i];
-    while (i > 0) {
-        Py_ssize_t parent = (i - 1) / 2;
-        if (!parked_less(&item, &heap[parent])) break;
-        heap[i] = heap[parent];
-        i = parent;
-    }
-    heap[i] = item;
-}
+DEFINE_HEAP(ready, Ready, ready_less)
+DEFINE_HEAP(parked, Parked, parked_less)
 
 /* A C-contiguous, aligned array of `ndim` dimensions and exactly `type_num`'s dtype in native byte order (a new
  * reference; a copy only when `obj` is neither), or NULL with TypeError / ValueError naming `name`. */
