@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from hyper_parallel.data.batching import DynamicBatchDataLoader, build_dataloader
+from hyper_parallel.data.batching.read_tracking import TrackedDataLoader
 from hyper_parallel.data.text.build_data_transform import PlaintextTransform
 
 from .conftest import paragraphs, write_jsonl
@@ -81,7 +82,7 @@ def test_fetching_four_reads_at_once_gives_the_batches_and_resumes_of_one_read_a
             assert list(resumed) == batches[number:], f"resumed before batch {number}, {grouping} reads per fetch"
 
 
-def test_a_loader_with_workers_fetches_one_read_at_a_time(corpus, tokenizer, transform_calls):
+def test_a_loader_with_workers_fetches_one_read_at_a_time(corpus, tokenizer):
     path, cache = corpus
     dataset = plaintext_dataset(path, tokenizer, cache, dataset_type="mapping", max_seq_len=64)
     loader = DynamicBatchDataLoader(
@@ -90,3 +91,9 @@ def test_a_loader_with_workers_fetches_one_read_at_a_time(corpus, tokenizer, tra
     reference = list(loader_of(corpus, tokenizer, "mapping"))
     assert list(loader) == reference
     assert loader._tracked.reads_per_fetch == 1
+
+
+@pytest.mark.parametrize("reads_per_fetch", [0, -1, 1.5, True])
+def test_a_fetch_of_no_whole_positive_number_of_reads_is_refused(reads_per_fetch):
+    with pytest.raises(ValueError, match=r"reads_per_fetch must be a positive int, got"):
+        TrackedDataLoader(None, None, None, {}, 1, reads_per_fetch)

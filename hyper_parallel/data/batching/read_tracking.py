@@ -48,9 +48,10 @@ class TrackedDataLoader:
     Args:
         batches_per_read: source batches per read; the dynamic loader reads several at once, since its output does
             not depend on how records are grouped into reads.
-        reads_per_fetch: reads the DataLoader fetches in one call, handed to the caller one read at a time. Reads
-            of a fetch not yet consumed are pending as prefetched ones are (the sampler rewinds before them, a
-            stream replays them), so a state is the same as with one read per fetch.
+        reads_per_fetch: reads the DataLoader fetches in one call, handed to the caller one read at a time (the
+            fetch's output must then be a list with one entry per key). Reads of a fetch not yet consumed are
+            pending as prefetched ones are: a mapping source's sampler rewinds before them (its state is the one of
+            one read per fetch), a stream replays them (its state resumes the same batches).
     """
 
     def __init__(
@@ -62,6 +63,8 @@ class TrackedDataLoader:
         batches_per_read: int,
         reads_per_fetch: int = 1,
     ) -> None:
+        if not isinstance(reads_per_fetch, int) or isinstance(reads_per_fetch, bool) or reads_per_fetch < 1:
+            raise ValueError(f"reads_per_fetch must be a positive int, got {reads_per_fetch!r}")
         self.source = source
         self.batches_per_read = batches_per_read
         self.reads_per_fetch = reads_per_fetch
@@ -108,7 +111,7 @@ class TrackedDataLoader:
         for output in self.loader:
             raise_worker_failure(output)  # before taking the keys: as without workers, they stay unconsumed
             reads = self._fetch_reads.popleft()
-            if reads == 1:
+            if reads == 1:  # the output as the collate made it (a fixed loader's is a batch, not a list)
                 yield self.unconsumed.popleft(), output
                 continue
             start = 0
